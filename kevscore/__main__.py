@@ -1,0 +1,3 @@
+from kevscore.cli import main
+
+main()

@@ -1,0 +1,124 @@
+"""Kev model configuration: the subset of a Qwen3.5 text config that kevscore's layers need."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from kevscore.errors import KevscoreError
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class KevConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = True
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def delta_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
+
+    @property
+    def attn_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> "KevConfig":
+        """Read a Hugging Face `config.json` dict of model_type qwen3_5 (multimodal) or qwen3_5_text."""
+        text = raw.get("text_config", raw) if raw.get("model_type") != "qwen3_5_text" else raw
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers") if k not in text]
+        if missing:
+            raise KevscoreError(f"config.json: missing {', '.join(missing)} (is this a Qwen3.5 / Kev checkpoint?)")
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise KevscoreError(f"config.json: rope type {rope.get('rope_type')!r} is not supported (only 'default')")
+        layers = text.get("num_hidden_layers")
+        types = text.get("layer_types") or [
+            FULL if (i + 1) % text.get("full_attention_interval", 4) == 0 else LINEAR for i in range(layers)
+        ]
+        tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return cls(
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            layer_types=tuple(types[:layers]),
+            num_attention_heads=text.get("num_attention_heads", 16),
+            num_key_value_heads=text.get("num_key_value_heads", 4),
+            head_dim=text.get("head_dim", 256),
+            linear_num_key_heads=text.get("linear_num_key_heads", 16),
+            linear_num_value_heads=text.get("linear_num_value_heads", 32),
+            linear_key_head_dim=text.get("linear_key_head_dim", 128),
+            linear_value_head_dim=text.get("linear_value_head_dim", 128),
+            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", text.get("rope_theta", 10_000.0)),
+            partial_rotary_factor=rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(tie),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A `qwen3_5_text` config.json dict that transformers' Qwen3_5TextConfig accepts."""
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        d["num_hidden_layers"] = self.num_layers
+        d["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": d.pop("rope_theta"),
+            "partial_rotary_factor": d.pop("partial_rotary_factor"),
+        }
+        d.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_act="silu")
+        return d
+
+
+def _shape(hidden: int, mlp: int, layers: int, heads: tuple[int, int], lin: tuple[int, int], vocab: int) -> KevConfig:
+    types = tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers))
+    return KevConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, layer_types=types,
+        num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=256,
+        linear_num_key_heads=lin[0], linear_num_value_heads=lin[1],
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=262144,
+    )
+
+
+# Benchmark shapes (seeded random weights; see kevscore.checkpoint.random_weights).
+SHAPES: dict[str, KevConfig] = {
+    "kev-0.8b": _shape(1024, 3584, 24, (8, 2), (16, 16), 248320),
+    "kev-4b": _shape(2560, 9216, 32, (16, 4), (16, 32), 248320),
+}

@@ -1,0 +1,123 @@
+"""Torch reference of the chunked gated delta rule, split into FLA 0.5.2's four forward stages.
+
+Stages and tensor layouts follow `fla.ops.gated_delta_rule.chunk_gated_delta_rule_fwd`:
+gate cumsum (log2 space) -> WY representation (w, u) -> state scan (h, v_new) -> output.
+Shapes: q, k [R, T, H, K]; v, u [R, T, HV, V]; w [R, T, HV, K]; g, beta [R, T, HV];
+h [R, NT, HV, K, V] (the state entering each chunk); states [N, HV, K, V] in fp32.
+Every function computes in fp32. `state_scan_indexed` has the exact interface of the Triton kernel
+in `kevscore.kernels.state_scan`: it reads row r's initial state from `bank[index[r * index_stride]]`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+RCP_LN2 = 1.0 / math.log(2.0)
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _chunks(x: torch.Tensor, chunk: int = CHUNK, gate: bool = False) -> torch.Tensor:
+    """[R, T, ...] -> [R, NT, chunk, ...], padded at the end with zeros, or for a cumulative gate with
+    its last value (so padded decays stay <= 1, as FLA's masked loads make them)."""
+    x, pad = x.float(), -x.shape[1] % chunk
+    if pad:
+        fill = x[:, -1:].expand(-1, pad, *x.shape[2:]) if gate else x.new_zeros(x.shape[0], pad, *x.shape[2:])
+        x = torch.cat([x, fill], 1)
+    return x.view(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:])
+
+
+def _repeat_heads(k: torch.Tensor, hv: int) -> torch.Tensor:
+    return k.repeat_interleave(hv // k.shape[2], dim=2) if k.shape[2] != hv else k
+
+
+def chunk_cumsum(g: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """Chunk-local cumulative sum of the log decay, scaled to log2 space: [R, T, HV]."""
+    t = g.shape[1]
+    gc = _chunks(g, chunk).cumsum(2) * RCP_LN2
+    return gc.flatten(1, 2)[:, :t]
+
+
+def wy_repr(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = A (beta k exp2(g)), u = A (beta v) with A = (I + strictly_lower(beta k k^T exp2(g_i - g_j)))^-1."""
+    t, hv = k.shape[1], v.shape[2]
+    kc = _chunks(_repeat_heads(k, hv))  # [R, NT, C, HV, K]
+    vc, gc, bc = _chunks(v), _chunks(g, gate=True), _chunks(beta)
+    kk = torch.einsum("rnihk,rnjhk->rnhij", kc, kc)
+    decay = torch.exp2(gc.unsqueeze(3) - gc.unsqueeze(2)).permute(0, 1, 4, 2, 3)  # [R, NT, HV, i, j]
+    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).tril(-1)
+    a = (kk * decay * bc.permute(0, 1, 3, 2).unsqueeze(-1)).masked_fill(~lower, 0.0)
+    a = a + torch.eye(CHUNK, device=k.device)
+    kb = (kc * (bc * torch.exp2(gc)).unsqueeze(-1)).permute(0, 1, 3, 2, 4)  # [R, NT, HV, C, K]
+    vb = (vc * bc.unsqueeze(-1)).permute(0, 1, 3, 2, 4)
+    w = torch.linalg.solve_triangular(a, kb, upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(a, vb, upper=False, unitriangular=True)
+    unchunk = lambda x: x.permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :t]  # noqa: E731
+    return unchunk(w), unchunk(u)
+
+
+def _scan(k, w, u, g, h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r, t, hv, vd = u.shape
+    kd = k.shape[-1]
+    kc, wc, uc, gc = _chunks(_repeat_heads(k, hv)), _chunks(w), _chunks(u), _chunks(g, gate=True)
+    h = torch.zeros(r, hv, kd, vd, device=k.device) if h0 is None else h0.float().clone()
+    hs, vnew = [], []
+    for c in range(kc.shape[1]):
+        hs.append(h)
+        v_c = uc[:, c] - torch.einsum("rihk,rhkv->rihv", wc[:, c], h)
+        vnew.append(v_c)
+        g_c, g_last = gc[:, c], gc[:, c, -1]  # [R, C, HV], [R, HV]
+        valid = (torch.arange(CHUNK, device=k.device) + c * CHUNK < t).float()[None, :, None]
+        v_c = v_c * (torch.exp2(g_last.unsqueeze(1) - g_c) * valid).unsqueeze(-1)
+        h = h * torch.exp2(g_last)[..., None, None] + torch.einsum("rihk,rihv->rhkv", kc[:, c], v_c)
+    v_new = torch.stack(vnew, 1).flatten(1, 2)[:, :t]
+    return torch.stack(hs, 1), v_new, h
+
+
+def state_scan(k, w, u, g, initial_state: torch.Tensor | None = None, output_final_state: bool = False):
+    """The state scan with a row-buffer initial state: returns (h, v_new, final_state or None)."""
+    h, v_new, final = _scan(k, w, u, g, initial_state)
+    return h, v_new, (final if output_final_state else None)
+
+
+def bank_rows(index: torch.Tensor, rows: int, index_stride: int | None = None) -> torch.Tensor:
+    """The rows' bank slots: element r * index_stride of `index` (a column of an upload buffer)."""
+    stride = index.stride(0) if index_stride is None else index_stride
+    return index.as_strided((rows,), (stride,)).long()
+
+
+def state_scan_indexed(k, w, u, g, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None):
+    """The state scan reading row r's initial state from `bank[index[r * index_stride]]`; never writes the bank."""
+    slots = bank_rows(index, u.shape[0], index_stride)
+    h, v_new, _ = _scan(k, w, u, g, bank[slots])
+    return h, v_new
+
+
+def chunk_output(q, k, v_new, h, g, scale: float) -> torch.Tensor:
+    """o = scale * (q h exp2(g) + causal(q k^T exp2(g_i - g_j)) v_new): [R, T, HV, V]."""
+    t, hv = q.shape[1], v_new.shape[2]
+    qc, kc = _chunks(_repeat_heads(q, hv)), _chunks(_repeat_heads(k, hv))
+    vc, gc = _chunks(v_new), _chunks(g, gate=True)
+    inter = torch.einsum("rnihk,rnhkv->rnihv", qc, h) * torch.exp2(gc).unsqueeze(-1)
+    qk = torch.einsum("rnihk,rnjhk->rnhij", qc, kc)
+    decay = torch.exp2(gc.unsqueeze(3) - gc.unsqueeze(2)).permute(0, 1, 4, 2, 3)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    intra = torch.einsum("rnhij,rnjhv->rnihv", (qk * decay).masked_fill(~causal, 0.0), vc)
+    return ((inter + intra) * scale).flatten(1, 2)[:, :t]
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale: float | None = None, initial_state=None,
+                           output_final_state: bool = False, use_qk_l2norm: bool = True):
+    """The whole forward: (o [R, T, HV, V] fp32, final state or None). `g` is the natural-log decay."""
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    gc = chunk_cumsum(g)
+    w, u = wy_repr(k, v.float(), gc, beta.float())
+    h, v_new, final = state_scan(k, w, u, gc, initial_state, output_final_state)
+    return chunk_output(q, k, v_new, h, gc, scale), final

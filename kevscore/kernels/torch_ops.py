@@ -1,0 +1,89 @@
+"""The torch backend of the layer ops: fp32 arithmetic on any device; the CPU scoring path and the oracle.
+
+Every backend module exposes the same functions (see `kevscore.kernels.fla_ops` for the GPU one).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kevscore.kernels import gdr_ref
+
+NAME = "torch"
+
+
+def _conv(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + silu of x [B, T, C] continuing from init [B, C, k-1] (earlier inputs)."""
+    full = torch.cat([init.to(x.dtype), x.transpose(1, 2)], -1)
+    out = F.conv1d(full, weight.unsqueeze(1), groups=weight.shape[0])
+    return F.silu(out).transpose(1, 2)
+
+
+def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+    return _conv(x, weight, init)
+
+
+def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    zeros = x.new_zeros(1, x.shape[-1], weight.shape[-1] - 1)
+    bounds = cu_seqlens.tolist()
+    parts = [_conv(x[:, s:e], weight, zeros) for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts, 1)
+
+
+def _gdr_parts(q, k, v, g, beta):
+    q, k = gdr_ref.l2norm(q), gdr_ref.l2norm(k)
+    gc = gdr_ref.chunk_cumsum(g)
+    w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float())
+    return q, k, w, u, gc
+
+
+def gdr_prefill(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        o, final = gdr_ref.chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
+                                                  output_final_state=True)
+        outs.append(o)
+        finals.append(final)
+    return torch.cat(outs, 1).to(v.dtype), torch.cat(finals, 0)
+
+
+def gdr_branch(q, k, v, g, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
+    """Rows start from bank entries `slots`; `gathered` copies them into a row buffer first."""
+    q, k, w, u, gc = _gdr_parts(q, k, v, g, beta)
+    if path == "gathered":
+        h0 = bank.index_select(0, slots.long())
+        h, v_new, _ = gdr_ref.state_scan(k, w, u, gc, initial_state=h0)
+    else:
+        h, v_new = gdr_ref.state_scan_indexed(k, w, u, gc, bank, slots, slots.stride(0))
+    return gdr_ref.chunk_output(q, k, v_new, h, gc, q.shape[-1] ** -0.5).to(v.dtype)
+
+
+def _sdpa(q, k, v, mask):
+    """q [B, T, H, D], k/v [B, S, Hkv, D], mask [B, T, S] or None (causal)."""
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+    return out.transpose(1, 2)
+
+
+def attn_prefill(q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    bounds = cu_seqlens.tolist()
+    parts = [_sdpa(q[:, s:e], k[:, s:e], v[:, s:e], None) for s, e in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(parts, 1)
+
+
+def branch_mask(kv_mask: torch.Tensor, t: int) -> torch.Tensor:
+    """[R, T, P + T]: each branch token sees its document's real tokens and the branch causally."""
+    r, p = kv_mask.shape
+    causal = torch.ones(t, t, dtype=torch.bool, device=kv_mask.device).tril()
+    return torch.cat([kv_mask[:, None, :].expand(r, t, p), causal.expand(r, t, t)], -1)
+
+
+def attn_branch(q, k, v, pk, pv, kv_mask: torch.Tensor) -> torch.Tensor:
+    keys, values = torch.cat([pk.to(k.dtype), k], 1), torch.cat([pv.to(v.dtype), v], 1)
+    return _sdpa(q, keys, values, branch_mask(kv_mask, q.shape[1]))

@@ -1,0 +1,80 @@
+"""Small blocks shared by Kev layers: norms, rotary embedding, MLP, and the per-forward context."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class PrefillContext:
+    """Documents packed into one sequence of N tokens; writes each document's bank entry."""
+    cu_seqlens: torch.Tensor   # [D + 1] int32 document boundaries
+    slots: torch.Tensor        # [D] bank entry of each document
+    kv_slots: torch.Tensor     # [N] token slot in the bank's K/V pool of each token
+    positions: torch.Tensor    # [N]
+    max_len: int
+
+
+@dataclass(slots=True)
+class BranchContext:
+    """Question rows right-padded to [R, T], each branching from its document's bank entry."""
+    positions: torch.Tensor    # [R, T]
+    slots: torch.Tensor        # [R] bank entry of each row (may be a strided column of an upload buffer)
+    kv_index: torch.Tensor     # [R, P] token slots of the row's document in the K/V pool (clamped)
+    kv_mask: torch.Tensor      # [R, P] which of those are real document tokens
+    path: str                  # "gathered" | "indexed"
+
+
+Context = PrefillContext | BranchContext
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeltaNet's output norm: w * norm(x), then times silu(gate)."""
+    dtype = x.dtype
+    xf = x.float()
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight * out * F.silu(gate.float())).to(dtype)
+
+
+class Rotary(nn.Module):
+    """Partial NeoX rotary embedding over the first `dim` channels of each head."""
+
+    def __init__(self, dim: int, theta: float):
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.dim = dim
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], -1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., heads, head_dim]; cos/sin [..., dim]."""
+        rot, rest = x[..., : self.dim], x[..., self.dim:]
+        half = self.dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return torch.cat([rot * cos + rotated * sin, rest], -1)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(2 * inner, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(hidden, inner), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up).chunk(2, -1)
+        return F.linear(F.silu(gate) * up, self.down)

@@ -1,0 +1,72 @@
+"""Gated DeltaNet layer over fused projections; its state lives in the bank, which the runner attaches."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kevscore.config import KevConfig
+from kevscore.layers.common import BranchContext, Context, PrefillContext, gated_rms_norm
+
+
+def conv_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
+    """The last `width` inputs of each packed document, zero where a document is shorter: [D, C, width]."""
+    ends = cu_seqlens[1:].long()
+    idx = ends[:, None] - width + torch.arange(width, device=x.device)
+    valid = idx >= cu_seqlens[:-1].long()[:, None]
+    tail = x[0].index_select(0, idx.clamp(min=0).flatten()).view(*idx.shape, -1)
+    return (tail * valid[..., None]).transpose(1, 2)
+
+
+class DeltaNet(nn.Module):
+    def __init__(self, cfg: KevConfig, ops):
+        super().__init__()
+        self.ops = ops
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.splits = [cfg.conv_dim, cfg.value_dim, self.hv, self.hv]
+        self.eps = cfg.rms_norm_eps
+        self.width = cfg.linear_conv_kernel_dim - 1
+        p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)  # noqa: E731
+        self.in_proj = p(sum(self.splits), cfg.hidden_size)  # qkv | z | b | a
+        self.conv_weight = p(cfg.conv_dim, cfg.linear_conv_kernel_dim)
+        self.A_log, self.dt_bias = p(self.hv), p(self.hv)
+        self.norm_weight = p(self.dv)
+        self.out_proj = p(cfg.hidden_size, cfg.value_dim)
+        self.bank_state: torch.Tensor | None = None  # [E, HV, K, V] fp32, a view of the bank
+        self.bank_conv: torch.Tensor | None = None   # [E, conv_dim, k - 1]
+
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, -1)
+        if isinstance(ctx, PrefillContext):
+            self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx.cu_seqlens, self.width).to(self.bank_conv.dtype))
+            mixed = self.ops.conv_prefill(mixed, self.conv_weight, ctx.cu_seqlens)
+        else:
+            init = self.bank_conv.index_select(0, ctx.slots.long())
+            mixed = self.ops.conv_branch(mixed, self.conv_weight, init)
+        shape = x.shape[:-1]
+        q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
+        q, k = q.reshape(*shape, self.hk, self.dk), k.reshape(*shape, self.hk, self.dk)
+        v = v.reshape(*shape, self.hv, self.dv)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o = self._mix(q, k, v, g, beta, ctx)
+        o = gated_rms_norm(o, z.reshape(*shape, self.hv, self.dv), self.norm_weight, self.eps)
+        return F.linear(o.reshape(*shape, -1), self.out_proj)
+
+    def _mix(self, q, k, v, g, beta, ctx: Context) -> torch.Tensor:
+        if isinstance(ctx, PrefillContext):
+            o, final = self.ops.gdr_prefill(q, k, v, g, beta, ctx.cu_seqlens)
+            self.bank_state.index_copy_(0, ctx.slots, final.to(self.bank_state.dtype))
+            return o
+        assert isinstance(ctx, BranchContext)
+        return self.ops.gdr_branch(q, k, v, g, beta, self.bank_state, ctx.slots, ctx.path)
+
+    def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        self.in_proj.copy_(torch.cat([w[f"{prefix}{n}.weight"] for n in names]))
+        self.conv_weight.copy_(w[f"{prefix}conv1d.weight"].squeeze(1))
+        self.A_log.copy_(w[f"{prefix}A_log"])
+        self.dt_bias.copy_(w[f"{prefix}dt_bias"])
+        self.norm_weight.copy_(w[f"{prefix}norm.weight"])
+        self.out_proj.copy_(w[f"{prefix}out_proj.weight"])

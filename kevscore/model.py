@@ -1,0 +1,100 @@
+"""The Kev model: wires layers together. It never sees batching, only a context per forward."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kevscore.config import LINEAR, KevConfig
+from kevscore.layers.attention import Attention
+from kevscore.layers.common import MLP, BranchContext, Context, PrefillContext, Rotary, rms_norm
+from kevscore.layers.deltanet import DeltaNet
+
+FP32_PARAMS = ("A_log", "dt_bias")  # kept in fp32 whatever the model dtype
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: KevConfig, kind: str, ops, rotary: Rotary):
+        super().__init__()
+        self.kind = kind
+        self.mixer = DeltaNet(cfg, ops) if kind == LINEAR else Attention(cfg, ops, rotary)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x: torch.Tensor, ctx: Context, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, self.input_norm, self.eps)
+        h = self.mixer(h, ctx) if self.kind == LINEAR else self.mixer(h, ctx, cos, sin)
+        x = x + h
+        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+
+
+class KevModel(nn.Module):
+    def __init__(self, cfg: KevConfig, ops):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(Block(cfg, kind, ops, self.rotary) for kind in cfg.layer_types)
+        self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+
+    @classmethod
+    def from_weights(cls, cfg: KevConfig, weights: dict[str, torch.Tensor], ops,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KevModel":
+        with torch.device("meta"):
+            model = cls(cfg, ops)
+        model.to_empty(device=device)
+        model.rotary.inv_freq.copy_(Rotary(cfg.rotary_dim, cfg.rope_theta).inv_freq)
+        model.load(weights)
+        for name, param in model.named_parameters():
+            if not name.endswith(FP32_PARAMS):
+                param.data = param.data.to(dtype)
+        if cfg.tie_word_embeddings:
+            model.lm_head = model.embed
+        return model
+
+    @torch.no_grad()
+    def load(self, w: dict[str, torch.Tensor]) -> None:
+        self.embed.copy_(w["model.embed_tokens.weight"])
+        self.norm.copy_(w["model.norm.weight"])
+        if not self.cfg.tie_word_embeddings:
+            self.lm_head.copy_(w["lm_head.weight"])
+        for i, block in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            block.input_norm.copy_(w[pre + "input_layernorm.weight"])
+            block.post_norm.copy_(w[pre + "post_attention_layernorm.weight"])
+            gate, up = w[pre + "mlp.gate_proj.weight"], w[pre + "mlp.up_proj.weight"]
+            block.mlp.gate_up.copy_(torch.cat([gate, up]))
+            block.mlp.down.copy_(w[pre + "mlp.down_proj.weight"])
+            block.mixer.load(w, pre + ("linear_attn." if block.kind == LINEAR else "self_attn."))
+
+    def attach_bank(self, bank) -> None:
+        """Give each layer its views of the bank (the bank never moves, so captured graphs stay valid)."""
+        delta, attn = iter(range(len(self.cfg.delta_layers))), iter(range(len(self.cfg.attn_layers)))
+        for block in self.layers:
+            if block.kind == LINEAR:
+                i = next(delta)
+                block.mixer.bank_state, block.mixer.bank_conv = bank.state[i], bank.conv[i]
+            else:
+                block.mixer.bank_kv = bank.kv[next(attn)]
+
+    def _run(self, ids: torch.Tensor, ctx: Context) -> torch.Tensor:
+        x = self.embed[ids]
+        cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
+        for block in self.layers:
+            x = block(x, ctx, cos, sin)
+        return x
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, ctx: PrefillContext) -> None:
+        """Run packed documents ids [1, N] and write their bank entries."""
+        self._run(ids, ctx)
+
+    @torch.no_grad()
+    def branch(self, ids: torch.Tensor, ctx: BranchContext, last: torch.Tensor) -> torch.Tensor:
+        """Run question rows ids [R, T]; return the final-normed hidden state at each row's `last` position."""
+        x = self._run(ids, ctx)
+        x = x[torch.arange(x.shape[0], device=x.device), last.long()]
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)

@@ -1,0 +1,136 @@
+"""Prompts: a template split into a document prefix and a question branch, tokenized separately."""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kevscore.errors import KevscoreError, rows_phrase
+
+DOC, QUESTION = "{document}", "{question}"
+PLAIN_TEMPLATE = "Document:\n{document}\n\nQuestion: {question}\nAnswer:"
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    """`head + document` is the prefix; `tail` with the question substituted is the branch."""
+    head: str
+    tail: str
+
+    @classmethod
+    def parse(cls, text: str, source: str) -> "Template":
+        if text.count(DOC) != 1 or text.count(QUESTION) != 1:
+            raise KevscoreError(f"{source}: the template must contain {DOC} and {QUESTION} exactly once each")
+        head, tail = text.split(DOC)
+        if QUESTION not in tail:
+            raise KevscoreError(f"{source}: {DOC} must come before {QUESTION} in the template")
+        return cls(head, tail)
+
+    def prefix(self, document: str) -> str:
+        return self.head + document
+
+    def branch(self, question: str) -> str:
+        return self.tail.replace(QUESTION, question)
+
+
+def chat_template(tokenizer) -> Template:
+    """The checkpoint's chat template: a user turn holding document then question, generation prompt,
+    thinking disabled; split at the document's end."""
+    messages = [{"role": "user", "content": f"{DOC}\n\n{QUESTION}"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False)
+    return Template.parse(text, "the checkpoint's chat template")
+
+
+def load_template(path: Path | None, tokenizer) -> Template:
+    if path is not None:
+        try:
+            return Template.parse(Path(path).read_text(), str(path))
+        except OSError as exc:
+            raise KevscoreError(f"{path}: cannot read the template ({exc.strerror})") from exc
+    if getattr(tokenizer, "chat_template", None):
+        return chat_template(tokenizer)
+    return Template.parse(PLAIN_TEMPLATE, "the default template")
+
+
+@dataclass(slots=True)
+class Encoded:
+    """Token ids of a run: unique document prefixes, and per row its prefix, branch and labels."""
+    prefixes: list[list[int]]
+    row_prefix: list[int]
+    branches: list[list[int]]
+    labels: list[list[str]]
+    label_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.branches)
+
+
+def prefix_key(ids: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()
+
+
+def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def label_token_ids(tokenizer, labels: Sequence[str], where: str) -> list[int]:
+    out = []
+    for label in labels:
+        ids = tokenizer.encode(label, add_special_tokens=False)
+        if len(ids) != 1:
+            pieces = tokenizer.convert_ids_to_tokens(ids)
+            raise KevscoreError(f"{where}: label {label!r} is {len(ids)} tokens {pieces} ({ids}); "
+                                "each label must be a single token")
+        out.append(ids[0])
+    return out
+
+
+def encode(table, tokenizer, template: Template, default_labels: Sequence[str], max_positions: int) -> Encoded:
+    """Tokenize an `InputTable`; documents are tokenized once per distinct text, then deduplicated by ids."""
+    texts = list(dict.fromkeys(table.documents))
+    text_ids = dict(zip(texts, _tokenize(tokenizer, [template.prefix(t) for t in texts])))
+    keys: dict[str, int] = {}
+    prefixes: list[list[int]] = []
+    row_prefix = []
+    for doc in table.documents:
+        ids = text_ids[doc]
+        slot = keys.setdefault(prefix_key(ids), len(prefixes))
+        if slot == len(prefixes):
+            prefixes.append(ids)
+        row_prefix.append(slot)
+    branches = _tokenize(tokenizer, [template.branch(q) for q in table.questions])
+    labels = table.labels or [list(default_labels)] * len(table)
+    label_ids = _label_ids(tokenizer, labels, table)
+    _check_lengths(prefixes, row_prefix, branches, max_positions, table)
+    return Encoded(prefixes, row_prefix, branches, [list(x) for x in labels], label_ids)
+
+
+def _label_ids(tokenizer, labels: list[list[str]], table) -> list[list[int]]:
+    cache: dict[tuple[str, ...], list[int]] = {}
+    source = f"{table.sources[0].name}: column 'labels'" if table.labels else "--labels"
+    out = []
+    for i, row in enumerate(labels):
+        key = tuple(row)
+        if key not in cache:
+            where = f"{source} (row {i})" if table.labels else source
+            cache[key] = label_token_ids(tokenizer, row, where)
+        out.append(cache[key])
+    return out
+
+
+def _check_lengths(prefixes, row_prefix, branches, max_positions: int, table) -> None:
+    name = table.sources[0].name if table.sources else "input"
+    empty = [i for i, b in enumerate(branches) if not b]
+    if empty:
+        raise KevscoreError(f"{name}: column 'question': the prompt branch is empty at {rows_phrase(empty)}")
+    long = [i for i, b in enumerate(branches) if len(prefixes[row_prefix[i]]) + len(b) > max_positions]
+    if long:
+        worst = max(len(prefixes[row_prefix[i]]) + len(branches[i]) for i in long)
+        raise KevscoreError(f"{name}: prompt (document + question) longer than the model's {max_positions} "
+                            f"positions at {rows_phrase(long)} (longest {worst} tokens)")

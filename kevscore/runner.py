@@ -1,0 +1,97 @@
+"""The runner owns the device side: the model, the bank, upload buffers; it prefills and scores batches.
+
+A scoring batch travels as one int64 upload buffer [R, T + 3] whose columns are the branch token ids,
+then the row's bank slot, the offset of its last real token and its document length. Everything the
+forward needs is derived from that buffer on the device (`branch_inputs`), so a CUDA graph captured
+over a static buffer replays any batch of its shape after a single host-to-device copy.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kevscore.bank import StateBank
+from kevscore.layers.common import BranchContext, PrefillContext
+from kevscore.model import KevModel
+from kevscore.plan import Batch
+
+SLOT, LAST, PLEN = 0, 1, 2  # metadata columns after the T token columns
+
+
+def fill_upload(buf: torch.Tensor, length: int, branches: Sequence[Sequence[int]], slots: Sequence[int],
+                prefix_lens: Sequence[int], pad_id: int) -> None:
+    """Write real rows into the front of host buffer `buf` [R, length + 3]; padding rows repeat row 0."""
+    buf[:, :length].fill_(pad_id)
+    for i, ids in enumerate(branches):
+        buf[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        buf[i, length + SLOT] = slots[i]
+        buf[i, length + LAST] = len(ids) - 1
+        buf[i, length + PLEN] = prefix_lens[i]
+    if len(branches) < buf.shape[0]:
+        buf[len(branches):] = buf[0]
+
+
+def branch_inputs(buf: torch.Tensor, length: int, prefix: int, bank: StateBank, path: str):
+    """(ids, context, last) for a device upload buffer; only device ops, so it can be graph-captured."""
+    slots = buf[:, length + SLOT]  # a strided column: the indexed scan reads it in place
+    plen = buf[:, length + PLEN]
+    steps = torch.arange(max(prefix, 1), device=buf.device)
+    kv_mask = steps[None, :] < plen[:, None]
+    kv_index = torch.where(kv_mask, bank.start[slots][:, None] + steps, 0)
+    positions = plen[:, None] + torch.arange(length, device=buf.device)
+    ctx = BranchContext(positions=positions, slots=slots, kv_index=kv_index, kv_mask=kv_mask, path=path)
+    return buf[:, :length], ctx, buf[:, length + LAST]
+
+
+def prefill_inputs(docs: Sequence[Sequence[int]], slots: Sequence[int], bank: StateBank, device):
+    lens = [len(d) for d in docs]
+    cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
+    ids = torch.cat([torch.as_tensor(d, dtype=torch.long) for d in docs])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    kv_slots = torch.cat([bank.entry_start(s) + torch.arange(n) for s, n in zip(slots, lens)])
+    ctx = PrefillContext(cu_seqlens=cu.to(device, torch.int32), slots=torch.tensor(slots, device=device),
+                         kv_slots=kv_slots.to(device), positions=positions.to(device), max_len=max(lens))
+    return ids.to(device)[None], ctx
+
+
+class EagerRunner:
+    """Runs the model eagerly (the CPU path, and the GPU path under --eager)."""
+
+    def __init__(self, model: KevModel, bank: StateBank, pad_id: int):
+        self.model, self.bank, self.pad_id = model, bank, pad_id
+        self.device = bank.state.device
+        model.attach_bank(bank)
+        self.prefilled = 0  # documents prefilled by this runner, for tests and summaries
+
+    def prefill(self, docs: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+        empty = [s for d, s in zip(docs, slots) if not d]
+        for s in empty:  # a document with no tokens leaves the state where the model starts
+            self.bank.state[:, s].zero_()
+            self.bank.conv[:, s].zero_()
+        real = [(d, s) for d, s in zip(docs, slots) if d]
+        if real:
+            ids, ctx = prefill_inputs([d for d, _ in real], [s for _, s in real], self.bank, self.device)
+            self.model.prefill(ids, ctx)
+        self.prefilled += len(docs)
+
+    def upload(self, batch: Batch, branches, slots, prefix_lens) -> torch.Tensor:
+        buf = torch.empty(batch.size, batch.length + 3, dtype=torch.long)
+        fill_upload(buf, batch.length, branches, slots, prefix_lens, self.pad_id)
+        return buf
+
+    def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
+        """Final-normed hidden states at each real row's last token: [len(branches), H] fp32."""
+        buf = self.upload(batch, branches, slots, prefix_lens).to(self.device)
+        ids, ctx, last = branch_inputs(buf, batch.length, batch.prefix, self.bank, path)
+        return self.model.branch(ids, ctx, last)[: len(branches)].float()
+
+    def label_scores(self, hidden: torch.Tensor, label_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(label logits [n, L] fp32 padded with -inf, log-sum-exp over the vocabulary [n])."""
+        head = self.model.lm_head
+        lse = torch.logsumexp(torch.nn.functional.linear(hidden.to(head.dtype), head).float(), -1)
+        width = max(len(ids) for ids in label_ids)
+        idx = torch.tensor([ids + [ids[0]] * (width - len(ids)) for ids in label_ids], device=hidden.device)
+        logits = torch.einsum("nh,nlh->nl", hidden.float(), head[idx].float())
+        pad = torch.tensor([[j >= len(ids) for j in range(width)] for ids in label_ids], device=hidden.device)
+        return logits.masked_fill(pad, float("-inf")), lse
