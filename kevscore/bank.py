@@ -34,13 +34,17 @@ class BankLayout:
         return len(cfg.attn_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * item
 
     @classmethod
-    def for_budget(cls, cfg: KevConfig, dtype: torch.dtype, budget: int, mean_tokens: float,
-                   max_entries: int) -> "BankLayout":
-        """Split `budget` bytes between entries and tokens for documents of `mean_tokens` on average."""
-        per_entry = cls.entry_bytes(cfg, dtype) + mean_tokens * cls.token_bytes(cfg, dtype)
-        entries = max(1, min(max_entries, int(budget // per_entry)))
-        tokens = int((budget - entries * cls.entry_bytes(cfg, dtype)) // max(cls.token_bytes(cfg, dtype), 1))
-        return cls(entries, max(tokens, 1))
+    def plan(cls, cfg: KevConfig, dtype: torch.dtype, doc_tokens: list[int], budget: int,
+             capacity: int | None = None) -> "BankLayout":
+        """Room for every document when `budget` bytes allow it, else for as many as fit (waves);
+        `capacity` fixes the entry count. The token pool always holds at least the longest document."""
+        n, total, longest = len(doc_tokens), sum(doc_tokens), max(doc_tokens, default=1)
+        per_entry, per_token = cls.entry_bytes(cfg, dtype), max(cls.token_bytes(cfg, dtype), 1)
+        if capacity is None and n * per_entry + total * per_token <= budget:
+            return cls(max(n, 1), max(total, 1))
+        mean = 1.25 * total / max(n, 1)  # token room per entry, with slack for longer documents
+        entries = capacity or max(1, int(budget // (per_entry + mean * per_token)))
+        return cls(entries, max(longest, int(entries * mean), 1))
 
 
 class StateBank:

@@ -93,7 +93,8 @@ def normalize_names(weights: dict[str, torch.Tensor], cfg: KevConfig, path: Path
     if "lm_head.weight" not in out or cfg.tie_word_embeddings:
         if not cfg.tie_word_embeddings:
             raise KevscoreError(f"{path}: untied embeddings but no lm_head.weight in the weights")
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        if "model.embed_tokens.weight" in out:  # else reported as missing below
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
     missing = sorted(set(weight_shapes(cfg)) - set(out))
     if missing:
         raise KevscoreError(f"{path}: weights missing {len(missing)} tensors, e.g. {', '.join(missing[:3])}")

@@ -37,6 +37,10 @@ class Scores:
     label_mass: list[float]
     stats: RunStats = field(default_factory=RunStats)
 
+    @classmethod
+    def empty(cls, rows: int) -> "Scores":
+        return cls([[] for _ in range(rows)], [0.0] * rows, RunStats(rows=rows))
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -52,9 +56,10 @@ class Engine:
         progress = progress or Progress()
         bank = self.runner.bank
         doc_tokens = [len(p) for p in enc.prefixes]
-        stats = RunStats(rows=len(enc), prefixes=len(enc.prefixes), prefix_tokens=sum(doc_tokens),
-                         branch_tokens=sum(len(b) for b in enc.branches))
-        scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
+        scores = Scores.empty(len(enc))
+        stats = scores.stats
+        stats.prefixes, stats.prefix_tokens = len(enc.prefixes), sum(doc_tokens)
+        stats.branch_tokens = sum(len(b) for b in enc.branches)
         rows_of: list[list[int]] = [[] for _ in enc.prefixes]
         for r, p in enumerate(enc.row_prefix):
             rows_of[p].append(r)
@@ -62,12 +67,14 @@ class Engine:
         progress.start("score", len(enc))
         for wave in plan_waves(doc_tokens, bank.layout.entries, bank.layout.tokens):
             stats.waves += 1
-            slot_of = self._prefill_wave(enc, wave, progress, stats)
-            rows = [r for d in wave for r in rows_of[d]]
-            self._score_rows(enc, rows, slot_of, path, scores, progress)
+            slot_of = self.prefill_wave(enc, wave, stats, progress)
+            self.score_rows(enc, [r for d in wave for r in rows_of[d]], slot_of, path, scores, progress)
         return scores
 
-    def _prefill_wave(self, enc: Encoded, wave: list[int], progress: Progress, stats: RunStats) -> dict[int, int]:
+    def prefill_wave(self, enc: Encoded, wave: list[int], stats: RunStats,
+                     progress: Progress | None = None) -> dict[int, int]:
+        """Reset the bank and prefill the wave's documents; returns each document's bank slot."""
+        progress = progress or Progress()
         bank, device = self.runner.bank, self.runner.device
         bank.reset()
         slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in wave}
@@ -94,8 +101,10 @@ class Engine:
             used += n
         return groups
 
-    def _score_rows(self, enc: Encoded, rows: list[int], slot_of: dict[int, int], path: str,
-                    scores: Scores, progress: Progress) -> None:
+    def score_rows(self, enc: Encoded, rows: list[int], slot_of: dict[int, int], path: str,
+                   scores: Scores, progress: Progress | None = None) -> None:
+        """Score `rows` (whose documents are in the bank at `slot_of`) into `scores`."""
+        progress = progress or Progress()
         branch_len = {r: len(enc.branches[r]) for r in rows}
         prefix_len = {r: len(enc.prefixes[enc.row_prefix[r]]) for r in rows}
         t0 = time.perf_counter()

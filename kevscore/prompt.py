@@ -76,7 +76,9 @@ def prefix_key(ids: Sequence[int]) -> str:
 def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    # verbose=False: no transformers warning about the tokenizer's model_max_length; lengths are
+    # checked against the model's positions in _check_lengths, with a one-line error
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
 
 
 def label_token_ids(tokenizer, labels: Sequence[str], where: str) -> list[int]:

@@ -1,0 +1,220 @@
+"""Scoring-call latency of the gathered and indexed paths on one GPU, against the matmul floor and naive
+transformers. Prints a table and writes JSON.
+
+    python benchmarks/bench_score.py --model kev-4b --json benchmarks/results/score-kev-4b-h200.json
+
+Workload (defaults, the DESIGN.md reference shape): 16 documents of 1024 tokens, 6 questions of 64 tokens
+each (96 rows), one scoring call = one padded batch of 96 x 64, prefill excluded, CUDA graphs captured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kevscore.config import SHAPES, KevConfig
+from kevscore.prompt import Encoded
+
+
+def events_ms(fn, reps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end))
+    return out
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = statistics.median(events_ms(lambda: a @ b, reps=20, warmup=3))
+    return 2 * n**3 / ms / 1e9
+
+
+def matmul_flops(cfg: KevConfig, tokens: int, rows: int) -> float:
+    """Weight-matmul FLOPs of one scoring call: every branch token through every projection, the LM
+    head at each row's last position only."""
+    h, nd, na = cfg.hidden_size, len(cfg.delta_layers), len(cfg.attn_layers)
+    delta = h * (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads) + cfg.value_dim * h
+    attn = h * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    attn += cfg.num_attention_heads * cfg.head_dim * h
+    mlp = 3 * h * cfg.intermediate_size
+    per_token = nd * delta + na * attn + cfg.num_layers * mlp
+    return 2 * (per_token * tokens + h * cfg.vocab_size * rows)
+
+
+def workload(cfg: KevConfig, docs: int, doc_len: int, questions: int, q_len: int, seed: int) -> Encoded:
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(100, min(cfg.vocab_size, 1200), (n,), generator=gen).tolist()  # noqa: E731
+    prefixes = [rand(doc_len) for _ in range(docs)]
+    rows = [d for d in range(docs) for _ in range(questions)]
+    n = len(rows)
+    return Encoded(prefixes, rows, [rand(q_len) for _ in range(n)], [["Yes", "No"]] * n, [[361, 383]] * n)
+
+
+KERNEL_GROUPS = [
+    ("state scan (ours)", ("_indexed_scan_kernel",)),
+    ("state scan (FLA)", ("chunk_gated_delta_rule_fwd_kernel_h",)),
+    ("FLA chunk pipeline", ("chunk_", "recompute_w_u", "l2norm", "cumsum")),
+    ("causal conv", ("causal_conv1d",)),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "Kernel2")),
+    ("attention", ("fmha", "flash", "attention", "efficient")),
+    ("gather / copy", ("index", "gather", "cat", "copy", "Copy", "Memcpy", "Memset")),
+]
+
+
+def profile(fn, reps: int = 3) -> dict[str, float]:
+    """GPU time per call by kernel group (ms), from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    groups: dict[str, float] = {}
+    for evt in prof.key_averages():
+        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if total <= 0:
+            continue
+        name = next((g for g, keys in KERNEL_GROUPS if any(k in evt.key for k in keys)), "elementwise / other")
+        groups[name] = groups.get(name, 0.0) + total / 1000 / reps
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def naive_hf(ckpt, enc: Encoded, batch: int, reps: int) -> list[float]:
+    from kevscore.reference import reference_model
+
+    model = reference_model(ckpt, device="cuda", dtype=torch.bfloat16)
+    seqs = [enc.prefixes[enc.row_prefix[r]] + enc.branches[r] for r in range(len(enc))]
+
+    @torch.no_grad()
+    def call():
+        for i in range(0, len(seqs), batch):
+            ids = torch.tensor(seqs[i:i + batch], device="cuda")
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    times = events_ms(call, reps=reps, warmup=1)
+    del model
+    torch.cuda.empty_cache()
+    return times
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("torch", "triton", "transformers", "fla-core", "flash-linear-attention"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda, "versions": versions}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="kev-4b", choices=sorted(SHAPES))
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--doc-len", type=int, default=1024)
+    ap.add_argument("--questions", type=int, default=6)
+    ap.add_argument("--q-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--hf-reps", type=int, default=3, help="0 skips the naive transformers baseline")
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    from kevscore.checkpoint import load_checkpoint
+    from kevscore.cuda_runner import build_cuda_runner
+    from kevscore.engine import Engine, Scores
+
+    tflops = matmul_tflops()
+    ckpt = load_checkpoint(args.model, "cuda")
+    cfg = ckpt.config
+    enc = workload(cfg, args.docs, args.doc_len, args.questions, args.q_len, seed=0)
+    rows = list(range(len(enc)))
+    t0 = time.perf_counter()
+    runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(p) for p in enc.prefixes], None, False, len(rows))
+    engine = Engine(runner, max_rows=len(rows), max_tokens=len(rows) * args.q_len, prefill_tokens=32768)
+    load_s = time.perf_counter() - t0
+    stats = Scores.empty(0).stats
+    prefill_ms = statistics.median(events_ms(
+        lambda: engine.prefill_wave(enc, list(range(args.docs)), stats), reps=3, warmup=1))
+    slot_of = {d: d for d in range(args.docs)}
+    before = runner.bank.checksum()
+    results = {p: Scores.empty(len(rows)) for p in ("gathered", "indexed")}
+    call = {p: (lambda p=p: engine.score_rows(enc, rows, slot_of, p, results[p])) for p in results}
+    for p in call:  # capture each path's graph; capture + warm-up time is reported apart
+        call[p]()
+    samples = {p: [] for p in call}
+    wall = {p: [] for p in call}
+    for _ in range(args.warmup):
+        for p in call:
+            call[p]()
+    for i in range(args.reps):
+        order = ("gathered", "indexed") if i % 2 == 0 else ("indexed", "gathered")  # A B, B A, ...
+        for p in order:
+            t = time.perf_counter()
+            samples[p] += events_ms(call[p], reps=1, warmup=0)
+            wall[p].append(time.perf_counter() - t)
+    bank_unchanged = runner.bank.checksum() == before
+    diff = max(abs(a - b) for ra, rb in zip(results["gathered"].probs, results["indexed"].probs)
+               for a, b in zip(ra, rb))
+    floor_ms = matmul_flops(cfg, len(rows) * args.q_len, len(rows)) / tflops / 1e9
+    med = {p: statistics.median(s) for p, s in samples.items()}
+    report = {
+        "workload": vars(args) | {"json": str(args.json) if args.json else None, "rows": len(rows)},
+        "environment": environment(), "matmul_tflops": tflops, "floor_ms": floor_ms,
+        "load_s": load_s, "prefill_ms": prefill_ms, "capture_s": runner.capture_s,
+        "samples_ms": samples, "wall_s": wall, "median_ms": med,
+        "p10_p90_ms": {p: statistics.quantiles(s, n=10)[::8] for p, s in samples.items()},
+        "rows_per_s": {p: len(rows) / statistics.median(w) for p, w in wall.items()},
+        "indexed_over_gathered": med["indexed"] / med["gathered"], "indexed_over_floor": med["indexed"] / floor_ms,
+        "max_abs_prob_diff": diff, "bank_unchanged": bank_unchanged,
+    }
+    if args.profile:
+        report["profile_ms"] = {p: profile(call[p]) for p in call}
+    if args.hf_reps:
+        hf = naive_hf(ckpt, enc, args.hf_batch, args.hf_reps)
+        report["hf_naive_ms"] = hf
+        report["hf_rows_per_s"] = len(rows) / (statistics.median(hf) / 1000)
+    print_table(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def print_table(r: dict) -> None:
+    print(f"\n{r['environment']['gpu']} | {r['workload']['model']} | rows {r['workload']['rows']} x "
+          f"{r['workload']['q_len']} tokens | matmul {r['matmul_tflops']:.0f} TFLOP/s | floor {r['floor_ms']:.1f} ms")
+    print(f"prefill {r['prefill_ms']:.1f} ms | capture+warm-up {r['capture_s']:.1f} s | "
+          f"max |dp| {r['max_abs_prob_diff']:.3g} | bank unchanged {r['bank_unchanged']}")
+    print(f"{'path':<10}{'median ms':>11}{'p10':>9}{'p90':>9}{'rows/s':>9}{'x floor':>9}")
+    for p in ("gathered", "indexed"):
+        p10, p90 = r["p10_p90_ms"][p]
+        print(f"{p:<10}{r['median_ms'][p]:>11.2f}{p10:>9.2f}{p90:>9.2f}{r['rows_per_s'][p]:>9.0f}"
+              f"{r['median_ms'][p] / r['floor_ms']:>9.2f}")
+    print(f"indexed / gathered = {r['indexed_over_gathered']:.4f}")
+    if "hf_naive_ms" in r:
+        hf = statistics.median(r["hf_naive_ms"])
+        print(f"transformers naive: {hf:.0f} ms ({r['hf_rows_per_s']:.1f} rows/s), "
+              f"{hf / r['median_ms']['indexed']:.1f}x slower than indexed")
+    for p, groups in r.get("profile_ms", {}).items():
+        print(f"profile {p}: " + ", ".join(f"{g} {ms:.2f}" for g, ms in groups.items()))
+
+
+if __name__ == "__main__":
+    main()

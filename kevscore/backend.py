@@ -1,0 +1,44 @@
+"""Choosing the device and building the runner (model + bank) for it."""
+from __future__ import annotations
+
+import torch
+
+from kevscore.bank import BankLayout, StateBank
+from kevscore.checkpoint import Checkpoint
+from kevscore.errors import KevscoreError
+from kevscore.model import KevModel
+
+CPU_BANK_BUDGET = 2 << 30  # bytes
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise KevscoreError("--device cuda: no CUDA GPU is available (torch.cuda.is_available() is False)")
+    if name not in ("cpu", "cuda"):
+        raise KevscoreError(f"--device {name}: choose cpu, cuda or auto")
+    return torch.device(name)
+
+
+def pad_id(tokenizer) -> int:
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def build_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int],
+                 capacity: int | None = None, eager: bool = False, max_rows: int = 64):
+    """The CPU runner (torch ops, fp32) or, on a GPU, the fused runner (bf16, FLA, CUDA graphs)."""
+    if device.type == "cuda":
+        from kevscore.cuda_runner import build_cuda_runner
+
+        return build_cuda_runner(ckpt, device, doc_tokens, capacity, eager, max_rows)
+    from kevscore.kernels import torch_ops
+    from kevscore.runner import EagerRunner
+
+    model = KevModel.from_weights(ckpt.config, ckpt.weights, torch_ops, torch.float32, device)
+    layout = BankLayout.plan(ckpt.config, torch.float32, doc_tokens, CPU_BANK_BUDGET, capacity)
+    bank = StateBank(ckpt.config, layout, device, torch.float32)
+    return EagerRunner(model, bank, pad_id(ckpt.tokenizer))

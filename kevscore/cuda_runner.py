@@ -1,0 +1,85 @@
+"""The fused GPU runner: bf16 model over FLA kernels, a bank sized from free memory, and one CUDA graph
+per (rows, length, prefix, path) bucket, captured on first use into one shared memory pool.
+
+A batch is one host-to-device copy of its pinned upload buffer into the bucket's static buffer and one
+graph replay; the output (final hidden states at the rows' last tokens) is cloned before the next replay.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kevscore.backend import pad_id
+from kevscore.bank import BankLayout, StateBank
+from kevscore.checkpoint import Checkpoint
+from kevscore.model import KevModel
+from kevscore.plan import Batch
+from kevscore.runner import EagerRunner, branch_inputs, fill_upload
+
+BANK_SHARE = 0.6  # of the free GPU memory after loading the model
+
+
+@dataclass(slots=True)
+class CapturedBatch:
+    graph: torch.cuda.CUDAGraph
+    host: torch.Tensor    # pinned upload buffer
+    device: torch.Tensor  # static upload buffer the graph reads
+    out: torch.Tensor     # static output the graph writes
+
+
+class GraphRunner(EagerRunner):
+    def __init__(self, model: KevModel, bank: StateBank, pad: int, eager: bool = False):
+        super().__init__(model, bank, pad)
+        self.eager = eager
+        self.graphs: dict[tuple, CapturedBatch] = {}
+        self.pool = None
+        self.capture_s = 0.0  # warm-up (autotuning) and capture time, reported apart from scoring
+
+    def forward(self, buf: torch.Tensor, batch: Batch, path: str) -> torch.Tensor:
+        ids, ctx, last = branch_inputs(buf, batch.length, batch.prefix, self.bank, path)
+        return self.model.branch(ids, ctx, last)
+
+    def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
+        if self.eager:
+            return super().score(batch, branches, slots, prefix_lens, path)
+        key = (batch.size, batch.length, batch.prefix, path)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self.capture(batch, branches, slots, prefix_lens, path)
+        fill_upload(entry.host, batch.length, branches, slots, prefix_lens, self.pad_id)
+        entry.device.copy_(entry.host, non_blocking=True)
+        entry.graph.replay()
+        return entry.out[: len(branches)].to(torch.float32, copy=True)
+
+    def capture(self, batch: Batch, branches, slots, prefix_lens, path: str) -> CapturedBatch:
+        """Warm up eagerly (autotuners pick their configs here), then capture the bucket's graph."""
+        t0 = time.perf_counter()
+        host = self.upload(batch, branches, slots, prefix_lens).pin_memory()
+        device = host.to(self.device)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward(device, batch, path)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.forward(device, batch, path)
+        torch.cuda.synchronize()
+        self.capture_s += time.perf_counter() - t0
+        return CapturedBatch(graph, host, device, out)
+
+
+def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int], capacity: int | None,
+                      eager: bool, max_rows: int) -> GraphRunner:
+    from kevscore.kernels import fla_ops
+
+    model = KevModel.from_weights(ckpt.config, ckpt.weights, fla_ops, torch.bfloat16, device)
+    free, _ = torch.cuda.mem_get_info(device)
+    layout = BankLayout.plan(ckpt.config, torch.bfloat16, doc_tokens, int(free * BANK_SHARE), capacity)
+    bank = StateBank(ckpt.config, layout, device, torch.bfloat16)
+    return GraphRunner(model, bank, pad_id(ckpt.tokenizer), eager)

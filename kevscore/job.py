@@ -1,0 +1,71 @@
+"""The `run` job: Parquet in -> validate -> encode -> bank and branches -> Parquet out."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kevscore.backend import build_runner, resolve_device
+from kevscore.checkpoint import load_checkpoint
+from kevscore.data import check_output_path, default_output_path, read_input, write_output
+from kevscore.engine import Engine, Progress, RunStats
+from kevscore.errors import KevscoreError
+from kevscore.prompt import encode, load_template
+
+PATHS = ("indexed", "gathered")
+
+
+@dataclass(slots=True)
+class RunOptions:
+    input: Path
+    documents: Path | None = None
+    output: Path | None = None
+    model: str = "demo"
+    device: str = "auto"
+    path: str = "indexed"
+    labels: list[str] = field(default_factory=lambda: ["Yes", "No"])
+    template: Path | None = None
+    batch_rows: int = 64
+    overwrite: bool = False
+    bank_capacity: int | None = None
+    eager: bool = False
+
+
+@dataclass(slots=True)
+class RunResult:
+    output: Path
+    stats: RunStats
+    documents: int
+    device: str
+    model: str
+    load_s: float
+
+
+def check_options(opts: RunOptions) -> None:
+    if opts.path not in PATHS:
+        raise KevscoreError(f"--path {opts.path}: choose indexed or gathered")
+    if opts.batch_rows < 1:
+        raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
+    if opts.bank_capacity is not None and opts.bank_capacity < 1:
+        raise KevscoreError(f"--bank-capacity {opts.bank_capacity}: must be at least 1")
+    if not opts.labels or any(not label for label in opts.labels) or len(set(opts.labels)) != len(opts.labels):
+        raise KevscoreError(f"--labels {','.join(opts.labels)}: give distinct, non-empty labels")
+
+
+def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
+    check_options(opts)
+    output = Path(opts.output) if opts.output else default_output_path(opts.input)
+    table = read_input(Path(opts.input), Path(opts.documents) if opts.documents else None)
+    check_output_path(output, table.sources, opts.overwrite)
+    t0 = time.perf_counter()
+    device = resolve_device(opts.device)
+    ckpt = load_checkpoint(opts.model, device)
+    template = load_template(opts.template, ckpt.tokenizer)
+    enc = encode(table, ckpt.tokenizer, template, opts.labels, ckpt.config.max_position_embeddings)
+    runner = build_runner(ckpt, device, [len(p) for p in enc.prefixes], opts.bank_capacity, opts.eager,
+                          opts.batch_rows)
+    load_s = time.perf_counter() - t0
+    scores = Engine(runner, max_rows=opts.batch_rows).run(enc, opts.path, progress)
+    write_output(output, table, enc.labels, scores.probs, scores.label_mass)
+    documents = len(set(table.doc_ids or table.documents))
+    return RunResult(output, scores.stats, documents, str(device), ckpt.name, load_s)

@@ -1,0 +1,91 @@
+"""The GPU backend of the layer ops: flash-linear-attention's Triton kernels (pinned fla-core 0.5.2),
+our indexed state scan, and torch SDPA for attention. Same functions as `kevscore.kernels.torch_ops`.
+
+The branch gated delta rule runs FLA's forward stage by stage (gate cumsum, WY representation, state
+scan, output). The two paths differ only in the state scan: `gathered` copies the rows' states out of
+the bank and runs FLA's scan on that buffer; `indexed` runs our scan, which reads the bank in place.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # always FLA's own Triton kernels
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from fla.modules.conv.causal_conv1d import causal_conv1d  # noqa: E402
+from fla.modules.l2norm import l2norm_fwd  # noqa: E402
+from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h  # noqa: E402
+from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra  # noqa: E402
+from fla.ops.utils import chunk_local_cumsum  # noqa: E402
+from fla.ops.utils.constant import RCP_LN2  # noqa: E402
+
+from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
+from kevscore.kernels.torch_ops import branch_mask  # noqa: E402
+
+NAME = "fla"
+
+
+def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+    """x [R, T, C] (may be a strided slice), init [R, C, k-1] -> silu(causal conv) [R, T, C]."""
+    state = F.pad(init.to(x.dtype), (1, 0))  # FLA's conv state is [N, C, k]; its first column is unused
+    y, _ = causal_conv1d(x, weight, activation="silu", initial_state=state)
+    return y
+
+
+def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    y, _ = causal_conv1d(x.contiguous(), weight, activation="silu", cu_seqlens=cu_seqlens.long())
+    return y
+
+
+def gdr_prefill(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.contiguous(),
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                      cu_seqlens=cu_seqlens.long())
+    return o, final
+
+
+def gdr_parts(q, k, v, g, beta):
+    """FLA's forward up to the state scan: l2norm, log2 gate cumsum, WY representation."""
+    q, _ = l2norm_fwd(q.contiguous())
+    k, _ = l2norm_fwd(k.contiguous())
+    gc = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v.contiguous(), g=gc, beta=beta.contiguous(),
+                                               chunk_size=CHUNK)
+    return q, k, w, u, gc
+
+
+def gdr_branch(q, k, v, g, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
+    q, k, w, u, gc = gdr_parts(q, k, v, g, beta)
+    if path == "gathered":
+        h0 = bank.index_select(0, slots)
+        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0, chunk_size=CHUNK)
+    else:
+        h, v_new = state_scan_indexed(k, w, u, gc, bank, slots, slots.stride(0))
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
+
+
+def _sdpa(q, k, v, mask):
+    rep = q.shape[2] // k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1)).transpose(1, 2)
+
+
+def attn_prefill(q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Packed documents -> right-padded [D, L] batch -> causal SDPA -> packed again."""
+    starts, lens = cu_seqlens[:-1].long(), cu_seqlens[1:].long() - cu_seqlens[:-1].long()
+    steps = torch.arange(max_len, device=q.device)
+    valid = steps[None, :] < lens[:, None]
+    index = torch.where(valid, starts[:, None] + steps, 0)
+    out = _sdpa(q[0][index], k[0][index], v[0][index], None)
+    return out[valid][None]
+
+
+def attn_branch(q, k, v, pk, pv, kv_mask: torch.Tensor) -> torch.Tensor:
+    keys, values = torch.cat([pk, k], 1), torch.cat([pv, v], 1)
+    return _sdpa(q, keys, values, branch_mask(kv_mask, q.shape[1]))

@@ -1,0 +1,48 @@
+import random
+
+import pytest
+import torch
+
+from kevscore.bank import BankLayout, StateBank
+from kevscore.checkpoint import Checkpoint, load_checkpoint, random_weights
+from kevscore.engine import Engine
+from kevscore.kernels import torch_ops
+from kevscore.model import KevModel
+from kevscore.prompt import Encoded
+from kevscore.runner import EagerRunner
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="session")
+def demo():
+    return load_checkpoint("demo")
+
+
+@pytest.fixture(scope="session")
+def tiny(demo):
+    """A small random Kev model in fp32 (the demo's shape and tokenizer, other weights)."""
+    return Checkpoint("tiny", demo.config, random_weights(demo.config, 0, torch.float32, "cpu"), demo.tokenizer)
+
+
+def cpu_engine(ckpt, entries=None, tokens=None, max_rows=64, max_tokens=8192, docs=None):
+    model = KevModel.from_weights(ckpt.config, ckpt.weights, torch_ops)
+    if entries is None:
+        layout = BankLayout.plan(ckpt.config, torch.float32, [len(d) for d in docs], 1 << 30)
+    else:
+        layout = BankLayout(entries, tokens)
+    runner = EagerRunner(model, StateBank(ckpt.config, layout, "cpu", torch.float32), pad_id=0)
+    return Engine(runner, max_rows=max_rows, max_tokens=max_tokens)
+
+
+def synthetic(doc_lens, branch_lens, vocab=1000, seed=0, labels=(361, 383)) -> Encoded:
+    """Every document gets one row per branch length, with random token ids."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(vocab) for _ in range(n)] for n in doc_lens]
+    rows, branches = [], []
+    for d in range(len(docs)):
+        for n in branch_lens:
+            rows.append(d)
+            branches.append([rng.randrange(vocab) for _ in range(n)])
+    n = len(branches)
+    return Encoded(docs, rows, branches, [["Yes", "No"]] * n, [list(labels)] * n)

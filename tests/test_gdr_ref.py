@@ -1,0 +1,73 @@
+"""The torch reference of the chunked gated delta rule and of the indexed state scan."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kevscore.kernels import gdr_ref
+
+
+def recurrent(q, k, v, g, beta, h0):
+    """Token-by-token gated delta rule in float64: S <- S exp(g); S += k (beta (v - S^T k))^T; o = S^T q."""
+    q, k, v, g, beta, h = (x.double() for x in (q, k, v, g, beta, h0))
+    rep = v.shape[2] // q.shape[2]
+    q = F.normalize(q, dim=-1).repeat_interleave(rep, 2) * q.shape[-1] ** -0.5
+    k = F.normalize(k, dim=-1).repeat_interleave(rep, 2)
+    outs = []
+    for t in range(q.shape[1]):
+        h = h * g[:, t].exp()[..., None, None]
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("rhkv,rhk->rhv", h, k[:, t]))
+        h = h + torch.einsum("rhk,rhv->rhkv", k[:, t], delta)
+        outs.append(torch.einsum("rhkv,rhk->rhv", h, q[:, t]))
+    return torch.stack(outs, 1), h
+
+
+def inputs(rows, t, h=2, hv=4, dk=32, dv=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(rows, t, h, dk, generator=gen) for _ in range(2))
+    v = torch.randn(rows, t, hv, dv, generator=gen)
+    g = -F.softplus(torch.randn(rows, t, hv, generator=gen)) * 2
+    beta = torch.rand(rows, t, hv, generator=gen)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("t", [1, 17, 64, 65, 130])
+def test_chunked_matches_token_recurrence(t):
+    q, k, v, g, beta = inputs(3, t, seed=t)
+    h0 = torch.randn(3, 4, 32, 16)
+    o, final = gdr_ref.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o_ref, final_ref = recurrent(q, k, v, g, beta, h0)
+    assert torch.allclose(o.double(), o_ref, atol=2e-5, rtol=1e-5)
+    assert torch.allclose(final.double(), final_ref, atol=2e-5, rtol=1e-5)
+
+
+def test_strong_decay_stays_finite():
+    q, k, v, g, beta = inputs(2, 130)
+    o, final = gdr_ref.chunk_gated_delta_rule(q, k, v, g * 200, beta, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(final).all()
+
+
+@pytest.mark.parametrize("t", [1, 17, 64, 129])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+def test_indexed_scan_equals_gathered_scan(rows, t):
+    q, k, v, g, beta = inputs(rows, t, seed=rows * 1000 + t)
+    k = gdr_ref.l2norm(k)
+    gc = gdr_ref.chunk_cumsum(g)
+    w, u = gdr_ref.wy_repr(k, v, gc, beta)
+    bank = torch.randn(5, 4, 32, 16)
+    snapshot = bank.clone()
+    # the indices are one column of an upload buffer [rows, 7], repeated entries included
+    upload = torch.randint(0, 100, (rows, 7))
+    upload[:, 4] = torch.tensor([(3 * r) % 5 if r % 3 else 2 for r in range(rows)])
+    index = upload[:, 4]
+    assert index.stride(0) == 7
+    h, v_new = gdr_ref.state_scan_indexed(k, w, u, gc, bank, index, index.stride(0))
+    h_g, v_new_g, final = gdr_ref.state_scan(k, w, u, gc, bank.index_select(0, index))
+    assert torch.equal(h, h_g) and torch.equal(v_new, v_new_g) and final is None
+    assert torch.equal(bank, snapshot)
+    for r in range(rows):  # each row started from its own entry
+        assert torch.equal(h[r, 0], bank[index[r]])
+
+
+def test_bank_rows_reads_through_the_stride():
+    flat = torch.arange(30)
+    assert gdr_ref.bank_rows(flat[2:], 4, index_stride=7).tolist() == [2, 9, 16, 23]
