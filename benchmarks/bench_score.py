@@ -66,14 +66,15 @@ KERNEL_GROUPS = [
     ("state scan (FLA)", ("chunk_gated_delta_rule_fwd_kernel_h",)),
     ("FLA chunk pipeline", ("chunk_", "recompute_w_u", "l2norm", "cumsum")),
     ("causal conv", ("causal_conv1d",)),
+    ("attention", ("_branch_attn_kernel", "fmha", "flash", "attention", "efficient")),
+    ("norms / swiglu", ("layer_norm", "swiglu")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "Kernel2")),
-    ("attention", ("fmha", "flash", "attention", "efficient")),
     ("gather / copy", ("index", "gather", "cat", "copy", "Copy", "Memcpy", "Memset")),
 ]
 
 
-def profile(fn, reps: int = 3) -> dict[str, float]:
-    """GPU time per call by kernel group (ms), from the torch profiler."""
+def profile(fn, reps: int = 3) -> dict[str, dict[str, float]]:
+    """GPU time per call (ms) by kernel group and for the 12 costliest kernels, from the torch profiler."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     fn()
@@ -83,13 +84,16 @@ def profile(fn, reps: int = 3) -> dict[str, float]:
             fn()
         torch.cuda.synchronize()
     groups: dict[str, float] = {}
+    kernels: dict[str, float] = {}
     for evt in prof.key_averages():
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
         if total <= 0:
             continue
         name = next((g for g, keys in KERNEL_GROUPS if any(k in evt.key for k in keys)), "elementwise / other")
         groups[name] = groups.get(name, 0.0) + total / 1000 / reps
-    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+        kernels[evt.key[:90]] = total / 1000 / reps
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
+    return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "top_kernels": top}
 
 
 def naive_hf(ckpt, enc: Encoded, batch: int, reps: int) -> list[float]:
@@ -212,8 +216,10 @@ def print_table(r: dict) -> None:
         hf = statistics.median(r["hf_naive_ms"])
         print(f"transformers naive: {hf:.0f} ms ({r['hf_rows_per_s']:.1f} rows/s), "
               f"{hf / r['median_ms']['indexed']:.1f}x slower than indexed")
-    for p, groups in r.get("profile_ms", {}).items():
-        print(f"profile {p}: " + ", ".join(f"{g} {ms:.2f}" for g, ms in groups.items()))
+    for p, prof in r.get("profile_ms", {}).items():
+        print(f"profile {p} (ms/call): " + ", ".join(f"{g} {ms:.2f}" for g, ms in prof["groups"].items()))
+    for name, ms in r.get("profile_ms", {}).get("indexed", {}).get("top_kernels", {}).items():
+        print(f"  {ms:8.2f}  {name}")
 
 
 if __name__ == "__main__":

@@ -6,27 +6,34 @@ from torch import nn
 
 from kevscore.config import LINEAR, KevConfig
 from kevscore.layers.attention import Attention
-from kevscore.layers.common import MLP, BranchContext, Context, PrefillContext, Rotary, rms_norm
+from kevscore.layers.common import MLP, BranchContext, Context, PrefillContext, Rotary
 from kevscore.layers.deltanet import DeltaNet
 
-FP32_PARAMS = ("A_log", "dt_bias")  # kept in fp32 whatever the model dtype
+FP32_PARAMS = ("A_log", "dt_bias", "_scale")  # kept in fp32 whatever the model dtype
 
 
 class Block(nn.Module):
+    """Pre-norm block over a residual stream; each norm also adds the previous sub-layer's output."""
+
     def __init__(self, cfg: KevConfig, kind: str, ops, rotary: Rotary):
         super().__init__()
-        self.kind = kind
+        self.kind, self.ops = kind, ops
         self.mixer = DeltaNet(cfg, ops) if kind == LINEAR else Attention(cfg, ops, rotary)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
-        self.post_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, ops)
+        # 1 + weight of Qwen3.5's zero-centred RMSNorms, in fp32
+        self.input_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.post_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, ctx: Context, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, self.input_norm, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: Context, cos, sin):
+        """(sub-layer output, residual stream before it is added)."""
+        if residual is None:
+            h, residual = self.ops.rms_norm(x, self.input_scale, self.eps), x
+        else:
+            h, residual = self.ops.add_rms_norm(x, residual, self.input_scale, self.eps)
         h = self.mixer(h, ctx) if self.kind == LINEAR else self.mixer(h, ctx, cos, sin)
-        x = x + h
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps))
+        h, residual = self.ops.add_rms_norm(h, residual, self.post_scale, self.eps)
+        return self.mlp(h), residual
 
 
 class KevModel(nn.Module):
@@ -36,7 +43,8 @@ class KevModel(nn.Module):
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(Block(cfg, kind, ops, self.rotary) for kind in cfg.layer_types)
-        self.norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.final_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.ops = ops
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
 
@@ -58,13 +66,13 @@ class KevModel(nn.Module):
     @torch.no_grad()
     def load(self, w: dict[str, torch.Tensor]) -> None:
         self.embed.copy_(w["model.embed_tokens.weight"])
-        self.norm.copy_(w["model.norm.weight"])
+        self.final_scale.copy_(1.0 + w["model.norm.weight"].float())
         if not self.cfg.tie_word_embeddings:
             self.lm_head.copy_(w["lm_head.weight"])
         for i, block in enumerate(self.layers):
             pre = f"model.layers.{i}."
-            block.input_norm.copy_(w[pre + "input_layernorm.weight"])
-            block.post_norm.copy_(w[pre + "post_attention_layernorm.weight"])
+            block.input_scale.copy_(1.0 + w[pre + "input_layernorm.weight"].float())
+            block.post_scale.copy_(1.0 + w[pre + "post_attention_layernorm.weight"].float())
             gate, up = w[pre + "mlp.gate_proj.weight"], w[pre + "mlp.up_proj.weight"]
             block.mlp.gate_up.copy_(torch.cat([gate, up]))
             block.mlp.down.copy_(w[pre + "mlp.down_proj.weight"])
@@ -80,12 +88,13 @@ class KevModel(nn.Module):
             else:
                 block.mixer.bank_kv = bank.kv[next(attn)]
 
-    def _run(self, ids: torch.Tensor, ctx: Context) -> torch.Tensor:
-        x = self.embed[ids]
+    def _run(self, ids: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last sub-layer output, residual stream before it): their sum is the final hidden state."""
+        x, residual = self.embed[ids], None
         cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
         for block in self.layers:
-            x = block(x, ctx, cos, sin)
-        return x
+            x, residual = block(x, residual, ctx, cos, sin)
+        return x, residual
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, ctx: PrefillContext) -> None:
@@ -95,6 +104,7 @@ class KevModel(nn.Module):
     @torch.no_grad()
     def branch(self, ids: torch.Tensor, ctx: BranchContext, last: torch.Tensor) -> torch.Tensor:
         """Run question rows ids [R, T]; return the final-normed hidden state at each row's `last` position."""
-        x = self._run(ids, ctx)
-        x = x[torch.arange(x.shape[0], device=x.device), last.long()]
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        x, residual = self._run(ids, ctx)
+        rows = torch.arange(x.shape[0], device=x.device)
+        x, residual = x[rows, last], residual[rows, last]
+        return self.ops.add_rms_norm(x, residual, self.final_scale, self.cfg.rms_norm_eps)[0]

@@ -38,9 +38,11 @@ def branch_inputs(buf: torch.Tensor, length: int, prefix: int, bank: StateBank, 
     plen = buf[:, length + PLEN]
     steps = torch.arange(max(prefix, 1), device=buf.device)
     kv_mask = steps[None, :] < plen[:, None]
-    kv_index = torch.where(kv_mask, bank.start[slots][:, None] + steps, 0)
+    kv_start = bank.start[slots]
+    kv_index = torch.where(kv_mask, kv_start[:, None] + steps, 0)
     positions = plen[:, None] + torch.arange(length, device=buf.device)
-    ctx = BranchContext(positions=positions, slots=slots, kv_index=kv_index, kv_mask=kv_mask, path=path)
+    ctx = BranchContext(positions=positions, slots=slots, kv_index=kv_index, kv_mask=kv_mask,
+                        kv_start=kv_start, kv_len=plen, path=path)
     return buf[:, :length], ctx, buf[:, length + LAST]
 
 

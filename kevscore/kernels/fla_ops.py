@@ -13,7 +13,10 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # always FLA's own T
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from fla.modules.activations import swiglu_fwd  # noqa: E402
 from fla.modules.conv.causal_conv1d import causal_conv1d  # noqa: E402
+from fla.modules.fused_norm_gate import rms_norm_gated  # noqa: E402
+from fla.modules.layernorm import rms_norm as fla_rms_norm  # noqa: E402
 from fla.modules.l2norm import l2norm_fwd  # noqa: E402
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h  # noqa: E402
 from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
@@ -22,10 +25,27 @@ from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra 
 from fla.ops.utils import chunk_local_cumsum  # noqa: E402
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
+from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
-from kevscore.kernels.torch_ops import branch_mask  # noqa: E402
 
 NAME = "fla"
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    return fla_rms_norm(x, scale, None, eps=eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float):
+    return fla_rms_norm(x, scale, None, residual=residual, eps=eps, prenorm=True)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, -1)
+    return swiglu_fwd(gate, up, output_contiguous=True)
 
 
 def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
@@ -67,13 +87,9 @@ def gdr_branch(q, k, v, g, beta, bank: torch.Tensor, slots: torch.Tensor, path: 
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
 
 
-def _sdpa(q, k, v, mask):
-    rep = q.shape[2] // k.shape[2]
+def _sdpa_causal(q, k, v):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1)).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
 
 
 def attn_prefill(q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -82,10 +98,10 @@ def attn_prefill(q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tenso
     steps = torch.arange(max_len, device=q.device)
     valid = steps[None, :] < lens[:, None]
     index = torch.where(valid, starts[:, None] + steps, 0)
-    out = _sdpa(q[0][index], k[0][index], v[0][index], None)
+    out = _sdpa_causal(q[0][index], k[0][index], v[0][index])
     return out[valid][None]
 
 
-def attn_branch(q, k, v, pk, pv, kv_mask: torch.Tensor) -> torch.Tensor:
-    keys, values = torch.cat([pk, k], 1), torch.cat([pv, v], 1)
-    return _sdpa(q, keys, values, branch_mask(kv_mask, q.shape[1]))
+def attn_branch(q, k, v, kv: torch.Tensor, ctx) -> torch.Tensor:
+    """Reads the document K/V in place from the pool `kv` [2, tokens, Hkv, D] (no per-row gather)."""
+    return branch_attention(q, k, v, kv[0], kv[1], ctx.kv_start, ctx.kv_len)

@@ -12,6 +12,30 @@ from kevscore.kernels import gdr_ref
 NAME = "torch"
 
 
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm, with `scale` = 1 + weight in fp32: computed in fp32."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float):
+    """(rms_norm(residual + x), residual + x)."""
+    residual = residual + x
+    return rms_norm(residual, scale, eps), residual
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeltaNet's output norm: w * norm(x), then times silu(gate)."""
+    dtype, xf = x.dtype, x.float()
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight * out * F.silu(gate.float())).to(dtype)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
 def _conv(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + silu of x [B, T, C] continuing from init [B, C, k-1] (earlier inputs)."""
     full = torch.cat([init.to(x.dtype), x.transpose(1, 2)], -1)
@@ -84,6 +108,9 @@ def branch_mask(kv_mask: torch.Tensor, t: int) -> torch.Tensor:
     return torch.cat([kv_mask[:, None, :].expand(r, t, p), causal.expand(r, t, t)], -1)
 
 
-def attn_branch(q, k, v, pk, pv, kv_mask: torch.Tensor) -> torch.Tensor:
+def attn_branch(q, k, v, kv: torch.Tensor, ctx) -> torch.Tensor:
+    """Branch queries over the row's document K/V (gathered from the pool `kv` [2, tokens, Hkv, D]) and,
+    causally, the branch's own K/V."""
+    pk, pv = kv[0][ctx.kv_index], kv[1][ctx.kv_index]
     keys, values = torch.cat([pk.to(k.dtype), k], 1), torch.cat([pv.to(v.dtype), v], 1)
-    return _sdpa(q, keys, values, branch_mask(kv_mask, q.shape[1]))
+    return _sdpa(q, keys, values, branch_mask(ctx.kv_mask, q.shape[1]))

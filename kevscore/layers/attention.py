@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kevscore.config import KevConfig
-from kevscore.layers.common import Context, PrefillContext, Rotary, rms_norm
+from kevscore.layers.common import Context, PrefillContext, Rotary
 
 
 class Attention(nn.Module):
@@ -18,7 +18,7 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)  # noqa: E731
         self.qkv_proj = p(sum(self.splits), cfg.hidden_size)
-        self.q_norm, self.k_norm = p(self.d), p(self.d)
+        self.q_scale, self.k_scale = p(self.d), p(self.d)  # 1 + weight of the zero-centred norms, fp32
         self.o_proj = p(cfg.hidden_size, self.nh * self.d)
         self.bank_kv: torch.Tensor | None = None  # [2, tokens, Hkv, D], a view of the bank's K/V pool
 
@@ -26,21 +26,20 @@ class Attention(nn.Module):
         shape = x.shape[:-1]
         qg, k, v = F.linear(x, self.qkv_proj).split(self.splits, -1)
         q, gate = qg.reshape(*shape, self.nh, 2 * self.d).chunk(2, -1)
-        q = self.rotary.apply(rms_norm(q, self.q_norm, self.eps), cos, sin)
-        k = self.rotary.apply(rms_norm(k.reshape(*shape, self.nkv, self.d), self.k_norm, self.eps), cos, sin)
+        q = self.rotary.apply(self.ops.rms_norm(q, self.q_scale, self.eps), cos, sin)
+        k = self.rotary.apply(self.ops.rms_norm(k.reshape(*shape, self.nkv, self.d), self.k_scale, self.eps), cos, sin)
         v = v.reshape(*shape, self.nkv, self.d)
         if isinstance(ctx, PrefillContext):
             self.bank_kv[0].index_copy_(0, ctx.kv_slots, k[0].to(self.bank_kv.dtype))
             self.bank_kv[1].index_copy_(0, ctx.kv_slots, v[0].to(self.bank_kv.dtype))
             o = self.ops.attn_prefill(q, k, v, ctx.cu_seqlens, ctx.max_len)
         else:
-            pk, pv = self.bank_kv[0][ctx.kv_index], self.bank_kv[1][ctx.kv_index]
-            o = self.ops.attn_branch(q, k, v, pk, pv, ctx.kv_mask)
+            o = self.ops.attn_branch(q, k, v, self.bank_kv, ctx)
         o = o.reshape(*shape, -1) * torch.sigmoid(gate.reshape(*shape, -1))
         return F.linear(o, self.o_proj)
 
     def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:
         self.qkv_proj.copy_(torch.cat([w[f"{prefix}{n}_proj.weight"] for n in "qkv"]))
-        self.q_norm.copy_(w[f"{prefix}q_norm.weight"])
-        self.k_norm.copy_(w[f"{prefix}k_norm.weight"])
+        self.q_scale.copy_(1.0 + w[f"{prefix}q_norm.weight"].float())
+        self.k_scale.copy_(1.0 + w[f"{prefix}k_norm.weight"].float())
         self.o_proj.copy_(w[f"{prefix}o_proj.weight"])

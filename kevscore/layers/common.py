@@ -25,25 +25,12 @@ class BranchContext:
     slots: torch.Tensor        # [R] bank entry of each row (may be a strided column of an upload buffer)
     kv_index: torch.Tensor     # [R, P] token slots of the row's document in the K/V pool (clamped)
     kv_mask: torch.Tensor      # [R, P] which of those are real document tokens
+    kv_start: torch.Tensor     # [R] first K/V pool slot of the row's document
+    kv_len: torch.Tensor       # [R] the document's length
     path: str                  # "gathered" | "indexed"
 
 
 Context = PrefillContext | BranchContext
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5's zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).to(x.dtype)
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeltaNet's output norm: w * norm(x), then times silu(gate)."""
-    dtype = x.dtype
-    xf = x.float()
-    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (weight * out * F.silu(gate.float())).to(dtype)
 
 
 class Rotary(nn.Module):
@@ -70,11 +57,11 @@ class Rotary(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int):
+    def __init__(self, hidden: int, inner: int, ops):
         super().__init__()
+        self.ops = ops
         self.gate_up = nn.Parameter(torch.empty(2 * inner, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(hidden, inner), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up).chunk(2, -1)
-        return F.linear(F.silu(gate) * up, self.down)
+        return F.linear(self.ops.swiglu(F.linear(x, self.gate_up)), self.down)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kevscore.config import KevConfig
-from kevscore.layers.common import BranchContext, Context, PrefillContext, gated_rms_norm
+from kevscore.layers.common import BranchContext, Context, PrefillContext
 
 
 def conv_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
@@ -51,7 +51,7 @@ class DeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         o = self._mix(q, k, v, g, beta, ctx)
-        o = gated_rms_norm(o, z.reshape(*shape, self.hv, self.dv), self.norm_weight, self.eps)
+        o = self.ops.gated_rms_norm(o, z.reshape(*shape, self.hv, self.dv), self.norm_weight, self.eps)
         return F.linear(o.reshape(*shape, -1), self.out_proj)
 
     def _mix(self, q, k, v, g, beta, ctx: Context) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""Branch attention: question tokens attend to their document's K/V straight from the bank's token pool,
+then causally to the branch's own K/V. No per-row gather of the document K/V, no repeated KV heads.
+
+One program handles BM (query token, query head) pairs of one row and one KV head: the G query heads
+sharing a KV head are stacked along M, so every K/V tile read serves all of them.
+Torch reference: `kevscore.kernels.torch_ops.attn_branch` (gathered K/V, boolean mask, SDPA).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale):
+    s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(b_m, tl.max(s, 1))
+    alpha = tl.math.exp2(b_m - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    b_l = b_l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
+    return m_new, b_l, acc
+
+
+@triton.jit
+def _branch_attn_kernel(q, k, v, o, pool_k, pool_v, kv_start, kv_len, T, qk_scale,
+                        sq_r, sq_t, sk_r, sk_t, sv_r, sv_t, so_r, so_t, sp_t,
+                        NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    i_m, i_rh = tl.program_id(0), tl.program_id(1)
+    i_r, i_kv = i_rh // NKV, i_rh % NKV
+    o_m = i_m * BM + tl.arange(0, BM)
+    t_m, head = o_m // G, i_kv * G + o_m % G  # query token and query head of each M row
+    m_m = t_m < T
+    o_d = tl.arange(0, D)
+    p_q = q + i_r.to(tl.int64) * sq_r + t_m[:, None] * sq_t + head[:, None] * D + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None], other=0.0)
+    b_m = tl.full([BM], float("-inf"), tl.float32)
+    b_l = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+
+    start = tl.load(kv_start + i_r).to(tl.int64)
+    n_doc = tl.load(kv_len + i_r).to(tl.int32)
+    for n0 in range(0, n_doc, BN):  # the document, from the bank
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < n_doc
+        p_kv = (start + o_n)[:, None] * sp_t + i_kv * D + o_d[None, :]
+        b_k = tl.load(pool_k + p_kv, mask=m_n[:, None], other=0.0)
+        b_v = tl.load(pool_v + p_kv, mask=m_n[:, None], other=0.0)
+        b_m, b_l, acc = _online_block(b_q, b_k, b_v, m_n[None, :], b_m, b_l, acc, qk_scale)
+
+    t_hi = tl.minimum((i_m * BM + BM - 1) // G + 1, T)
+    for n0 in range(0, t_hi, BN):  # the branch itself, causally
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < T
+        b_k = tl.load(k + i_r.to(tl.int64) * sk_r + o_n[:, None] * sk_t + i_kv * D + o_d[None, :],
+                      mask=m_n[:, None], other=0.0)
+        b_v = tl.load(v + i_r.to(tl.int64) * sv_r + o_n[:, None] * sv_t + i_kv * D + o_d[None, :],
+                      mask=m_n[:, None], other=0.0)
+        valid = (o_n[None, :] <= t_m[:, None]) & m_n[None, :]
+        b_m, b_l, acc = _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale)
+
+    out = acc / b_l[:, None]
+    p_o = o + i_r.to(tl.int64) * so_r + t_m[:, None] * so_t + head[:, None] * D + o_d[None, :]
+    tl.store(p_o, out.to(o.dtype.element_ty), mask=m_m[:, None])
+
+
+def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
+                     pool_v: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor,
+                     block_m: int = 64, block_n: int = 64, num_warps: int = 8) -> torch.Tensor:
+    """q [R, T, NH, D]; k, v [R, T, NKV, D] (token and row strides free, heads packed);
+    pool_k, pool_v [tokens, NKV, D]; row r's document is pool[kv_start[r] : kv_start[r] + kv_len[r]]."""
+    r, t, nh, d = q.shape
+    nkv = k.shape[2]
+    for x in (q, k, v):
+        assert x.stride(3) == 1 and x.stride(2) == d, "heads must be packed"
+    assert pool_k.stride()[1:] == (d, 1) and pool_v.stride() == pool_k.stride()
+    o = torch.empty(r, t, nh, d, dtype=q.dtype, device=q.device)
+    g = nh // nkv
+    grid = (triton.cdiv(t * g, block_m), r * nkv)
+    _branch_attn_kernel[grid](q, k, v, o, pool_k, pool_v, kv_start, kv_len, t, d ** -0.5 * LOG2E,
+                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                              o.stride(0), o.stride(1), pool_k.stride(0),
+                              NKV=nkv, G=g, D=d, BM=block_m, BN=block_n, num_warps=num_warps)
+    return o
