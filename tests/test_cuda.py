@@ -197,3 +197,29 @@ def test_cli_runs_on_cuda(tmp_path):
         res[device] = pq.read_table(out).column("probs").to_pylist()
     worst = max(abs(a - b) for ra, rb in zip(res["cuda"], res["cpu"]) for a, b in zip(ra, rb))
     assert worst < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("dims", [(16, 4, 256), (4, 2, 64)], ids=["kev4b", "demo"])
+@pytest.mark.parametrize("t", [1, 17, 64, 130])
+def test_branch_attention_matches_gathered_sdpa(dims, t):
+    from kevscore.kernels import torch_ops
+    from kevscore.kernels.branch_attn import branch_attention
+    from kevscore.layers.common import BranchContext
+
+    nh, nkv, d = dims
+    rows = 5
+    gen = torch.Generator(device=DEV).manual_seed(t)
+    q = torch.randn(rows, t, nh, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+    kv = torch.randn(rows, t, 2 * nkv, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+    k, v = kv[:, :, :nkv], kv[:, :, nkv:]  # strided views, as the projection split gives them
+    pool = torch.randn(2, 3000, nkv, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+    start = torch.tensor([0, 100, 700, 2000, 100], device=DEV)
+    plen = torch.tensor([1, 600, 0, 999, 600], device=DEV)
+    steps = torch.arange(1024, device=DEV)
+    mask = steps[None] < plen[:, None]
+    ctx = BranchContext(positions=None, slots=None, kv_index=torch.where(mask, start[:, None] + steps, 0),
+                        kv_mask=mask, kv_start=start, kv_len=plen, path="indexed")
+    ref = torch_ops.attn_branch(q.float(), k.float(), v.float(), pool.float(), ctx)
+    out = branch_attention(q, k, v, pool[0], pool[1], start, plen)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
