@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried FLA wheels, run the cuda tests, then the scoring benchmark.
 # Usage (repo root): bash benchmarks/device_run.sh [pytest args...]; logs go to $OUT (or ./device-out).
+# Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
 set -o pipefail
 OUT="${OUT:-device-out}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton, transformers, fla; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, transformers.__version__, fla.__version__)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -m cuda -q -rA "$@" 2>&1 | tee "$OUT/pytest_cuda.log" | grep -vE "PASSED|^$" | tail -60
+  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n 2 -p no:hypothesispytest --tb=line -rfE -s "$@" 2>&1 \
+    | tee "$OUT/pytest_cuda.log" | grep -E "^(FAILED|ERROR|E |/)|max \||passed|failed|crashed" | tail -40
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 benchmarks/bench_score.py ${BENCH_ARGS:---model kev-4b --profile --json "$OUT/score-kev-4b.json"} 2>&1 | tee "$OUT/bench.log" | tail -30
