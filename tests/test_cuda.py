@@ -221,7 +221,9 @@ def test_branch_attention_matches_gathered_sdpa(dims, t):
     mask = steps[None] < plen[:, None]
     ctx = BranchContext(positions=None, slots=None, kv_index=torch.where(mask, start[:, None] + steps, 0),
                         kv_mask=mask, kv_start=start, kv_len=plen, path="indexed")
-    ref = torch_ops.attn_branch(q.float(), k.float(), v.float(), pool.float(), ctx)
-    out = branch_attention(q, k, v, pool[0], pool[1], start, plen)
+    cpu = BranchContext(positions=None, slots=None, kv_index=ctx.kv_index.cpu(), kv_mask=mask.cpu(),
+                        kv_start=None, kv_len=None, path="indexed")
+    ref = torch_ops.attn_branch(q.float().cpu(), k.float().cpu(), v.float().cpu(), pool.float().cpu(), cpu)
+    out = branch_attention(q, k, v, pool[0], pool[1], start, plen).float().cpu()
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
