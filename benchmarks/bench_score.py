@@ -108,10 +108,7 @@ def naive_hf(ckpt, enc: Encoded, batch: int, reps: int) -> list[float]:
             ids = torch.tensor(seqs[i:i + batch], device="cuda")
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
-    times = events_ms(call, reps=reps, warmup=1)
-    del model
-    torch.cuda.empty_cache()
-    return times
+    return events_ms(call, reps=reps, warmup=1)
 
 
 def environment() -> dict:
@@ -193,6 +190,7 @@ def main() -> None:
         report["profile_ms"] = {p: profile(call[p]) for p in call}
     if args.hf_reps:
         hf = naive_hf(ckpt, enc, args.hf_batch, args.hf_reps)
+        torch.cuda.empty_cache()
         report["hf_naive_ms"] = hf
         report["hf_rows_per_s"] = len(rows) / (statistics.median(hf) / 1000)
     print_table(report)

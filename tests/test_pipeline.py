@@ -1,6 +1,5 @@
 """The CPU bank/branch pipeline against transformers on the full sequence, and its invariants."""
 import pytest
-import torch
 
 from conftest import cpu_engine, synthetic
 from kevscore.engine import Scores
