@@ -148,7 +148,7 @@ def main() -> None:
     enc = workload(cfg, args.docs, args.doc_len, args.questions, args.q_len, seed=0)
     rows = list(range(len(enc)))
     t0 = time.perf_counter()
-    runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(p) for p in enc.prefixes], None, False, len(rows))
+    runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(p) for p in enc.prefixes], None, False)
     engine = Engine(runner, max_rows=len(rows), max_tokens=len(rows) * args.q_len, prefill_tokens=32768)
     load_s = time.perf_counter() - t0
     stats = Scores.empty(0).stats

@@ -29,12 +29,12 @@ def pad_id(tokenizer) -> int:
 
 
 def build_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int],
-                 capacity: int | None = None, eager: bool = False, max_rows: int = 64):
+                 capacity: int | None = None, eager: bool = False):
     """The CPU runner (torch ops, fp32) or, on a GPU, the fused runner (bf16, FLA, CUDA graphs)."""
     if device.type == "cuda":
         from kevscore.cuda_runner import build_cuda_runner
 
-        return build_cuda_runner(ckpt, device, doc_tokens, capacity, eager, max_rows)
+        return build_cuda_runner(ckpt, device, doc_tokens, capacity, eager)
     from kevscore.kernels import torch_ops
     from kevscore.runner import EagerRunner
 

@@ -75,7 +75,7 @@ class GraphRunner(EagerRunner):
 
 
 def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int], capacity: int | None,
-                      eager: bool, max_rows: int) -> GraphRunner:
+                      eager: bool) -> GraphRunner:
     from kevscore.kernels import fla_ops
 
     model = KevModel.from_weights(ckpt.config, ckpt.weights, fla_ops, torch.bfloat16, device)

@@ -62,8 +62,7 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     ckpt = load_checkpoint(opts.model, device)
     template = load_template(opts.template, ckpt.tokenizer)
     enc = encode(table, ckpt.tokenizer, template, opts.labels, ckpt.config.max_position_embeddings)
-    runner = build_runner(ckpt, device, [len(p) for p in enc.prefixes], opts.bank_capacity, opts.eager,
-                          opts.batch_rows)
+    runner = build_runner(ckpt, device, [len(p) for p in enc.prefixes], opts.bank_capacity, opts.eager)
     load_s = time.perf_counter() - t0
     scores = Engine(runner, max_rows=opts.batch_rows).run(enc, opts.path, progress)
     write_output(output, table, enc.labels, scores.probs, scores.label_mass)

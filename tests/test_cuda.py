@@ -95,7 +95,7 @@ def gpu_engine(ckpt, docs, eager=False, max_rows=64, max_tokens=8192, entries=No
     from kevscore.cuda_runner import build_cuda_runner
     from kevscore.engine import Engine
 
-    runner = build_cuda_runner(ckpt, torch.device(DEV), [len(d) for d in docs], entries, eager, max_rows)
+    runner = build_cuda_runner(ckpt, torch.device(DEV), [len(d) for d in docs], entries, eager)
     return Engine(runner, max_rows=max_rows, max_tokens=max_tokens, prefill_tokens=4096)
 
 
