@@ -16,7 +16,7 @@ from kevscore.bank import BankLayout, StateBank
 from kevscore.checkpoint import Checkpoint
 from kevscore.model import KevModel
 from kevscore.plan import Batch
-from kevscore.runner import EagerRunner, branch_inputs, fill_upload
+from kevscore.runner import EagerRunner, fill_upload
 
 BANK_SHARE = 0.6  # of the free GPU memory after loading the model
 
@@ -36,10 +36,6 @@ class GraphRunner(EagerRunner):
         self.graphs: dict[tuple, CapturedBatch] = {}
         self.pool = None
         self.capture_s = 0.0  # warm-up (autotuning) and capture time, reported apart from scoring
-
-    def forward(self, buf: torch.Tensor, batch: Batch, path: str) -> torch.Tensor:
-        ids, ctx, last = branch_inputs(buf, batch.length, batch.prefix, self.bank, path)
-        return self.model.branch(ids, ctx, last)
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
         if self.eager:

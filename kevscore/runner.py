@@ -82,11 +82,15 @@ class EagerRunner:
         fill_upload(buf, batch.length, branches, slots, prefix_lens, self.pad_id)
         return buf
 
+    def forward(self, buf: torch.Tensor, batch: Batch, path: str) -> torch.Tensor:
+        """The model on a device upload buffer: hidden states at every row's last token [R, H]."""
+        ids, ctx, last = branch_inputs(buf, batch.length, batch.prefix, self.bank, path)
+        return self.model.branch(ids, ctx, last)
+
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
         """Final-normed hidden states at each real row's last token: [len(branches), H] fp32."""
         buf = self.upload(batch, branches, slots, prefix_lens).to(self.device)
-        ids, ctx, last = branch_inputs(buf, batch.length, batch.prefix, self.bank, path)
-        return self.model.branch(ids, ctx, last)[: len(branches)].float()
+        return self.forward(buf, batch, path)[: len(branches)].float()
 
     def label_scores(self, hidden: torch.Tensor, label_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(label logits [n, L] fp32 padded with -inf, log-sum-exp over the vocabulary [n])."""

@@ -11,9 +11,6 @@ from kevscore.model import KevModel
 from kevscore.prompt import Encoded
 from kevscore.runner import EagerRunner
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
 @pytest.fixture(scope="session")
 def demo():
     return load_checkpoint("demo")
