@@ -28,6 +28,9 @@ class RichProgress(ProgressCallbacks):
     def advance(self, phase: str, n: int) -> None:
         self.bar.advance(self.tasks[phase], n)
 
+    def warn(self, message: str) -> None:
+        self.bar.console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
 
 @app.callback()
 def _group() -> None:
@@ -52,7 +55,21 @@ def _summary(result) -> Table:
         ("output", escape(str(result.output))),
     ]:
         table.add_row(key, value)
+    if result.bank is not None:
+        b = result.bank
+        table.add_row("bank entries", f"{b.loaded:,} loaded, {s.prefilled:,} prefilled, {b.saved:,} saved, "
+                                      f"{b.evicted:,} evicted" + (f", {b.rejected:,} rejected" if b.rejected else ""))
+        table.add_row("bank bytes", f"{_size(b.read_bytes)} read in {b.load_s:.3f} s, "
+                                    f"{_size(b.written_bytes)} written in {b.save_s:.3f} s")
     return table
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n:,.1f} TB"
 
 
 @app.command()
@@ -68,6 +85,9 @@ def run(
     batch_rows: int = typer.Option(64, "--batch-rows", help="Most question rows per batch."),
     bank_capacity: Optional[int] = typer.Option(None, "--bank-capacity", help="Bank entries (default: from memory)."),
     eager: bool = typer.Option(False, "--eager", help="GPU: run without CUDA graphs."),
+    bank: Optional[Path] = typer.Option(None, "--bank", help="Keep bank entries on disk in DIR between runs."),
+    bank_max_gb: Optional[float] = typer.Option(None, "--bank-max-gb",
+                                                help="Evict least-recently-used entries to stay under N GB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars or summary."),
 ) -> None:
@@ -76,7 +96,7 @@ def run(
 
     opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device, path=path,
                       labels=labels.split(","), template=template, batch_rows=batch_rows, overwrite=overwrite,
-                      bank_capacity=bank_capacity, eager=eager)
+                      bank_capacity=bank_capacity, eager=eager, bank=bank, bank_max_gb=bank_max_gb)
     columns = [TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     try:
         with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
@@ -87,6 +107,84 @@ def run(
         _fail("interrupted; no output was written", 130)
     if not quiet:
         console.print(_summary(result))
+
+
+@app.command("bank-inspect")
+def bank_inspect(
+    directory: Path = typer.Argument(..., help="A bank directory (kevscore run --bank DIR)."),
+    entry: Optional[str] = typer.Option(None, "--entry", help="Show one entry (a key or a unique key prefix)."),
+    verify: bool = typer.Option(False, "--verify", help="Read every entry and check its checksums."),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON to stdout."),
+) -> None:
+    """List a bank's entries: models, sizes per component, last use; with --verify, checksum status.
+    Exits 1 when --verify finds a bad entry."""
+    import json
+
+    from kevscore.bank_store import inspect_bank
+
+    try:
+        report = inspect_bank(directory, entry, verify)
+    except KevscoreError as exc:
+        _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+    else:
+        out = Console(width=None if Console().is_terminal else 200)
+        _print_inspect(out, report, detail=entry is not None)
+    if verify and report["bad_entries"]:
+        raise typer.Exit(1)
+
+
+def _when(t: float | None) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def _print_inspect(out: Console, r: dict, detail: bool) -> None:
+    tot = r["totals"]
+    out.print(f"bank {escape(r['bank'])} · format {r['format']} v{r['version']} · {tot['entries']:,} entries, "
+              f"{_size(tot['file_bytes'])} · {_size(r['disk']['free_bytes'])} free on disk", highlight=False)
+    for fp, m in r["models"].items():
+        about = m["about"]
+        out.print(f"model {fp[:12]} · {escape(str(about.get('name', '?')))} · {about.get('dtype', '?')} "
+                  f"{about.get('backend', '?')} · {m['entries']:,} entries, {_size(m['file_bytes'])}", highlight=False)
+    for note in r["notes"]:
+        out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    if r["temporary"]:
+        out.print(f"[yellow]note:[/] {len(r['temporary'])} temporary file(s) of an interrupted or running write "
+                  "in tmp/ (never used; the next run removes them if their process is gone)", highlight=False)
+    if detail:
+        row = r["entries"][0]
+        table = Table(title=f"entry {row['key']}", show_header=False)
+        for key in ("key", "file", "model", "status", "tokens", "doc_ids", "bytes", "file_bytes", "indexed",
+                    "tensors", "crc32", "ids_head"):
+            if key in row:
+                table.add_row(key, escape(str(row[key])))
+        table.add_row("created", _when(row.get("created")))
+        table.add_row("last used", _when(row.get("last_used")))
+        out.print(table)
+        return
+    table = Table(title="entries (least recently used first)")
+    for name, justify in [("key", "left"), ("model", "left"), ("doc ids", "left"), ("tokens", "right"),
+                          ("recurrent", "right"), ("conv", "right"), ("K/V", "right"), ("file", "right"),
+                          ("last used", "left"), ("status", "left")]:
+        table.add_column(name, justify=justify, no_wrap=name not in ("doc ids", "status"))
+    for row in sorted(r["entries"], key=lambda e: (e.get("last_used") or 0, e["key"])):
+        b = row.get("bytes") or {}
+        ids = ", ".join(row.get("doc_ids") or []) or "-"
+        status = row["status"] + ("" if row["indexed"] else " (not indexed)")
+        style = "" if row["status"] in ("ok", "unchecked") else "red"
+        table.add_row(row["key"][:12], (row.get("model") or "?")[:12], escape(ids), f"{row.get('tokens') or 0:,}",
+                      _size(b.get("recurrent", 0)), _size(b.get("conv", 0)), _size(b.get("kv", 0)),
+                      _size(row["file_bytes"]), _when(row.get("last_used")), escape(status), style=style)
+    table.add_row("total", "", "", f"{tot['tokens']:,}", _size(tot.get("recurrent", 0)), _size(tot.get("conv", 0)),
+                  _size(tot.get("kv", 0)), _size(tot["file_bytes"]), "", "", style="bold")
+    out.print(table)
+    if r["verified"]:
+        bad = len(r["bad_entries"])
+        out.print(f"verify: {tot['entries'] - bad:,} ok, {bad:,} bad", highlight=False,
+                  style="red" if bad else "green")
 
 
 def main() -> None:

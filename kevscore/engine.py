@@ -1,6 +1,7 @@
 """The scoring pipeline: documents in waves through the bank, rows in padded batches, probabilities out."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,10 @@ class Progress:
     def start(self, phase: str, total: int) -> None: ...
 
     def advance(self, phase: str, n: int) -> None: ...
+
+    def warn(self, message: str) -> None:
+        """A problem the run recovers from (e.g. a corrupt on-disk bank entry), on one line."""
+        print(f"warning: {message}", file=sys.stderr)
 
 
 @dataclass(slots=True)
@@ -48,9 +53,11 @@ def _sync(device: torch.device) -> None:
 
 
 class Engine:
-    def __init__(self, runner, max_rows: int = 64, max_tokens: int = 8192, prefill_tokens: int = 8192):
+    def __init__(self, runner, max_rows: int = 64, max_tokens: int = 8192, prefill_tokens: int = 8192,
+                 store=None):
         self.runner = runner
         self.max_rows, self.max_tokens, self.prefill_tokens = max_rows, max_tokens, prefill_tokens
+        self.store = store  # a kevscore.bank_store.BankStore: entries loaded from / saved to disk
 
     def run(self, enc: Encoded, path: str, progress: Progress | None = None) -> Scores:
         progress = progress or Progress()
@@ -73,19 +80,27 @@ class Engine:
 
     def prefill_wave(self, enc: Encoded, wave: list[int], stats: RunStats,
                      progress: Progress | None = None) -> dict[int, int]:
-        """Reset the bank and prefill the wave's documents; returns each document's bank slot."""
+        """Reset the bank and prefill the wave's documents; returns each document's bank slot. With a
+        store, entries it has are loaded into their slots instead, and the prefilled ones saved."""
         progress = progress or Progress()
         bank, device = self.runner.bank, self.runner.device
         bank.reset()
         slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in wave}
         bank.publish()
+        cold = wave
+        if self.store is not None:
+            loaded = self.store.load(bank, enc.prefixes, wave, slot_of)
+            progress.advance("prefill", len(loaded))
+            cold = [d for d in wave if d not in loaded]
         t0 = time.perf_counter()
-        for group in self._prefill_groups(enc, wave):
+        for group in self._prefill_groups(enc, cold):
             self.runner.prefill([enc.prefixes[d] for d in group], [slot_of[d] for d in group])
             progress.advance("prefill", len(group))
         _sync(device)
         stats.prefill_s += time.perf_counter() - t0
-        stats.prefilled += len(wave)
+        stats.prefilled += len(cold)
+        if self.store is not None:
+            self.store.save(bank, enc.prefixes, cold, slot_of)
         return slot_of
 
     def _prefill_groups(self, enc: Encoded, wave: list[int]) -> list[list[int]]:

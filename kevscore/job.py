@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kevscore.backend import build_runner, resolve_device
+from kevscore.bank_store import BankStats, BankStore, check_bank_dir, model_fingerprint
 from kevscore.checkpoint import load_checkpoint
 from kevscore.data import check_output_path, default_output_path, read_input, write_output
 from kevscore.engine import Engine, Progress, RunStats
@@ -29,6 +30,8 @@ class RunOptions:
     overwrite: bool = False
     bank_capacity: int | None = None
     eager: bool = False
+    bank: Path | None = None          # on-disk bank directory (kevscore.bank_store)
+    bank_max_gb: float | None = None  # LRU-evict the on-disk bank down to this size
 
 
 @dataclass(slots=True)
@@ -39,6 +42,7 @@ class RunResult:
     device: str
     model: str
     load_s: float
+    bank: BankStats | None = None
 
 
 def check_options(opts: RunOptions) -> None:
@@ -50,6 +54,12 @@ def check_options(opts: RunOptions) -> None:
         raise KevscoreError(f"--bank-capacity {opts.bank_capacity}: must be at least 1")
     if not opts.labels or any(not label for label in opts.labels) or len(set(opts.labels)) != len(opts.labels):
         raise KevscoreError(f"--labels {','.join(opts.labels)}: give distinct, non-empty labels")
+    if opts.bank_max_gb is not None and opts.bank is None:
+        raise KevscoreError("--bank-max-gb needs --bank DIR")
+    if opts.bank_max_gb is not None and not opts.bank_max_gb > 0:
+        raise KevscoreError(f"--bank-max-gb {opts.bank_max_gb}: must be more than 0")
+    if opts.bank is not None:
+        check_bank_dir(Path(opts.bank), create=True)
 
 
 def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
@@ -63,8 +73,29 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     template = load_template(opts.template, ckpt.tokenizer)
     enc = encode(table, ckpt.tokenizer, template, opts.labels, ckpt.config.max_position_embeddings)
     runner = build_runner(ckpt, device, [len(p) for p in enc.prefixes], opts.bank_capacity, opts.eager)
+    store = open_store(opts, ckpt, runner, enc, table, progress) if opts.bank is not None else None
     load_s = time.perf_counter() - t0
-    scores = Engine(runner, max_rows=opts.batch_rows).run(enc, opts.path, progress)
+    try:
+        scores = Engine(runner, max_rows=opts.batch_rows, store=store).run(enc, opts.path, progress)
+    finally:
+        if store is not None:
+            store.close()
     write_output(output, table, enc.labels, scores.probs, scores.label_mass)
     documents = len(set(table.doc_ids or table.documents))
-    return RunResult(output, scores.stats, documents, str(device), ckpt.name, load_s)
+    return RunResult(output, scores.stats, documents, str(device), ckpt.name, load_s,
+                     store.stats if store is not None else None)
+
+
+def open_store(opts: RunOptions, ckpt, runner, enc, table, progress: Progress | None) -> BankStore:
+    """The on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)."""
+    backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
+    fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
+    max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
+    store = BankStore(Path(opts.bank), fingerprint, max_bytes, warn=(progress or Progress()).warn)
+    doc_ids: list[list[str]] = [[] for _ in enc.prefixes]
+    if table.doc_ids:
+        for r, p in enumerate(enc.row_prefix):
+            if table.doc_ids[r] not in doc_ids[p]:
+                doc_ids[p].append(table.doc_ids[r])
+    store.note_documents(enc.prefixes, doc_ids)
+    return store
