@@ -461,7 +461,7 @@ class BankStore:
                 index["models"][model.digest] = model.about
                 for path in self._evict(index):
                     path.unlink(missing_ok=True)
-                self._write_index(index)
+                self._write_index(index, "index-write-open")
                 self.index = index
         except BaseException:
             self._release()
@@ -572,8 +572,8 @@ class BankStore:
             entries[key] = _record(entry, path, self.root, path.stat().st_mtime)
         return index
 
-    def _write_index(self, index: dict) -> None:
-        _atomic_write(self.root / INDEX, json.dumps(index, indent=0).encode(), self.tmp, hook="index-write")
+    def _write_index(self, index: dict, hook: str) -> None:
+        _atomic_write(self.root / INDEX, json.dumps(index, indent=0).encode(), self.tmp, hook=hook)
 
     def _evict(self, index: dict) -> list[Path]:
         """Drop least-recently-used records until the entries fit `max_bytes`; returns their files."""
@@ -618,7 +618,7 @@ class BankStore:
                 rec["doc_ids"] = _merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
                 entries[key] = rec
             evicted = self._evict(index)
-            self._write_index(index)
+            self._write_index(index, "index-write")
             for path in evicted:
                 path.unlink(missing_ok=True)
             self.index = index
