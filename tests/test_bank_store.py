@@ -395,7 +395,7 @@ def _wait_for(marker: Path, proc: subprocess.Popen, timeout: float = 180) -> Non
 
 
 @pytest.mark.parametrize("point", ["entry-write", "renamed", "index-write"])
-def test_run_killed_during_a_bank_write(tmp_path, src, warm, point):
+def test_run_killed_during_a_bank_write(tmp_path, src, rows, warm, point):
     bank, out = tmp_path / "bank", tmp_path / "out.parquet"
     proc = _spawn(src, bank, out, tmp_path / "hooks", point)
     try:
@@ -414,10 +414,15 @@ def test_run_killed_during_a_bank_write(tmp_path, src, warm, point):
     assert report["temporary"] and len(report["unindexed"]) == complete
     result = cli.invoke(app, ["bank-inspect", str(bank), "--verify"])
     assert result.exit_code == 0 and f"verify: {complete} ok, 0 bad" in result.stdout
-    after = run(src, bank, out)
-    assert (after.bank.loaded, after.stats.prefilled, after.bank.warnings) == (complete, 6 - complete, [])
-    assert probs(out) == warm[1]
+    one = run(subset(rows, {"market"}, tmp_path / "one.parquet"), bank, tmp_path / "one.out.parquet")
+    assert (one.bank.loaded, one.stats.prefilled, one.bank.warnings) == ((1, 0, []) if complete else (0, 1, []))
     assert list((bank / "tmp").iterdir()) == []  # the dead process's temporary files are gone
+    assert len(index(bank)["entries"]) == max(complete, 1)  # complete entry files were adopted
+    after = run(src, bank, out)
+    assert (after.bank.loaded, after.stats.prefilled, after.bank.warnings) == ((6, 0, []) if complete else (1, 5, []))
+    if complete:
+        assert probs(out) == warm[1]  # entries written by the killed run, from the same cold prefill
+    close(probs(out), warm[1])
     verify_ok(bank, 6)
     assert len(index(bank)["entries"]) == 6
 
