@@ -43,7 +43,7 @@ class Scores:
     stats: RunStats = field(default_factory=RunStats)
 
     @classmethod
-    def empty(cls, rows: int) -> "Scores":
+    def empty(cls, rows: int) -> Scores:
         return cls([[] for _ in range(rows)], [0.0] * rows, RunStats(rows=rows))
 
 
@@ -83,7 +83,7 @@ class Engine:
         """Reset the bank and prefill the wave's documents; returns each document's bank slot. With a
         store, entries it has are loaded into their slots instead, and the prefilled ones saved."""
         progress = progress or Progress()
-        bank, device = self.runner.bank, self.runner.device
+        bank = self.runner.bank
         bank.reset()
         slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in wave}
         bank.publish()
@@ -92,16 +92,22 @@ class Engine:
             loaded = self.store.load(bank, enc.prefixes, wave, slot_of)
             progress.advance("prefill", len(loaded))
             cold = [d for d in wave if d not in loaded]
-        t0 = time.perf_counter()
-        for group in self._prefill_groups(enc, cold):
-            self.runner.prefill([enc.prefixes[d] for d in group], [slot_of[d] for d in group])
-            progress.advance("prefill", len(group))
-        _sync(device)
-        stats.prefill_s += time.perf_counter() - t0
-        stats.prefilled += len(cold)
+        self.prefill_into(enc, cold, slot_of, stats, progress)
         if self.store is not None:
             self.store.save(bank, enc.prefixes, cold, slot_of)
         return slot_of
+
+    def prefill_into(self, enc: Encoded, docs: list[int], slot_of: dict[int, int], stats: RunStats,
+                     progress: Progress | None = None) -> None:
+        """Prefill `docs` into their bank slots, already allocated and published by the caller."""
+        progress = progress or Progress()
+        t0 = time.perf_counter()
+        for group in self._prefill_groups(enc, docs):
+            self.runner.prefill([enc.prefixes[d] for d in group], [slot_of[d] for d in group])
+            progress.advance("prefill", len(group))
+        _sync(self.runner.device)
+        stats.prefill_s += time.perf_counter() - t0
+        stats.prefilled += len(docs)
 
     def _prefill_groups(self, enc: Encoded, wave: list[int]) -> list[list[int]]:
         """Documents sorted by length, packed into groups of at most `prefill_tokens` tokens."""

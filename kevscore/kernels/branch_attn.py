@@ -28,7 +28,7 @@ def _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale):
 
 @triton.jit
 def _branch_attn_kernel(q, k, v, o, pool_k, pool_v, kv_start, kv_len, T, qk_scale,
-                        sq_r, sq_t, sk_r, sk_t, sv_r, sv_t, so_r, so_t, sp_t,
+                        sq_r, sq_t, sk_r, sk_t, sv_r, sv_t, so_r, so_t, sp_t, s_start, s_len,
                         NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     i_m, i_rh = tl.program_id(0), tl.program_id(1)
     i_r, i_kv = i_rh // NKV, i_rh % NKV
@@ -42,8 +42,8 @@ def _branch_attn_kernel(q, k, v, o, pool_k, pool_v, kv_start, kv_len, T, qk_scal
     b_l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
 
-    start = tl.load(kv_start + i_r).to(tl.int64)
-    n_doc = tl.load(kv_len + i_r).to(tl.int32)
+    start = tl.load(kv_start + i_r * s_start).to(tl.int64)  # both may be strided upload-buffer columns
+    n_doc = tl.load(kv_len + i_r * s_len).to(tl.int32)
     for n0 in range(0, n_doc, BN):  # the document, from the bank
         o_n = n0 + tl.arange(0, BN)
         m_n = o_n < n_doc
@@ -72,7 +72,8 @@ def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: 
                      pool_v: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor,
                      block_m: int = 64, block_n: int = 64, num_warps: int = 8) -> torch.Tensor:
     """q [R, T, NH, D]; k, v [R, T, NKV, D] (token and row strides free, heads packed);
-    pool_k, pool_v [tokens, NKV, D]; row r's document is pool[kv_start[r] : kv_start[r] + kv_len[r]]."""
+    pool_k, pool_v [tokens, NKV, D]; row r's document is pool[kv_start[r] : kv_start[r] + kv_len[r]];
+    kv_start and kv_len are 1-D with any stride (the runner passes columns of its upload buffer)."""
     r, t, nh, d = q.shape
     nkv = k.shape[2]
     for x in (q, k, v):
@@ -83,6 +84,6 @@ def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: 
     grid = (triton.cdiv(t * g, block_m), r * nkv)
     _branch_attn_kernel[grid](q, k, v, o, pool_k, pool_v, kv_start, kv_len, t, d ** -0.5 * LOG2E,
                               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                              o.stride(0), o.stride(1), pool_k.stride(0),
+                              o.stride(0), o.stride(1), pool_k.stride(0), kv_start.stride(0), kv_len.stride(0),
                               NKV=nkv, G=g, D=d, BM=block_m, BN=block_n, num_warps=num_warps)
     return o
