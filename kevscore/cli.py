@@ -187,5 +187,64 @@ def _print_inspect(out: Console, r: dict, detail: bool) -> None:
                   style="red" if bad else "green")
 
 
+@app.command()
+def compare(
+    model: str = typer.Option("demo", "--model", help="Checkpoint directory, demo, kev-0.8b or kev-4b."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Rows from this Parquet instead of synthetic cases."),
+    documents: Optional[Path] = typer.Option(None, "--documents", help="With --data: its documents Parquet."),
+    reps: int = typer.Option(15, "--reps", help="Measured calls per path and case."),
+    warmup: int = typer.Option(3, "--warmup", help="Warm-up calls per path and case (graph capture included)."),
+    cases: Optional[str] = typer.Option(None, "--cases", help="Comma-separated: shared, distinct, padded, "
+                                        "long-branch, cold, mixed, warm (default all; with --data the last three)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full report (every sample) here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the latency distributions here."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
+    batch_rows: int = typer.Option(64, "--batch-rows", help="Most question rows per batch."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="hf: also time transformers on document + question."),
+    fault: Optional[str] = typer.Option(None, "--inject-fault", hidden=True, help="Test only."),
+) -> None:
+    """Run the gathered and indexed paths on the same weights and inputs; time them and check parity.
+    Exits 1 when any case shows a probability difference, a decision flip or a changed bank."""
+    from kevscore.compare import CompareOptions, compare as run_compare
+
+    opts = CompareOptions(model=model, data=data, documents=documents,
+                          cases=cases.split(",") if cases else None, reps=reps, warmup=warmup, device=device,
+                          batch_rows=batch_rows, baseline=baseline, json_path=json_path, plot=plot, fault=fault)
+    try:
+        report = run_compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
+    except KevscoreError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    console.print(_compare_table(report))
+    if not report["parity"]:
+        bad = [c["name"] for c in report["cases"] if not c["summary"]["parity"]]
+        _fail(f"parity failed in {', '.join(bad)}: the indexed path does not reproduce the gathered path")
+
+
+def _compare_table(r: dict) -> Table:
+    env = r["environment"]
+    where = env.get("gpu") or f"CPU ({env.get('cpu')}, {env.get('threads')} threads)"
+    unit = "GPU-event ms" if r["timer"] == "cuda-events" else "CPU wall-clock ms"
+    table = Table(title=escape(f"kevscore compare · {r['model']} on {where} · {unit}, median [p10-p90]"))
+    for name in ("case", "rows", "gathered", "indexed", "indexed/gathered", "rows/s g | i", "max |dp|", "flips",
+                 "bank"):
+        table.add_column(name, justify="left" if name == "case" else "right")
+    for c in r["cases"]:
+        s = c["summary"]
+        lat = {p: f"{s[p]['median_ms']:.2f} [{s[p]['p10_ms']:.2f}-{s[p]['p90_ms']:.2f}]" for p in ("gathered", "indexed")}
+        ok = "unchanged" if c["bank_unchanged"] else "[red]CHANGED[/]"
+        diff = f"{c['max_abs_diff']:.3g}" if c["max_abs_diff"] == 0 else f"[red]{c['max_abs_diff']:.3g}[/]"
+        flips = str(c["flips"]) if c["flips"] == 0 else f"[red]{c['flips']}[/]"
+        name = c["name"] + (f" (+{c['prefilled_in_call']} prefilled)" if c["prefilled_in_call"] else "")
+        table.add_row(name, str(c["rows"]), lat["gathered"], lat["indexed"], f"{s['indexed_over_gathered']:.3f}",
+                      f"{s['gathered']['rows_per_s']:,.0f} | {s['indexed']['rows_per_s']:,.0f}", diff, flips, ok)
+    if any(c.get("hf_ms") for c in r["cases"]):
+        table.caption = "transformers naive: " + ", ".join(
+            f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
+            for c in r["cases"] if c.get("hf_ms"))
+    return table
+
+
 def main() -> None:
     app()

@@ -1,0 +1,336 @@
+"""`kevscore compare`: the gathered and indexed paths on the same weights, inputs and device, in one
+process, timed in alternating order and checked for exact parity.
+
+A case is a workload (documents, rows) and a prefix temperature: the share of its documents already in
+the bank before the timed call. `warm` cases time scoring alone; in `cold` and `mixed` cases the timed
+call first prefills the documents not yet in the bank (into the same slots every time), then scores.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from kevscore.engine import Engine, Scores
+from kevscore.errors import KevscoreError
+from kevscore.measure import environment, naive_hf_call, quantile, timed
+from kevscore.prompt import Encoded
+
+PATHS = ("gathered", "indexed")
+SHAPE_CASES = ("shared", "distinct", "padded", "long-branch")
+TEMPERATURES = {"cold": 0.0, "mixed": 0.5, "warm": 1.0}
+CASES = SHAPE_CASES + tuple(TEMPERATURES)
+FAULTS = ("index-off-by-one",)
+
+
+@dataclass(frozen=True, slots=True)
+class CaseSpec:
+    name: str
+    docs: int
+    doc_len: int
+    questions: int          # rows per document
+    q_len: tuple[int, int]  # branch tokens, inclusive range
+    warm: float             # share of the documents prefilled before the timed call
+    seed: int
+
+
+def case_specs(small: bool) -> dict[str, CaseSpec]:
+    """The synthetic cases; `small` (the CPU) keeps their structure at a size a CPU runs in seconds."""
+    doc, q, long_q = (48, 12, (40, 80)) if small else (1024, 64, (256, 512))
+    specs = [
+        CaseSpec("shared", 16, doc, 6, (q, q), 1.0, 1),
+        CaseSpec("distinct", 24 if small else 96, doc, 1, (q, q), 1.0, 2),
+        CaseSpec("padded", 13, doc, 7, (q, q), 1.0, 3),  # 91 rows: fits no row bucket
+        CaseSpec("long-branch", 4 if small else 8, doc, 4, long_q, 1.0, 4),
+    ]
+    specs += [CaseSpec(t, 16, doc, 6, (q, q), w, 5) for t, w in TEMPERATURES.items()]
+    return {s.name: s for s in specs}
+
+
+def synthetic(spec: CaseSpec, vocab: int, label_ids: list[int]) -> Encoded:
+    rng = random.Random(spec.seed)
+    hi = min(vocab, 1200)
+    tokens = lambda n: [rng.randrange(100, hi) for _ in range(n)]  # noqa: E731
+    prefixes = [tokens(spec.doc_len) for _ in range(spec.docs)]
+    rows = [d for d in range(spec.docs) for _ in range(spec.questions)]
+    branches = [tokens(rng.randint(*spec.q_len)) for _ in rows]
+    return Encoded(prefixes, rows, branches, [["Yes", "No"]] * len(rows), [list(label_ids)] * len(rows))
+
+
+@dataclass(slots=True)
+class CaseResult:
+    name: str
+    definition: dict
+    rows: int
+    documents: int
+    prefilled_in_call: int
+    latency_ms: dict[str, list[float]] = field(default_factory=dict)
+    wall_s: dict[str, list[float]] = field(default_factory=dict)
+    warmup_s: dict[str, float] = field(default_factory=dict)
+    capture_s: float = 0.0
+    max_abs_diff: float = 0.0
+    flips: int = 0
+    bank_unchanged: bool = True
+    hf_ms: list[float] | None = None
+
+    def median(self, path: str) -> float:
+        return statistics.median(self.latency_ms[path])
+
+    def rows_per_s(self, path: str) -> float:
+        return self.rows / statistics.median(self.wall_s[path])
+
+    @property
+    def ratio(self) -> float:
+        return self.median("indexed") / self.median("gathered")
+
+    @property
+    def parity(self) -> bool:
+        return self.flips == 0 and self.max_abs_diff == 0.0 and self.bank_unchanged
+
+    def summary(self) -> dict:
+        out = {p: {"median_ms": self.median(p), "p10_ms": quantile(self.latency_ms[p], 0.1),
+                   "p90_ms": quantile(self.latency_ms[p], 0.9), "rows_per_s": self.rows_per_s(p)} for p in PATHS}
+        out |= {"indexed_over_gathered": self.ratio, "parity": self.parity}
+        if self.hf_ms:
+            out["hf_median_ms"] = statistics.median(self.hf_ms)
+            out["hf_over_indexed"] = out["hf_median_ms"] / self.median("indexed")
+        return out
+
+
+def _bank_views(bank) -> list[torch.Tensor]:
+    """The bank's used region: every entry in use and every K/V token in use."""
+    n, t = bank.used_entries, bank.used_tokens
+    return [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :t], bank.start[:n], bank.length[:n]]
+
+
+@contextlib.contextmanager
+def injected_fault(ops, fault: str | None) -> Iterator[None]:
+    """Test-only: `index-off-by-one` makes the indexed state scan read the next entry's state."""
+    if fault is None:
+        yield
+        return
+    if fault not in FAULTS:
+        raise KevscoreError(f"--inject-fault {fault}: choose {', '.join(FAULTS)}")
+    real = ops.gdr_branch
+
+    def broken(q, k, v, g, beta, bank, slots, path):
+        if path == "indexed":
+            slots = (slots + 1) % bank.shape[0]
+        return real(q, k, v, g, beta, bank, slots, path)
+
+    ops.gdr_branch = broken
+    try:
+        yield
+    finally:
+        ops.gdr_branch = real
+
+
+def _argmax(p: list[float]) -> int:
+    return max(range(len(p)), key=p.__getitem__)
+
+
+def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: dict, reps: int, warmup: int,
+             hf: Callable[[Encoded], Callable[[], None]] | None = None, hf_reps: int = 3) -> CaseResult:
+    runner, device = engine.runner, engine.runner.device
+    bank = runner.bank
+    docs = list(range(len(enc.prefixes)))
+    rows = list(range(len(enc)))
+    n_warm = round(warm * len(docs))
+    warm_docs, cold_docs = docs[:n_warm], docs[n_warm:]
+    bank.reset()
+    slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in docs}
+    bank.publish()
+    stats = Scores.empty(0).stats
+    engine.prefill_into(enc, warm_docs, slot_of, stats)
+    scores = {p: Scores.empty(len(rows)) for p in PATHS}
+
+    def call(path: str) -> None:
+        if cold_docs:
+            engine.prefill_into(enc, cold_docs, slot_of, stats)
+        engine.score_rows(enc, rows, slot_of, path, scores[path])
+
+    res = CaseResult(name, definition, len(rows), len(docs), len(cold_docs))
+    capture0 = getattr(runner, "capture_s", 0.0)
+    for p in PATHS:  # first calls capture each path's graphs; warm-up is reported apart from latency
+        t0 = time.perf_counter()
+        for _ in range(max(warmup, 1)):
+            call(p)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        res.warmup_s[p] = time.perf_counter() - t0
+    res.capture_s = getattr(runner, "capture_s", 0.0) - capture0
+    snapshot = [t.clone() for t in _bank_views(bank)]
+    for p in PATHS:
+        res.latency_ms[p], res.wall_s[p] = [], []
+    for i in range(reps):
+        for p in (PATHS if i % 2 == 0 else PATHS[::-1]):  # A B, B A, A B, ...
+            ms, wall = timed(lambda p=p: call(p), device)
+            res.latency_ms[p].append(ms)
+            res.wall_s[p].append(wall)
+    res.bank_unchanged = all(torch.equal(a, b) for a, b in zip(snapshot, _bank_views(bank)))
+    del snapshot
+    a, b = scores["gathered"].probs, scores["indexed"].probs
+    res.max_abs_diff = max((abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb)), default=0.0)
+    if any(math.isnan(x) for pr in a + b for x in pr):  # a NaN is never parity
+        res.max_abs_diff = float("inf")
+    res.flips = sum(_argmax(pa) != _argmax(pb) for pa, pb in zip(a, b))
+    if hf is not None:
+        fn = hf(enc)
+        fn()  # warm-up
+        res.hf_ms = [timed(fn, device)[0] for _ in range(hf_reps)]
+    return res
+
+
+@dataclass(slots=True)
+class CompareOptions:
+    model: str = "demo"
+    data: Path | None = None
+    documents: Path | None = None
+    cases: list[str] | None = None
+    reps: int = 15
+    warmup: int = 3
+    device: str = "auto"
+    batch_rows: int = 64
+    baseline: str | None = None
+    json_path: Path | None = None
+    plot: Path | None = None
+    fault: str | None = None
+
+
+def _check(opts: CompareOptions) -> list[str]:
+    if opts.reps < 1 or opts.warmup < 0:
+        raise KevscoreError(f"--reps {opts.reps} --warmup {opts.warmup}: need reps >= 1 and warmup >= 0")
+    if opts.baseline not in (None, "hf"):
+        raise KevscoreError(f"--baseline {opts.baseline}: the only baseline is hf")
+    allowed = tuple(TEMPERATURES) if opts.data else CASES
+    cases = opts.cases or list(allowed)
+    bad = [c for c in cases if c not in allowed]
+    if bad:
+        why = "with --data, the cases are the prefix temperatures" if opts.data else "choose among"
+        raise KevscoreError(f"--cases {','.join(bad)}: {why} {', '.join(allowed)}")
+    for path in (opts.json_path, opts.plot):
+        if path is not None and not Path(path).parent.is_dir():
+            raise KevscoreError(f"{path}: its folder does not exist")
+    return list(dict.fromkeys(cases))
+
+
+def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -> dict:
+    """Run the cases; returns the report (also written to `opts.json_path` when given)."""
+    from kevscore.backend import build_runner, resolve_device
+    from kevscore.checkpoint import load_checkpoint
+    from kevscore.prompt import encode, label_token_ids, load_template
+
+    cases = _check(opts)
+    device = resolve_device(opts.device)
+    ckpt = load_checkpoint(opts.model, device)
+    small = device.type != "cuda"
+    workloads: dict[str, tuple[Encoded, float, dict]] = {}
+    if opts.data:
+        from kevscore.data import read_input
+
+        table = read_input(Path(opts.data), Path(opts.documents) if opts.documents else None)
+        enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],
+                     ckpt.config.max_position_embeddings)
+        for c in cases:
+            workloads[c] = (enc, TEMPERATURES[c], {"data": Path(opts.data).name, "rows": len(enc),
+                                                   "documents": len(enc.prefixes), "warm": TEMPERATURES[c]})
+    else:
+        labels = label_token_ids(ckpt.tokenizer, ["Yes", "No"], "compare")
+        specs = case_specs(small)
+        for c in cases:
+            workloads[c] = (synthetic(specs[c], ckpt.config.vocab_size, labels), specs[c].warm, asdict(specs[c]))
+    doc_tokens = [len(p) for enc, _, _ in workloads.values() for p in enc.prefixes]
+    t0 = time.perf_counter()
+    runner = build_runner(ckpt, device, doc_tokens)
+    engine = Engine(runner, max_rows=opts.batch_rows)
+    load_s = time.perf_counter() - t0
+    hf = None
+    if opts.baseline == "hf":
+        from kevscore.reference import reference_model
+
+        hf_model = reference_model(ckpt, device=str(device),
+                                   dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+        def hf(enc: Encoded) -> Callable[[], None]:
+            seqs = [enc.prefixes[enc.row_prefix[r]] + enc.branches[r] for r in range(len(enc))]
+            return naive_hf_call(hf_model, seqs, device, batch=16)
+
+    results = []
+    with injected_fault(runner.model.ops, opts.fault):
+        for c in cases:
+            enc, warm, definition = workloads[c]
+            log(f"case {c}: {len(enc)} rows, {len(enc.prefixes)} documents")
+            results.append(run_case(engine, c, enc, warm, definition, opts.reps, opts.warmup, hf,
+                                    hf_reps=min(opts.reps, 3)))
+    report = {
+        "kind": "kevscore compare", "timer": "cuda-events" if device.type == "cuda" else "cpu-wall-clock",
+        "model": ckpt.name, "options": {"reps": opts.reps, "warmup": opts.warmup, "batch_rows": opts.batch_rows,
+                                        "baseline": opts.baseline, "small_cases": small,
+                                        "fault": opts.fault},
+        "environment": environment(device), "load_s": load_s,
+        "cases": [asdict(r) | {"summary": r.summary()} for r in results],
+        "parity": all(r.parity for r in results),
+    }
+    if opts.json_path:
+        write_atomic(Path(opts.json_path), json.dumps(report, indent=1).encode())
+    if opts.plot:
+        plot(report, Path(opts.plot))
+    return report
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def plot(report: dict, path: Path) -> None:
+    """Latency distributions per case and path, one panel per case."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise KevscoreError("--plot needs matplotlib: pip install 'kevscore[plot]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = report["cases"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(2.6 * len(cases) + 1, 3.6), squeeze=False)
+    unit = "GPU ms (CUDA events)" if report["timer"] == "cuda-events" else "CPU ms (wall clock)"
+    for ax, case in zip(axes[0], cases):
+        data = [case["latency_ms"][p] for p in PATHS]
+        ax.boxplot(data, showfliers=True)
+        ax.set_xticks([1, 2], list(PATHS))
+        for i, d in enumerate(data, start=1):
+            ax.scatter([i] * len(d), d, s=6, alpha=0.5)
+        ax.set_title(f"{case['name']} ({case['rows']} rows)\nratio {case['summary']['indexed_over_gathered']:.3f}",
+                     fontsize=9)
+    axes[0][0].set_ylabel(unit)
+    fig.suptitle(f"kevscore compare · {report['model']} · {report['environment'].get('gpu', 'CPU')}", fontsize=10)
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=110)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)

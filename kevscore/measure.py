@@ -1,0 +1,100 @@
+"""Measuring: timed calls (CUDA events on a GPU, the wall clock on a CPU), the machine and code a result
+comes from, and the naive transformers baseline. Used by `kevscore compare` and `benchmarks/`."""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+PACKAGES = ("torch", "triton", "transformers", "fla-core", "flash-linear-attention", "pyarrow")
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(latency ms, wall s) of one call: CUDA-event time on a GPU (the wall clock on a CPU), and the wall
+    time from before the call to the end of its GPU work."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        wall = time.perf_counter() - t0
+        return wall * 1000, wall
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), time.perf_counter() - t0
+
+
+def events_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.device | str = "cuda") -> list[float]:
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    return [timed(fn, device)[0] for _ in range(reps)]
+
+
+def quantile(samples: list[float], q: float) -> float:
+    """Linear-interpolation quantile (q in [0, 1]) of a non-empty sample."""
+    xs = sorted(samples)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def source_digests() -> dict[str, str]:
+    """SHA-256 of kevscore's source files, by path relative to the package (no machine paths)."""
+    root = Path(__file__).parent
+    return {str(p.relative_to(root.parent)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*.py"))}
+
+
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return out.strip().splitlines()[0] if out.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    """What a result was measured on: device, driver, CUDA and package versions, and the code's digests.
+    Holds no host name, path or user name."""
+    versions = {}
+    for pkg in PACKAGES:
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    env = {"device": device.type, "python": platform.python_version(), "versions": versions,
+           "source_sha256": source_digests()}
+    if device.type == "cuda":
+        env |= {"gpu": torch.cuda.get_device_name(device), "driver": _driver_version(), "cuda": torch.version.cuda}
+    else:
+        env |= {"cpu": platform.machine(), "threads": torch.get_num_threads()}
+    return env
+
+
+def naive_hf_call(model, sequences: list[list[int]], device: torch.device, batch: int) -> Callable[[], None]:
+    """A call that runs a transformers model (`kevscore.reference.reference_model`) on every full
+    `document + question` sequence, the naive baseline: sequences of equal length go together, `batch`
+    at a time, logits at the last position only."""
+    by_len: dict[int, list[list[int]]] = {}
+    for s in sequences:
+        by_len.setdefault(len(s), []).append(s)
+    groups = [g[i:i + batch] for g in by_len.values() for i in range(0, len(g), batch)]
+
+    @torch.no_grad()
+    def call() -> None:
+        for group in groups:
+            model(input_ids=torch.tensor(group, device=device), use_cache=False, logits_to_keep=1)
+
+    return call

@@ -1,0 +1,87 @@
+"""`kevscore compare` on the CPU, driven through typer's runner: report contents, parity gate, errors."""
+import json
+import os
+import re
+import socket
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kevscore.cli import app
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def compare(*args: str):
+    return CliRunner().invoke(app, ["compare", "--device", "cpu", "--reps", "2", "--warmup", "1", *args])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    result = compare("--cases", "shared,padded,mixed", "--json", str(out / "r.json"), "--plot", str(out / "r.png"))
+    assert result.exit_code == 0, result.output
+    return out, result.output, json.loads((out / "r.json").read_text())
+
+
+def test_report_holds_samples_parity_and_provenance(report):
+    out, text, r = report
+    assert r["timer"] == "cpu-wall-clock" and r["parity"] is True
+    assert [c["name"] for c in r["cases"]] == ["shared", "padded", "mixed"]
+    for case in r["cases"]:
+        for path in ("gathered", "indexed"):
+            assert len(case["latency_ms"][path]) == 2 and all(ms > 0 for ms in case["latency_ms"][path])
+            assert len(case["wall_s"][path]) == 2 and case["warmup_s"][path] > 0
+            s = case["summary"][path]
+            assert s["p10_ms"] <= s["median_ms"] <= s["p90_ms"] and s["rows_per_s"] > 0
+        assert case["max_abs_diff"] == 0 and case["flips"] == 0 and case["bank_unchanged"] is True
+        assert case["summary"]["indexed_over_gathered"] == pytest.approx(
+            case["summary"]["indexed"]["median_ms"] / case["summary"]["gathered"]["median_ms"])
+    shared, padded, mixed = r["cases"]
+    assert shared["rows"] == 96 and shared["documents"] == 16 and shared["definition"]["questions"] == 6
+    assert padded["rows"] == 91  # 13 x 7 fits no row bucket
+    assert mixed["prefilled_in_call"] == 8 and shared["prefilled_in_call"] == 0
+    env = r["environment"]
+    assert set(env["versions"]) >= {"torch", "triton", "transformers", "fla-core", "flash-linear-attention"}
+    assert env["versions"]["torch"] and env["device"] == "cpu"
+    assert re.fullmatch(r"[0-9a-f]{64}", env["source_sha256"]["kevscore/compare.py"])
+    assert "kevscore/kernels/gdr_ref.py" in env["source_sha256"]
+    raw = (out / "r.json").read_text()
+    for private in (socket.gethostname(), str(Path.home()), os.getcwd(), str(out)):
+        assert private not in raw
+    assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "shared" in text and "CPU wall-clock" in text
+
+
+def test_broken_indexed_path_reports_flips_and_fails(tmp_path):
+    """The demo model answers from its document: reading the next document's state flips answers."""
+    result = compare("--data", str(EXAMPLES / "questions.parquet"), "--cases", "warm",
+                     "--json", str(tmp_path / "r.json"), "--inject-fault", "index-off-by-one")
+    assert result.exit_code == 1
+    assert "parity failed in warm" in result.output
+    case = json.loads((tmp_path / "r.json").read_text())["cases"][0]
+    assert case["flips"] > 0 and case["max_abs_diff"] > 0
+    assert case["summary"]["parity"] is False
+
+
+def test_data_rows_at_every_temperature(tmp_path):
+    result = compare("--data", str(EXAMPLES / "questions.parquet"), "--cases", "cold,warm",
+                     "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 0, result.output
+    r = json.loads((tmp_path / "r.json").read_text())
+    cold, warm = r["cases"]
+    assert cold["prefilled_in_call"] == cold["documents"] > 0 and warm["prefilled_in_call"] == 0
+    assert cold["rows"] == warm["rows"] > 0 and r["parity"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cases", "shared,nope"], "--cases nope: choose among"),
+    (["--data", str(EXAMPLES / "questions.parquet"), "--cases", "shared"], "with --data, the cases are"),
+    (["--reps", "0"], "need reps >= 1"),
+    (["--baseline", "vllm"], "the only baseline is hf"),
+    (["--json", "/nonexistent-dir/r.json"], "its folder does not exist"),
+])
+def test_bad_options_fail_with_one_line(args, message):
+    result = compare(*args)
+    assert result.exit_code == 1 and message in result.output
