@@ -17,21 +17,8 @@ from pathlib import Path
 import torch
 
 from kevscore.config import SHAPES, KevConfig
+from kevscore.measure import environment, events_ms, naive_hf_call
 from kevscore.prompt import Encoded
-
-
-def events_ms(fn, reps: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
 
 
 def matmul_tflops(n: int = 8192) -> float:
@@ -96,33 +83,6 @@ def profile(fn, reps: int = 3) -> dict[str, dict[str, float]]:
     return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "top_kernels": top}
 
 
-def naive_hf(ckpt, enc: Encoded, batch: int, reps: int) -> list[float]:
-    from kevscore.reference import reference_model
-
-    model = reference_model(ckpt, device="cuda", dtype=torch.bfloat16)
-    seqs = [enc.prefixes[enc.row_prefix[r]] + enc.branches[r] for r in range(len(enc))]
-
-    @torch.no_grad()
-    def call():
-        for i in range(0, len(seqs), batch):
-            ids = torch.tensor(seqs[i:i + batch], device="cuda")
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
-
-    return events_ms(call, reps=reps, warmup=1)
-
-
-def environment() -> dict:
-    import importlib.metadata as md
-
-    versions = {}
-    for pkg in ("torch", "triton", "transformers", "fla-core", "flash-linear-attention"):
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            versions[pkg] = None
-    return {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda, "versions": versions}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="kev-4b", choices=sorted(SHAPES))
@@ -178,7 +138,7 @@ def main() -> None:
     med = {p: statistics.median(s) for p, s in samples.items()}
     report = {
         "workload": vars(args) | {"json": str(args.json) if args.json else None, "rows": len(rows)},
-        "environment": environment(), "matmul_tflops": tflops, "floor_ms": floor_ms,
+        "environment": environment(torch.device("cuda")), "matmul_tflops": tflops, "floor_ms": floor_ms,
         "load_s": load_s, "prefill_ms": prefill_ms, "capture_s": runner.capture_s,
         "samples_ms": samples, "wall_s": wall, "median_ms": med,
         "p10_p90_ms": {p: statistics.quantiles(s, n=10)[::8] for p, s in samples.items()},
@@ -189,7 +149,13 @@ def main() -> None:
     if args.profile:
         report["profile_ms"] = {p: profile(call[p]) for p in call}
     if args.hf_reps:
-        hf = naive_hf(ckpt, enc, args.hf_batch, args.hf_reps)
+        from kevscore.reference import reference_model
+
+        del engine, runner, call
+        torch.cuda.empty_cache()
+        model = reference_model(ckpt, device="cuda", dtype=torch.bfloat16)
+        seqs = [enc.prefixes[enc.row_prefix[r]] + enc.branches[r] for r in rows]
+        hf = events_ms(naive_hf_call(model, seqs, torch.device("cuda"), args.hf_batch), reps=args.hf_reps, warmup=1)
         torch.cuda.empty_cache()
         report["hf_naive_ms"] = hf
         report["hf_rows_per_s"] = len(rows) / (statistics.median(hf) / 1000)

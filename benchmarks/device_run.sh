@@ -8,7 +8,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton, transformers, fla; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, transformers.__version__, fla.__version__)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n 2 -p no:hypothesispytest --tb=line -rfEP "$@" 2>&1 \
+  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n "${PYTEST_WORKERS:-2}" -p no:hypothesispytest --tb=line -rfEP "$@" 2>&1 \
     | tee "$OUT/pytest_cuda.log" | grep -E "^(FAILED|ERROR|E |/)|max \||passed|failed|crashed" | tail -40
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
