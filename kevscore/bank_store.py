@@ -355,6 +355,13 @@ def check_bank_dir(root: Path, create: bool) -> None:
         if create:
             return
         raise KevscoreError(f"{root}: no such bank directory")
+    try:
+        _check_bank_contents(root, create)
+    except OSError as exc:
+        raise KevscoreError(f"{root}: cannot read the bank directory ({exc.strerror or exc})") from exc
+
+
+def _check_bank_contents(root: Path, create: bool) -> None:
     marker = root / MARKER
     if marker.is_file():
         try:
@@ -515,7 +522,7 @@ class BankStore:
             return
         try:
             if self._touched:
-                self._commit([])
+                self._commit_or_warn([])
         finally:
             self._release()
 
@@ -763,8 +770,19 @@ class BankStore:
             self.stats.saved += 1
             self.stats.written_bytes += result[2]["file_bytes"]
         if written or self._touched:
-            self._commit(written)
+            self._commit_or_warn(written)
         self.stats.save_s += time.perf_counter() - t0
+
+    def _commit_or_warn(self, written: list[tuple[str, Path, dict]]) -> None:
+        """A failed commit (disk full, I/O error) costs the bank these entries, not the run its scores."""
+        try:
+            self._commit(written)
+        except OSError as exc:
+            self._touched.clear()
+            for _, tmp, _ in written:
+                tmp.unlink(missing_ok=True)
+            self.warn(f"bank {self.root}: cannot update the bank ({exc}); this run's {len(written)} new "
+                      "entries may be missing from it")
 
 
 # ---------------------------------------------------------------- inspection

@@ -91,7 +91,10 @@ def open_store(opts: RunOptions, ckpt, runner, enc, table, progress: Progress | 
     backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
     fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
     max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
-    store = BankStore(Path(opts.bank), fingerprint, max_bytes, warn=(progress or Progress()).warn)
+    try:
+        store = BankStore(Path(opts.bank), fingerprint, max_bytes, warn=(progress or Progress()).warn)
+    except OSError as exc:
+        raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc
     doc_ids: list[list[str]] = [[] for _ in enc.prefixes]
     if table.doc_ids:
         for r, p in enumerate(enc.row_prefix):

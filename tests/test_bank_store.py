@@ -286,6 +286,35 @@ def test_bank_option_errors(tmp_path, src):
     assert not (tmp_path / "b").exists()
 
 
+def test_failed_index_write_costs_the_bank_not_the_run(tmp_path, src, warm, monkeypatch):
+    from kevscore.bank_store import BankStore
+
+    original = BankStore._write_index
+
+    def disk_full(self, index, hook):
+        if hook == "index-write":  # the commit's index write, after the entry files were renamed in
+            raise OSError(28, "No space left on device")
+        original(self, index, hook)
+
+    monkeypatch.setattr(BankStore, "_write_index", disk_full)
+    result = cli.invoke(app, ["run", str(src), "--device", "cpu", "--bank", str(tmp_path / "bank"), "-o",
+                              str(tmp_path / "out.parquet")])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], result.stderr
+    assert probs(tmp_path / "out.parquet") == warm[1]
+    monkeypatch.setattr(BankStore, "_write_index", original)
+    again = run(src, tmp_path / "bank", tmp_path / "again.parquet")  # the renamed files are adopted
+    assert (again.bank.loaded, again.stats.prefilled, again.bank.warnings) == (6, 0, [])
+    verify_ok(tmp_path / "bank", 6)
+
+
+def test_run_and_inspect_help_list_bank_options():
+    assert all(o in cli.invoke(app, ["run", "--help"]).stdout for o in ("--bank", "--bank-max-gb"))
+    text = cli.invoke(app, ["bank-inspect", "--help"]).stdout
+    assert all(o in text for o in ("--entry", "--verify", "--json"))
+
+
 # ---------------------------------------------------------------- eviction
 
 def test_eviction_keeps_the_bank_under_the_limit_lru_first(tmp_path, rows, warm):
