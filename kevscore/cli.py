@@ -216,7 +216,7 @@ def compare(
         _fail(str(exc))
     except KeyboardInterrupt:
         _fail("interrupted", 130)
-    console.print(_compare_table(report))
+    (console if console.is_terminal else Console(stderr=True, width=170)).print(_compare_table(report))
     if not report["parity"]:
         bad = [c["name"] for c in report["cases"] if not c["summary"]["parity"]]
         _fail(f"parity failed in {', '.join(bad)}: the indexed path does not reproduce the gathered path")
@@ -239,8 +239,10 @@ def _compare_table(r: dict) -> Table:
         name = c["name"] + (f" (+{c['prefilled_in_call']} prefilled)" if c["prefilled_in_call"] else "")
         table.add_row(name, str(c["rows"]), lat["gathered"], lat["indexed"], f"{s['indexed_over_gathered']:.3f}",
                       f"{s['gathered']['rows_per_s']:,.0f} | {s['indexed']['rows_per_s']:,.0f}", diff, flips, ok)
+    warm = ", ".join(f"{c['name']} {sum(c['warmup_s'].values()):.1f} s" for c in r["cases"])
+    table.caption = f"warm-up incl. graph capture, both paths (not in the latencies): {warm}"
     if any(c.get("hf_ms") for c in r["cases"]):
-        table.caption = "transformers naive: " + ", ".join(
+        table.caption += "\ntransformers naive: " + ", ".join(
             f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
             for c in r["cases"] if c.get("hf_ms"))
     return table

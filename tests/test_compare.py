@@ -67,12 +67,17 @@ def test_broken_indexed_path_reports_flips_and_fails(tmp_path):
 
 def test_data_rows_at_every_temperature(tmp_path):
     result = compare("--data", str(EXAMPLES / "questions.parquet"), "--cases", "cold,warm",
-                     "--json", str(tmp_path / "r.json"))
+                     "--json", str(tmp_path / "r.json"), "--baseline", "hf")
     assert result.exit_code == 0, result.output
     r = json.loads((tmp_path / "r.json").read_text())
     cold, warm = r["cases"]
     assert cold["prefilled_in_call"] == cold["documents"] > 0 and warm["prefilled_in_call"] == 0
     assert cold["rows"] == warm["rows"] > 0 and r["parity"]
+    for case in (cold, warm):  # transformers on the full sequences, timed and compared with indexed
+        assert len(case["hf_ms"]) == 2 and all(ms > 0 for ms in case["hf_ms"])
+        assert case["summary"]["hf_over_indexed"] == pytest.approx(
+            case["summary"]["hf_median_ms"] / case["summary"]["indexed"]["median_ms"])
+    assert "transformers naive: cold" in result.output
 
 
 @pytest.mark.parametrize("args, message", [
