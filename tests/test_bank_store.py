@@ -408,7 +408,9 @@ def test_inspect_one_entry_and_errors(bank, tmp_path):
 
 def _spawn(src: Path, bank: Path, out: Path, hooks: Path, pause: str) -> subprocess.Popen:
     hooks.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, KEVSCORE_TEST_BANK_HOOKS=str(hooks), KEVSCORE_TEST_BANK_PAUSE=pause)
+    # one thread each: two of these may run at once, and tiny demo runs gain nothing from more
+    env = dict(os.environ, KEVSCORE_TEST_BANK_HOOKS=str(hooks), KEVSCORE_TEST_BANK_PAUSE=pause,
+               OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "kevscore", "run", str(src), "--device", "cpu", "--bank",
                              str(bank), "-o", str(out), "--quiet"], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
