@@ -809,12 +809,14 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
         models = dict(index["models"]) if index else {}
         rows = []
         keys = sorted(set(records) | set(files))
+        chosen = None
         if entry is not None:
-            keys = [k for k in keys if k.startswith(entry)]
-            if not keys:
+            matches = [k for k in keys if k.startswith(entry)]
+            if not matches:
                 raise KevscoreError(f"{root}: no entry {entry!r}")
-            if len(keys) > 1:
-                raise KevscoreError(f"{root}: entry {entry!r} is ambiguous ({len(keys)} entries start with it)")
+            if len(matches) > 1:
+                raise KevscoreError(f"{root}: entry {entry!r} is ambiguous ({len(matches)} entries start with it)")
+            chosen = matches[0]
         for key in keys:
             rec, path = records.get(key), files.get(key)
             row = {"key": key, "file": f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}", "indexed": rec is not None,
@@ -835,7 +837,7 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
                            file_bytes=path.stat().st_size)
             row["doc_ids"] = rec["doc_ids"] if rec else []
             row["last_used"] = rec["last_used"] if rec else path.stat().st_mtime
-            if verify and row["status"] == "unchecked":
+            if verify and row["status"] == "unchecked" and chosen in (None, key):
                 try:
                     checked, tensors = read_entry(path)
                     row["status"] = "ok"
@@ -858,8 +860,9 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
         for comp in COMPONENTS.values():
             totals[comp] = totals.get(comp, 0) + (r.get("bytes") or {}).get(comp, 0)
     disk = shutil.disk_usage(root)
-    bad = [r["key"] for r in rows if r["status"] not in ("ok", "unchecked")]
-    return {"bank": str(root), "format": FORMAT, "version": VERSION, "models": per_model, "entries": rows,
+    shown = rows if chosen is None else [r for r in rows if r["key"] == chosen]
+    bad = [r["key"] for r in shown if r["status"] not in ("ok", "unchecked")]
+    return {"bank": str(root), "format": FORMAT, "version": VERSION, "models": per_model, "entries": shown,
             "totals": totals, "disk": {"free_bytes": disk.free, "total_bytes": disk.total},
             "verified": verify, "bad_entries": bad, "notes": notes,
             "unindexed": [r["key"] for r in rows if not r["indexed"]],

@@ -383,7 +383,9 @@ def test_inspect_one_entry_and_errors(bank, tmp_path):
     key, path = entry_of(bank, "market")
     result = cli.invoke(app, ["bank-inspect", str(bank), "--entry", key[:10], "--verify", "--json"])
     assert result.exit_code == 0, (result.stderr, result.exception)
-    (entry,) = json.loads(result.stdout)["entries"]
+    one = json.loads(result.stdout)
+    (entry,) = one["entries"]
+    assert one["totals"]["entries"] == 6  # the bank's totals, not the entry's
     ids = torch.tensor(entry["ids_head"])
     assert entry["key"] == key and entry["status"] == "ok" and len(ids) == min(16, entry["tokens"])
     assert sorted(entry["crc32"]) == ["conv", "ids", "kv", "state"]
