@@ -140,6 +140,7 @@ def _file_sha256(path: Path) -> str:
         with open(path, "rb") as f:
             while chunk := f.read(1 << 24):
                 digest.update(chunk)
+        known = {k: v for k, v in known.items() if os.path.exists(k.rsplit(":", 3)[0])}  # gone: forget
         known[ident] = digest.hexdigest()
         with contextlib.suppress(OSError):  # a cache only: a failed write costs a rehash next time
             cache.parent.mkdir(parents=True, exist_ok=True)
