@@ -85,6 +85,9 @@ def run(
     batch_rows: int = typer.Option(64, "--batch-rows", help="Most question rows per batch."),
     bank_capacity: Optional[int] = typer.Option(None, "--bank-capacity", help="Bank entries (default: from memory)."),
     eager: bool = typer.Option(False, "--eager", help="GPU: run without CUDA graphs."),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant", help="One row per batch and one document per "
+                                         "prefill: each row's probabilities do not depend on which rows share the job "
+                                         "(bit-identical across shard counts); slower."),
     bank: Optional[Path] = typer.Option(None, "--bank", help="Keep bank entries on disk in DIR between runs."),
     bank_max_gb: Optional[float] = typer.Option(None, "--bank-max-gb",
                                                 help="Evict least-recently-used entries to stay under N GB."),
@@ -96,7 +99,8 @@ def run(
 
     opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device, path=path,
                       labels=labels.split(","), template=template, batch_rows=batch_rows, overwrite=overwrite,
-                      bank_capacity=bank_capacity, eager=eager, bank=bank, bank_max_gb=bank_max_gb)
+                      bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant, bank=bank,
+                      bank_max_gb=bank_max_gb)
     columns = [TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     try:
         with Progress(*columns, console=console, disable=quiet, transient=False) as bar:

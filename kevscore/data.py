@@ -33,9 +33,22 @@ class InputTable:
     question_ids: list[str] | None
     labels: list[list[str]] | None
     sources: list[Path]
+    rows: list[int] | None = None  # each row's index in the input (None: 0..n-1); a shard keeps a subset
 
     def __len__(self) -> int:
         return len(self.questions)
+
+    @property
+    def doc_keys(self) -> list[str]:
+        """What identifies each row's document: its doc_id, else its text."""
+        return self.doc_ids if self.doc_ids is not None else self.documents
+
+    def take(self, indices: Sequence[int]) -> InputTable:
+        """The rows at `indices` (positions in this table), keeping their input row numbers."""
+        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
+        rows = list(indices) if self.rows is None else [self.rows[i] for i in indices]
+        return InputTable(pick(self.documents), pick(self.questions), pick(self.doc_ids), pick(self.question_ids),
+                          pick(self.labels), self.sources, rows)
 
 
 # ---------------------------------------------------------------- reading
@@ -233,7 +246,7 @@ def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[flo
         raise ValueError(f"extra columns {clash} clash with the output schema")
     nulls = [None] * n
     arrays = [
-        pa.array(range(n), pa.int64()),
+        pa.array(rows.rows if rows.rows is not None else range(n), pa.int64()),
         pa.array(rows.doc_ids if rows.doc_ids is not None else nulls, pa.string()),
         pa.array(rows.question_ids if rows.question_ids is not None else nulls, pa.string()),
         pa.array(labels, pa.list_(pa.string())),

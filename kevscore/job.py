@@ -11,6 +11,7 @@ from kevscore.checkpoint import load_checkpoint
 from kevscore.data import check_output_path, default_output_path, read_input, write_output
 from kevscore.engine import Engine, Progress, RunStats
 from kevscore.errors import KevscoreError
+from kevscore.shard import shard_rows
 from kevscore.prompt import encode, load_template
 
 PATHS = ("indexed", "gathered")
@@ -32,6 +33,8 @@ class RunOptions:
     eager: bool = False
     bank: Path | None = None          # on-disk bank directory (kevscore.bank_store)
     bank_max_gb: float | None = None  # LRU-evict the on-disk bank down to this size
+    shard: tuple[int, int] | None = None  # (rank, world): score only this rank's documents (kevscore.shard)
+    batch_invariant: bool = False  # one row per batch, one document per prefill: results independent of batch-mates
 
 
 @dataclass(slots=True)
@@ -67,6 +70,8 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     output = Path(opts.output) if opts.output else default_output_path(opts.input)
     table = read_input(Path(opts.input), Path(opts.documents) if opts.documents else None)
     check_output_path(output, table.sources, opts.overwrite)
+    if opts.shard is not None:  # one rank of a distributed job: the rows of its documents only
+        table = table.take(shard_rows(table.doc_keys, table.documents, table.questions, *opts.shard))
     t0 = time.perf_counter()
     device = resolve_device(opts.device)
     ckpt = load_checkpoint(opts.model, device)
@@ -76,7 +81,9 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     store = open_store(opts, ckpt, runner, enc, table, progress) if opts.bank is not None else None
     load_s = time.perf_counter() - t0
     try:
-        scores = Engine(runner, max_rows=opts.batch_rows, store=store).run(enc, opts.path, progress)
+        engine = Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
+                        prefill_tokens=1 if opts.batch_invariant else 8192, store=store)
+        scores = engine.run(enc, opts.path, progress)
     finally:
         if store is not None:
             store.close()

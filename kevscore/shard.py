@@ -1,0 +1,48 @@
+"""Splitting one job over ranks by document: every rank computes the same assignment from the input alone.
+
+A document's rows all go to one rank (its bank entry lives there). The cost of a document is estimated
+from the input text, without tokenizing: its length plus the lengths of all its questions, in characters
+(tokens are roughly proportional; the estimate only has to balance). Documents are assigned largest first
+to the least-loaded rank (ties: the lower rank), with ties between documents broken by their key, so the
+result depends on nothing but the input and the world size.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+
+def document_costs(doc_keys: Sequence[str], documents: Sequence[str], questions: Sequence[str]) -> dict[str, int]:
+    costs: dict[str, int] = {}
+    for key, doc, question in zip(doc_keys, documents, questions):
+        costs[key] = costs.get(key, len(doc)) + len(question)
+    return costs
+
+
+def assign_documents(costs: dict[str, int], world: int) -> dict[str, int]:
+    """Document key -> rank, balancing the summed cost per rank (greedy, largest first)."""
+    if world < 1:
+        raise ValueError(f"world size {world}: must be at least 1")
+    loads = [(0, rank) for rank in range(world)]
+    out: dict[str, int] = {}
+    for key in sorted(costs, key=lambda k: (-costs[k], k)):
+        load, rank = heapq.heappop(loads)
+        out[key] = rank
+        heapq.heappush(loads, (load + costs[key], rank))
+    return out
+
+
+def rank_loads(costs: dict[str, int], assignment: dict[str, int], world: int) -> list[int]:
+    loads = [0] * world
+    for key, rank in assignment.items():
+        loads[rank] += costs[key]
+    return loads
+
+
+def shard_rows(doc_keys: Sequence[str], documents: Sequence[str], questions: Sequence[str],
+               rank: int, world: int) -> list[int]:
+    """Positions of the rows whose documents `rank` of `world` scores, in input order."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+    assignment = assign_documents(document_costs(doc_keys, documents, questions), world)
+    return [i for i, key in enumerate(doc_keys) if assignment[key] == rank]
