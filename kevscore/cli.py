@@ -93,14 +93,21 @@ def run(
                                                 help="Evict least-recently-used entries to stay under N GB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars or summary."),
+    gpus: int = typer.Option(1, "--gpus", help="Run N processes on this machine, one per GPU, under torch's "
+                             "launcher (the same as torchrun --nproc-per-node N -m kevscore run ...)."),
 ) -> None:
     """Score every question row against its document; write probabilities over the labels."""
+    from kevscore.distributed import world_from_env
     from kevscore.job import RunOptions, run_job
 
     opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device, path=path,
                       labels=labels.split(","), template=template, batch_rows=batch_rows, overwrite=overwrite,
                       bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant, bank=bank,
                       bank_max_gb=bank_max_gb)
+    if gpus > 1 and world_from_env() is None:
+        return _launch(gpus)
+    if world_from_env() is not None:
+        return _run_rank(opts, quiet)
     columns = [TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     try:
         with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
@@ -111,6 +118,49 @@ def run(
         _fail("interrupted; no output was written", 130)
     if not quiet:
         console.print(_summary(result))
+
+
+def _launch(gpus: int) -> None:
+    """Re-run this command under torch's launcher with `gpus` processes (without --gpus)."""
+    import sys
+
+    from kevscore.distributed import launch
+
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--gpus":
+            skip = True
+        elif not arg.startswith("--gpus="):
+            argv.append(arg)
+    try:
+        launch(argv, gpus)
+    except Exception as exc:  # torch's ChildFailedError: the ranks printed their errors above
+        _fail(f"{gpus} processes launched, at least one failed ({type(exc).__name__}); see the rank errors above")
+
+
+def _run_rank(opts, quiet: bool) -> None:
+    """This process is one rank of a torchrun job: score its share; rank 0 merges and reports."""
+    from kevscore.distributed import run_distributed, world_from_env
+
+    rank = world_from_env()[0]
+    try:
+        result = run_distributed(opts)
+    except KevscoreError as exc:
+        _fail(f"rank {rank}: {exc}" if rank else str(exc))
+    except KeyboardInterrupt:
+        _fail("interrupted; no output was written", 130)
+    if rank == 0 and not quiet:
+        table = Table(title=escape(f"kevscore run · {len(result.ranks)} ranks"))
+        for name in ("rank", "GPU", "rows", "time s", "rows/s", "part"):
+            table.add_column(name, justify="right")
+        for s in result.ranks:
+            table.add_row(str(s.rank), escape(s.host_rank), f"{s.rows:,}", f"{s.seconds:.2f}", f"{s.rows_per_s:,.1f}",
+                          "reused" if s.reused else "scored")
+        table.add_row("job", "", f"{result.rows:,}", f"{result.seconds:.2f}", f"{result.rows_per_s:,.1f}",
+                      escape(str(result.output)), style="bold")
+        console.print(table)
 
 
 @app.command("bank-inspect")

@@ -1,0 +1,75 @@
+"""Two ranks on the CPU (gloo), launched by torch's launcher, against one process."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from kevscore.distributed import manifest_path, part_path
+from kevscore.job import RunOptions, run_job
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def launch(*args, torchrun=True, cwd=None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "kevscore",
+           "run", *args] if torchrun else [sys.executable, "-m", "kevscore", "run", "--gpus", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "single.parquet"
+    run_job(RunOptions(input=EXAMPLES / "questions.parquet", output=out, device="cpu", batch_invariant=True))
+    return pq.read_table(out)
+
+
+def test_torchrun_two_ranks_equal_one_process(tmp_path, single):
+    shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet")
+    out = tmp_path / "out.parquet"
+    res = launch(str(tmp_path / "q.parquet"), "--device", "cpu", "--batch-invariant", "-o", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert pq.read_table(out).equals(single)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet", "q.parquet"]  # parts merged and removed
+    assert "2 ranks" in res.stderr and "scored" in res.stderr
+
+
+def test_failed_rank_fails_the_job_and_a_rerun_reuses_the_completed_part(tmp_path, single):
+    shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet")
+    out = tmp_path / "out.parquet"
+    blocker = part_path(out, 1, 2)
+    blocker.mkdir()  # rank 1 cannot write its part
+    args = (str(tmp_path / "q.parquet"), "--device", "cpu", "--batch-invariant", "-o", str(out))
+    res = launch(*args, torchrun=False)
+    assert res.returncode != 0
+    assert "rank 1 failed" in res.stderr and "is a directory" in res.stderr
+    assert not out.exists()
+    done = part_path(out, 0, 2)
+    assert done.is_file() and json.loads(manifest_path(done).read_text())["rows"] == pq.read_metadata(done).num_rows
+    blocker.rmdir()
+    res = launch(*args, torchrun=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("reused") == 1 and res.stderr.count("scored") == 1  # rank 0 reused, rank 1 scored
+    assert pq.read_table(out).equals(single)
+    assert not done.exists() and not manifest_path(done).exists()
+
+
+def test_ranks_share_one_persistent_bank(tmp_path):
+    shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet")
+    bank = tmp_path / "bank"
+    for name in ("a", "b"):
+        res = launch(str(tmp_path / "q.parquet"), "--device", "cpu", "--bank", str(bank), "-o",
+                     str(tmp_path / f"{name}.parquet"))
+        assert res.returncode == 0, res.stderr[-3000:]
+    a, b = (pq.read_table(tmp_path / f"{n}.parquet") for n in "ab")
+    assert a.column("probs").to_pylist() == b.column("probs").to_pylist()
+    check = subprocess.run([sys.executable, "-m", "kevscore", "bank-inspect", str(bank), "--verify", "--json"],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr
+    report = json.loads(check.stdout)
+    docs = len(set(pq.read_table(EXAMPLES / "questions.parquet").column("doc_id").to_pylist()))
+    assert report["totals"]["entries"] == docs and not report["bad_entries"]
