@@ -153,12 +153,12 @@ def _run_rank(opts, quiet: bool) -> None:
         _fail("interrupted; no output was written", 130)
     if rank == 0 and not quiet:
         table = Table(title=escape(f"kevscore run · {len(result.ranks)} ranks"))
-        for name in ("rank", "GPU", "rows", "time s", "rows/s", "part"):
+        for name in ("rank", "GPU", "rows", "time s", "load s", "prefill + score s", "rows/s", "part"):
             table.add_column(name, justify="right")
         for s in result.ranks:
-            table.add_row(str(s.rank), escape(s.host_rank), f"{s.rows:,}", f"{s.seconds:.2f}", f"{s.rows_per_s:,.1f}",
-                          "reused" if s.reused else "scored")
-        table.add_row("job", "", f"{result.rows:,}", f"{result.seconds:.2f}", f"{result.rows_per_s:,.1f}",
+            table.add_row(str(s.rank), escape(s.host_rank), f"{s.rows:,}", f"{s.seconds:.2f}", f"{s.load_s:.2f}",
+                          f"{s.work_s:.2f}", f"{s.rows_per_s:,.1f}", "reused" if s.reused else "scored")
+        table.add_row("job", "", f"{result.rows:,}", f"{result.seconds:.2f}", "", "", f"{result.rows_per_s:,.1f}",
                       escape(str(result.output)), style="bold")
         console.print(table)
 

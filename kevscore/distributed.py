@@ -35,6 +35,8 @@ class RankStatus:
     rows: int = 0
     seconds: float = 0.0
     reused: bool = False
+    load_s: float = 0.0   # model load, encode and bank set-up
+    work_s: float = 0.0   # prefill and scoring
     error: str | None = None
     host_rank: str = ""  # "local rank of node": which GPU of which machine, without host names
 
@@ -56,9 +58,10 @@ class DistributedResult:
 
 
 def world_from_env() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) when launched by torchrun with more than one process."""
+    """(rank, world size, local rank) when launched by torch's launcher (any number of processes) or
+    with a world of more than one process; None for a plain process."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if world <= 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -112,10 +115,13 @@ def _score_part(opts: RunOptions, output: Path, rank: int, world: int, progress:
     meta = _reusable(part, fingerprint)
     if meta is not None:
         status.rows, status.seconds, status.reused = meta["rows"], meta["seconds"], True
+        status.load_s, status.work_s = meta.get("load_s", 0.0), meta.get("work_s", 0.0)
         return status
     result = run_job(dataclasses.replace(opts, output=part, overwrite=True, shard=(rank, world)), progress)
     status.rows, status.seconds = result.stats.rows, time.perf_counter() - t0
-    _write_manifest(part, {"fingerprint": fingerprint, "rows": status.rows, "seconds": status.seconds})
+    status.load_s, status.work_s = result.load_s, result.stats.prefill_s + result.stats.score_s
+    _write_manifest(part, {"fingerprint": fingerprint, "rows": status.rows, "seconds": status.seconds,
+                           "load_s": status.load_s, "work_s": status.work_s})
     return status
 
 
@@ -165,7 +171,12 @@ def run_distributed(opts: RunOptions, progress: Progress | None = None) -> Distr
         if rank == 0:
             merge_parts(output, world, expected_rows=rows)
         dist.barrier()
-        return DistributedResult(output, statuses, time.perf_counter() - t0, rows)
+        result = DistributedResult(output, statuses, time.perf_counter() - t0, rows)
+        summary = os.environ.get("KEVSCORE_SUMMARY_JSON")  # for benchmarks: the job's figures as JSON
+        if summary and rank == 0:
+            Path(summary).write_text(json.dumps({"output": str(output), "seconds": result.seconds, "rows": rows,
+                                                 "ranks": [dataclasses.asdict(s) for s in statuses]}))
+        return result
     finally:
         dist.destroy_process_group()
 
