@@ -229,3 +229,44 @@ def test_branch_attention_matches_gathered_sdpa(dims, t):
     out = branch_attention(q, k, v, pool[0], pool[1], start, plen).float().cpu()
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("dims", [(16, 128, 32, 128), (2, 64, 4, 64)], ids=["kev4b", "demo"])
+@pytest.mark.parametrize("t", [1, 17, 64, 130])
+def test_fused_branch_conv_matches_fla_conv_and_l2norm(dims, t):
+    """kernels/branch_conv.py (conv from the bank by slot, SiLU, split, l2 norm) against FLA's chain."""
+    from fla.modules.l2norm import l2norm_fwd
+
+    from kevscore.kernels import fla_ops
+    from kevscore.kernels.branch_conv import branch_conv
+
+    hk, dk, hv, dv = dims
+    c = 2 * hk * dk + hv * dv
+    rows = 5
+    gen = torch.Generator(device=DEV).manual_seed(t)
+    proj = torch.randn(rows, t, c + 96, generator=gen, device=DEV).to(torch.bfloat16)
+    x = proj[..., :c]  # a strided slice of the projection output, as in the layer
+    w = (torch.randn(c, 4, generator=gen, device=DEV) * 0.5).to(torch.bfloat16)
+    bank = torch.randn(7, c, 3, generator=gen, device=DEV).to(torch.bfloat16)
+    upload = torch.randint(0, 7, (rows, 9), device=DEV)
+    slots = upload[:, 3]
+    q, k, v = branch_conv(x, w, bank, slots, hk, dk, hv, dv)
+    y = fla_ops.conv_branch(x, w, bank.index_select(0, slots))
+    rq, rk, rv = y.split([hk * dk, hk * dk, hv * dv], -1)
+    rq = l2norm_fwd(rq.reshape(rows, t, hk, dk).contiguous())[0]
+    rk = l2norm_fwd(rk.reshape(rows, t, hk, dk).contiguous())[0]
+    rv = rv.reshape(rows, t, hv, dv)
+    for ours, ref in ((q, rq), (k, rk), (v, rv)):
+        assert ours.is_contiguous()
+        assert (ours.float() - ref.float()).abs().max().item() <= 2 ** -7  # at most a bf16 rounding step apart
+
+
+def test_fused_branch_conv_in_the_model_keeps_paths_bitwise(tiny, monkeypatch):
+    from kevscore.kernels import fla_ops
+
+    enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 130])
+    base = gpu_engine(tiny, enc.prefixes, max_rows=8).run(enc, "indexed").probs
+    monkeypatch.setattr(fla_ops, "FUSED_CONV", True)
+    out = {p: gpu_engine(tiny, enc.prefixes, max_rows=8).run(enc, p).probs for p in ("indexed", "gathered")}
+    assert out["indexed"] == out["gathered"]
+    assert max(abs(a - b) for ra, rb in zip(base, out["indexed"]) for a, b in zip(ra, rb)) < 0.02

@@ -26,9 +26,11 @@ from fla.ops.utils import chunk_local_cumsum  # noqa: E402
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
+from kevscore.kernels.branch_conv import branch_conv  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
 
 NAME = "fla"
+FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "0") == "1"  # kernels/branch_conv.py, until measured
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,6 +57,19 @@ def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> to
     return y
 
 
+def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
+                 hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """(q, k, v, whether q and k are already l2-normalized) of the branch conv. With KEVSCORE_FUSED_CONV=1
+    one kernel reads the conv states from the bank in place and normalizes q and k
+    (`kernels/branch_conv.py`); by default FLA's conv on gathered states, then the split."""
+    if FUSED_CONV:
+        return (*branch_conv(x, weight, bank_conv, slots, hk, dk, hv, dv), True)
+    y = conv_branch(x, weight, bank_conv.index_select(0, slots.long()))
+    q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
+    shape = y.shape[:-1]
+    return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), False
+
+
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     y, _ = causal_conv1d(x.contiguous(), weight, activation="silu", cu_seqlens=cu_seqlens.long())
     return y
@@ -67,18 +82,20 @@ def gdr_prefill(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tenso
     return o, final
 
 
-def gdr_parts(q, k, v, g, beta):
-    """FLA's forward up to the state scan: l2norm, log2 gate cumsum, WY representation."""
-    q, _ = l2norm_fwd(q.contiguous())
-    k, _ = l2norm_fwd(k.contiguous())
+def gdr_parts(q, k, v, g, beta, qk_normed: bool = False):
+    """FLA's forward up to the state scan: l2norm (unless done), log2 gate cumsum, WY representation."""
+    if not qk_normed:
+        q, _ = l2norm_fwd(q.contiguous())
+        k, _ = l2norm_fwd(k.contiguous())
     gc = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v.contiguous(), g=gc, beta=beta.contiguous(),
                                                chunk_size=CHUNK)
     return q, k, w, u, gc
 
 
-def gdr_branch(q, k, v, g, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
-    q, k, w, u, gc = gdr_parts(q, k, v, g, beta)
+def gdr_branch(q, k, v, g, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
+               qk_normed: bool = False) -> torch.Tensor:
+    q, k, w, u, gc = gdr_parts(q, k, v, g, beta, qk_normed)
     if path == "gathered":
         h0 = bank.index_select(0, slots)
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0, chunk_size=CHUNK)

@@ -47,6 +47,16 @@ def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> to
     return _conv(x, weight, init)
 
 
+def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
+                 hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """The branch conv from the rows' conv states, split into q, k [R, T, hk, dk] and v [R, T, hv, dv];
+    False: q and k are not l2-normalized yet (gdr_branch does it)."""
+    y = conv_branch(x, weight, bank_conv.index_select(0, slots.long()))
+    q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
+    shape = y.shape[:-1]
+    return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), False
+
+
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     zeros = x.new_zeros(1, x.shape[-1], weight.shape[-1] - 1)
     bounds = cu_seqlens.tolist()
@@ -72,8 +82,10 @@ def gdr_prefill(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tenso
     return torch.cat(outs, 1).to(v.dtype), torch.cat(finals, 0)
 
 
-def gdr_branch(q, k, v, g, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
+def gdr_branch(q, k, v, g, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
+               qk_normed: bool = False) -> torch.Tensor:
     """Rows start from bank entries `slots`; `gathered` copies them into a row buffer first."""
+    assert not qk_normed
     q, k, w, u, gc = _gdr_parts(q, k, v, g, beta)
     if path == "gathered":
         h0 = bank.index_select(0, slots.long())

@@ -41,26 +41,21 @@ class DeltaNet(nn.Module):
         if isinstance(ctx, PrefillContext):
             self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx.cu_seqlens, self.width).to(self.bank_conv.dtype))
             mixed = self.ops.conv_prefill(mixed, self.conv_weight, ctx.cu_seqlens)
-        else:
-            init = self.bank_conv.index_select(0, ctx.slots.long())
-            mixed = self.ops.conv_branch(mixed, self.conv_weight, init)
         shape = x.shape[:-1]
-        q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
-        q, k = q.reshape(*shape, self.hk, self.dk), k.reshape(*shape, self.hk, self.dk)
-        v = v.reshape(*shape, self.hv, self.dv)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o = self._mix(q, k, v, g, beta, ctx)
+        if isinstance(ctx, PrefillContext):
+            q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
+            q, k = q.reshape(*shape, self.hk, self.dk), k.reshape(*shape, self.hk, self.dk)
+            o, final = self.ops.gdr_prefill(q, k, v.reshape(*shape, self.hv, self.dv), g, beta, ctx.cu_seqlens)
+            self.bank_state.index_copy_(0, ctx.slots, final.to(self.bank_state.dtype))
+        else:
+            assert isinstance(ctx, BranchContext)
+            q, k, v, normed = self.ops.branch_front(mixed, self.conv_weight, self.bank_conv, ctx.slots,
+                                                    self.hk, self.dk, self.hv, self.dv)
+            o = self.ops.gdr_branch(q, k, v, g, beta, self.bank_state, ctx.slots, ctx.path, normed)
         o = self.ops.gated_rms_norm(o, z.reshape(*shape, self.hv, self.dv), self.norm_weight, self.eps)
         return F.linear(o.reshape(*shape, -1), self.out_proj)
-
-    def _mix(self, q, k, v, g, beta, ctx: Context) -> torch.Tensor:
-        if isinstance(ctx, PrefillContext):
-            o, final = self.ops.gdr_prefill(q, k, v, g, beta, ctx.cu_seqlens)
-            self.bank_state.index_copy_(0, ctx.slots, final.to(self.bank_state.dtype))
-            return o
-        assert isinstance(ctx, BranchContext)
-        return self.ops.gdr_branch(q, k, v, g, beta, self.bank_state, ctx.slots, ctx.path)
 
     def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")

@@ -1,0 +1,84 @@
+"""Fused DeltaNet branch front end: causal conv from the bank's conv state, SiLU, the q/k/v split and the
+l2 normalization of q and k, in one pass.
+
+It reads the projection output in place (a strided slice), each row's conv state straight from the bank
+by its slot (no gather, no padding copy), and writes q and k (l2-normalized per head) and v, each
+contiguous, as the chunk pipeline wants them. Per element it does the arithmetic of FLA 0.5.2's
+`causal_conv1d` (fp32 taps in the same order, SiLU, round to the activation dtype) followed by FLA's
+`l2norm_fwd` (fp32, eps 1e-6, round); it replaces those two kernels and the `.contiguous()` copies
+between them. Enabled by `KEVSCORE_FUSED_CONV=1` until it is measured on a GPU (benchmarks/NOTES.md 5).
+Torch reference: `torch_ops.conv_branch` + split + `F.normalize`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+L2_EPS = 1e-6
+
+
+@triton.jit
+def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T,
+                        QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
+                        C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr):
+    i_t, i_c, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # channel block: a q or k head (KD channels) for i_c < 2 * NQK, else a v head (VD channels)
+    is_qk = i_c < 2 * NQK
+    c0 = tl.where(is_qk, i_c * KD, 2 * QK + (i_c - 2 * NQK) * VD)
+    width = tl.where(is_qk, KD, VD)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < width
+    o_c = c0 + o_d
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+
+    slot = tl.load(slots + i_r * s_slot).to(tl.int64)
+    p_x = x + i_r.to(tl.int64) * sx_r
+    b_y = tl.zeros([BT, BD], dtype=tl.float32)
+    for i_w in tl.static_range(-W + 1, 1):  # taps oldest first, as FLA accumulates them
+        o_x = o_t + i_w
+        b_x = tl.load(p_x + o_x[:, None] * sx_t + o_c[None, :], mask=((o_x >= 0) & (o_x < T))[:, None] & m_d[None, :],
+                      other=0.0).to(tl.float32)
+        # before the branch's first token: the document's last W-1 conv inputs, from the bank entry
+        m_s = ((o_x < 0) & (o_x + W - 1 >= 0))[:, None] & m_d[None, :]
+        b_x += tl.load(conv + slot * s_conv + o_c[None, :] * (W - 1) + (o_x + W - 1)[:, None], mask=m_s,
+                       other=0.0).to(tl.float32)
+        b_w = tl.load(w + o_c * W + (i_w + W - 1), mask=m_d, other=0.0).to(tl.float32)
+        b_y += b_x * b_w[None, :]
+    b_y = b_y * tl.sigmoid(b_y)
+    b_y = b_y.to(q.dtype.element_ty).to(tl.float32)  # the conv output is rounded before the l2 norm reads it
+    if is_qk:
+        b_rstd = 1 / tl.sqrt(tl.sum(b_y * b_y, 1) + EPS)
+        b_y = b_y * b_rstd[:, None]
+        head = i_c % NQK
+        out = tl.where(i_c < NQK, 0, 1)
+        p_o = o_t[:, None] * QK + head * KD + o_d[None, :] + i_r.to(tl.int64) * T * QK
+        if out == 0:
+            tl.store(q + p_o, b_y.to(q.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+        else:
+            tl.store(k + p_o, b_y.to(k.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+    else:
+        nv = C - 2 * QK
+        p_o = o_t[:, None] * nv + (i_c - 2 * NQK) * VD + o_d[None, :] + i_r.to(tl.int64) * T * nv
+        tl.store(v + p_o, b_y.to(v.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+
+
+def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
+                hk: int, dk: int, hv: int, dv: int, block_t: int = 32) -> tuple[torch.Tensor, ...]:
+    """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
+    document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
+    k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv]), all contiguous."""
+    r, t, c = x.shape
+    width = weight.shape[1]
+    assert x.stride(2) == 1 and weight.is_contiguous() and c == 2 * hk * dk + hv * dv
+    assert bank_conv.stride()[1:] == (width - 1, 1)
+    q = torch.empty(r, t, hk, dk, dtype=x.dtype, device=x.device)
+    k = torch.empty_like(q)
+    v = torch.empty(r, t, hv, dv, dtype=x.dtype, device=x.device)
+    bd = triton.next_power_of_2(max(dk, dv))
+    grid = (triton.cdiv(t, block_t), 2 * hk + hv, r)
+    _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, bank_conv, bank_conv.stride(0), slots,
+                              slots.stride(0), q, k, v, t, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
+                              BT=block_t, BD=bd, EPS=L2_EPS, num_warps=4)
+    return q, k, v
