@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried FLA wheels, run the cuda tests, then the scoring benchmark.
 # Usage (repo root): bash benchmarks/device_run.sh [pytest args...]; logs go to $OUT (or ./device-out).
+# SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (6 takes ~45 s once Triton's cache is warm),
+# BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with KEVSCORE_FUSED_CONV=1).
 # Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
 set -o pipefail
 OUT="${OUT:-device-out}"; mkdir -p "$OUT"
@@ -13,4 +15,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 benchmarks/bench_score.py ${BENCH_ARGS:---model kev-4b --profile --json "$OUT/score-kev-4b.json"} 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+if [ "${AB_FUSED_CONV:-0}" = 1 ]; then  # the same benchmark with the fused branch conv (NOTES.md 5)
+  KEVSCORE_FUSED_CONV=1 python3 benchmarks/bench_score.py --model kev-4b --profile --hf-reps 0 \
+    --json "$OUT/score-kev-4b-fused-conv.json" 2>&1 | tee "$OUT/bench-fused-conv.log" | tail -30
 fi
