@@ -1,14 +1,19 @@
 """Command line: argument parsing and rich output only; the work happens in kevscore.job."""
 from __future__ import annotations
 
+import json
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
+from rich.text import Text
 
 from kevscore.engine import Progress as ProgressCallbacks
 from kevscore.errors import KevscoreError
@@ -18,18 +23,91 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(stderr=True)
 
 
+class RateColumn(ProgressColumn):
+    """Rows (or documents) per second of the phase; nothing for the bank line."""
+
+    def render(self, task) -> Text:
+        unit = task.fields.get("unit")
+        if not unit or task.speed is None:
+            return Text("")
+        return Text(f"{task.speed:,.1f} {unit}/s", style="progress.data.speed")
+
+
+class EtaColumn(TimeRemainingColumn):
+    def render(self, task) -> Text:
+        return super().render(task) if task.fields.get("unit") else Text("")
+
+
 class RichProgress(ProgressCallbacks):
+    """Prefill (documents) and score (rows) bars with rates and ETAs, and the bank's use in the current wave."""
+
     def __init__(self, bar: Progress):
         self.bar, self.tasks = bar, {}
 
-    def start(self, phase: str, total: int) -> None:
-        self.tasks[phase] = self.bar.add_task(phase, total=total)
+    def start(self, phase: str, total: int, done: int = 0) -> None:
+        unit = "rows" if phase == "score" else "docs"
+        self.tasks[phase] = self.bar.add_task(phase, total=total, completed=done, unit=unit, info="")
 
     def advance(self, phase: str, n: int) -> None:
         self.bar.advance(self.tasks[phase], n)
 
+    def event(self, name: str, **f) -> None:
+        if name == "start" and f["windows_done"] and "score" in self.tasks:
+            self.bar.update(self.tasks["score"], info=f"{f['windows_done']}/{f['windows']} windows resumed")
+        elif name == "window" and "score" in self.tasks:
+            self.bar.update(self.tasks["score"], info=f"window {f['window'] + 1}")
+        elif name == "wave":
+            if "bank" not in self.tasks:
+                self.tasks["bank"] = self.bar.add_task("bank", total=f["entry_capacity"], unit="", info="")
+            self.bar.update(self.tasks["bank"], completed=f["entries"], total=f["entry_capacity"],
+                            info=f"entries, {f['tokens']:,}/{f['token_capacity']:,} K/V tokens")
+
     def warn(self, message: str) -> None:
         self.bar.console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+class JsonProgress(ProgressCallbacks):
+    """--log-json: one JSON object per line on stdout per event, and a `progress` line at most every
+    `every` seconds, for batch schedulers. Warnings also go to stderr."""
+
+    def __init__(self, every: float = 10.0, stream=None):
+        self.every, self.stream = every, stream or sys.stdout
+        self.total: dict[str, int] = {}
+        self.done: dict[str, int] = {}
+        self.began = self.last = time.monotonic()
+        self.resumed = 0
+
+    def emit(self, event: str, **fields) -> None:
+        self.stream.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+        self.stream.flush()
+
+    def rates(self) -> dict:
+        rows, total = self.done.get("score", 0), self.total.get("score", 0)
+        elapsed = time.monotonic() - self.began
+        rate = (rows - self.resumed) / elapsed if elapsed > 0 else 0.0
+        eta = (total - rows) / rate if rate > 0 else None
+        return {"rows_done": rows, "rows_total": total, "rows_per_s": round(rate, 2),
+                "eta_s": None if eta is None else round(eta, 1), "elapsed_s": round(elapsed, 2)}
+
+    def start(self, phase: str, total: int, done: int = 0) -> None:
+        self.total[phase], self.done[phase] = total, done
+        if phase == "score":
+            self.began, self.resumed = time.monotonic(), done
+
+    def advance(self, phase: str, n: int) -> None:
+        self.done[phase] = self.done.get(phase, 0) + n
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            self.emit("progress", phase=phase, docs_prefilled=self.done.get("prefill", 0),
+                      docs_total=self.total.get("prefill", 0), **self.rates())
+
+    def event(self, name: str, **fields) -> None:
+        self.emit(name, **fields, **(self.rates() if name in ("part", "merged") else {}))
+
+    def warn(self, message: str) -> None:
+        self.emit("warning", message=message)
+        console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
 @app.callback()
@@ -42,19 +120,49 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def _summary(result) -> Table:
+def summary_fields(result) -> dict:
+    """The run's numbers (the summary table and --log-json's `done` line)."""
     s = result.stats
+    scored = s.rows - result.resumed_rows
+    out = {"output": str(result.output), "model": result.model, "device": result.device, "rows": s.rows,
+           "rows_scored": scored, "rows_resumed": result.resumed_rows, "documents": result.documents,
+           "windows": result.windows, "windows_resumed": result.resumed, "prefixes": s.prefixes,
+           "prefilled": s.prefilled, "waves": s.waves, "batches": s.batches, "prefix_tokens": s.prefix_tokens,
+           "branch_tokens": s.branch_tokens, "load_s": round(result.load_s, 3), "read_s": round(s.read_s, 3),
+           "prefill_s": round(s.prefill_s, 3), "score_s": round(s.score_s, 3), "write_s": round(s.write_s, 3),
+           "wall_s": round(result.wall_s, 3), "oom_retries": s.oom_retries,
+           "rows_per_s": round(scored / s.score_s, 2) if s.score_s > 0 else None,
+           "rows_per_s_wall": round(scored / result.wall_s, 2) if result.wall_s > 0 else None,
+           "peak_rss_bytes": result.peak_rss, "peak_gpu_bytes": result.peak_gpu}
+    if result.errors is not None:
+        out.update(errors=str(result.errors), set_aside=result.set_aside)
+    return out
+
+
+def _summary(result) -> Table:
+    s, f = result.stats, summary_fields(result)
     table = Table(title=escape(f"kevscore run · {result.model} on {result.device}"), show_header=False)
-    rows_per_s = s.rows / s.score_s if s.score_s > 0 else float("nan")
+    rate = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
+    resumed = f" ({result.resumed_rows:,} from parts of an earlier run)" if result.resumed_rows else ""
     for key, value in [
         ("documents", f"{result.documents:,}"), ("distinct prefixes", f"{s.prefixes:,}"),
-        ("prefilled", f"{s.prefilled:,} in {s.waves} wave(s)"), ("rows", f"{s.rows:,} in {s.batches} batches"),
+        ("prefilled", f"{s.prefilled:,} in {s.waves} wave(s)"), ("rows", f"{s.rows:,} in {s.batches} batches" + resumed),
+        ("windows", f"{result.windows:,}" + (f", {result.resumed:,} resumed" if result.resumed else "")),
         ("prefix tokens", f"{s.prefix_tokens:,}"), ("branch tokens", f"{s.branch_tokens:,}"),
         ("load + encode", f"{result.load_s:.2f} s"), ("prefill time", f"{s.prefill_s:.3f} s"),
-        ("scoring time", f"{s.score_s:.3f} s"), ("rows/s", f"{rows_per_s:,.1f}"),
-        ("output", escape(str(result.output))),
+        ("scoring time", f"{s.score_s:.3f} s"), ("read + write", f"{s.read_s:.2f} s + {s.write_s:.2f} s"),
+        ("wall time", f"{result.wall_s:.2f} s"), ("rows/s", f"{rate(f['rows_per_s'])} scoring, "
+                                                           f"{rate(f['rows_per_s_wall'])} wall"),
+        ("peak host memory", _size(result.peak_rss)),
     ]:
         table.add_row(key, value)
+    if result.peak_gpu is not None:
+        table.add_row("peak GPU memory", _size(result.peak_gpu))
+    if s.oom_retries:
+        table.add_row("out of memory", f"{s.oom_retries:,} batch(es) split and retried")
+    if result.errors is not None:
+        table.add_row("set aside", f"{result.set_aside:,} rows -> {escape(str(result.errors))}")
+    table.add_row("output", escape(str(result.output)))
     if result.bank is not None:
         b = result.bank
         table.add_row("bank entries", f"{b.loaded:,} loaded, {s.prefilled:,} prefilled, {b.saved:,} saved, "
@@ -92,7 +200,16 @@ def run(
     bank_max_gb: Optional[float] = typer.Option(None, "--bank-max-gb",
                                                 help="Evict least-recently-used entries to stay under N GB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+    window: int = typer.Option(1024, "--window", help="Documents per window: all their rows are read, scored "
+                               "and written as one part before the next window (bounds host memory)."),
+    restart: bool = typer.Option(False, "--restart", help="Discard the completed parts of an interrupted run of "
+                                 "this output instead of resuming it."),
+    skip_invalid: bool = typer.Option(False, "--skip-invalid", help="Set aside rows that cannot be scored on their "
+                                      "own (e.g. a prompt over the model's limit) into <output stem>.errors.parquet "
+                                      "instead of stopping."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bars or summary."),
+    log_json: bool = typer.Option(False, "--log-json", help="No progress bars: one JSON object per line on stdout "
+                                  "per event (start, window, wave, part, progress, warning, merged, done, error)."),
     gpus: int = typer.Option(1, "--gpus", help="Run N processes on this machine, one per GPU, under torch's "
                              "launcher (the same as torchrun --nproc-per-node N -m kevscore run ...)."),
 ) -> None:
@@ -103,20 +220,30 @@ def run(
     opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device, path=path,
                       labels=labels.split(","), template=template, batch_rows=batch_rows, overwrite=overwrite,
                       bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant, bank=bank,
-                      bank_max_gb=bank_max_gb)
+                      bank_max_gb=bank_max_gb, window=window, restart=restart, skip_invalid=skip_invalid)
     if gpus > 1 and world_from_env() is None:
         return _launch(gpus)
     if world_from_env() is not None:
         return _run_rank(opts, quiet)
-    columns = [TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    log = JsonProgress() if log_json else None
+    columns = [TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), RateColumn(),
+               TimeElapsedColumn(), EtaColumn(), TextColumn("{task.fields[info]}")]
     try:
-        with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
-            result = run_job(opts, RichProgress(bar))
+        with Progress(*columns, console=console, disable=quiet or log_json, transient=False) as bar:
+            result = run_job(opts, log or RichProgress(bar))
     except KevscoreError as exc:
+        if log:
+            log.emit("error", message=str(exc))
         _fail(str(exc))
-    except KeyboardInterrupt:
-        _fail("interrupted; no output was written", 130)
-    if not quiet:
+    except KeyboardInterrupt as exc:
+        message = str(exc) or ("interrupted; no output was written (completed windows are kept beside the output; "
+                               "rerun the same command to resume)")
+        if log:
+            log.emit("interrupted", message=message)
+        _fail(message, 130)
+    if log:
+        log.emit("done", **summary_fields(result))
+    elif not quiet:
         console.print(_summary(result))
 
 

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.errors import KevscoreError, rows_phrase
+from kevscore.errors import KevscoreError
 
 OUTPUT_SCHEMA = pa.schema([
     ("row", pa.int64()),
@@ -54,143 +54,14 @@ class InputTable:
 # ---------------------------------------------------------------- reading
 
 def read_input(path: Path, documents: Path | None = None) -> InputTable:
-    """Read the one-file form, or the questions file plus a documents file joined on doc_id."""
-    path = Path(path)
-    if documents is None:
-        return _read_one_file(path)
-    return _read_two_files(path, Path(documents))
+    """Read the one-file form, or the questions file plus a documents file joined on doc_id: the whole
+    input in memory (`kevscore.stream` validates it; a job reads it a window at a time instead)."""
+    from kevscore.stream import scan_input
 
-
-def _read_one_file(path: Path) -> InputTable:
-    cols = _read_columns(path, ("document", "question"), ("doc_id", "question_id", "labels"))
-    docs = _strings(path, cols, "document")
-    doc_ids = _strings(path, cols, "doc_id")
-    if doc_ids is not None:
-        _document_map(path, doc_ids, docs)
-    return InputTable(docs, _strings(path, cols, "question"), doc_ids,
-                      _question_ids(path, cols), _labels(path, cols), [path])
-
-
-def _read_two_files(path: Path, documents: Path) -> InputTable:
-    cols = _read_columns(path, ("question", "doc_id"), ("question_id", "labels"), reject="document")
-    doc_ids = _strings(path, cols, "doc_id")
-    dcols = _read_columns(documents, ("doc_id", "document"), ())
-    texts = _document_map(documents, _strings(documents, dcols, "doc_id"),
-                          _strings(documents, dcols, "document"))
-    unknown = [i for i, k in enumerate(doc_ids) if k not in texts]
-    if unknown:
-        ids = _few(doc_ids[i] for i in unknown)
-        raise KevscoreError(f"{path}: column 'doc_id' has values with no document in {documents}: "
-                            f"{ids} at {rows_phrase(unknown)}")
-    return InputTable([texts[k] for k in doc_ids], _strings(path, cols, "question"), doc_ids,
-                      _question_ids(path, cols), _labels(path, cols), [path, documents])
-
-
-def _read_columns(path: Path, required: Sequence[str], optional: Sequence[str],
-                  reject: str | None = None) -> dict[str, pa.ChunkedArray]:
-    """The required columns and those optional ones present, as read from the Parquet file."""
-    if not path.exists():
-        raise KevscoreError(f"{path}: no such file")
-    if not path.is_file():
-        raise KevscoreError(f"{path}: not a file")
-    try:
-        file = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise KevscoreError(f"{path}: not a readable Parquet file ({_first_line(e)})") from e
-    try:
-        names = file.schema_arrow.names
-        _check_names(path, names, required, reject)
-        wanted = [c for c in (*required, *optional) if c in names]
-        table = file.read(columns=wanted)
-    except (pa.ArrowException, OSError) as e:
-        raise KevscoreError(f"{path}: cannot read the Parquet data ({_first_line(e)})") from e
-    finally:
-        file.close()
-    return {c: table.column(c) for c in wanted}
-
-
-def _check_names(path: Path, names: list[str], required: Sequence[str], reject: str | None) -> None:
-    missing = [c for c in required if c not in names]
-    present = ", ".join(repr(c) for c in names) or "none"
-    if missing:
-        need = ", ".join(repr(c) for c in missing)
-        raise KevscoreError(f"{path}: missing required column(s) {need}; columns present: {present}")
-    if reject is not None and reject in names:
-        raise KevscoreError(f"{path}: has a {reject!r} column although a documents file was given; "
-                            f"use one form or the other")
-
-
-def _is_string(t: pa.DataType) -> bool:
-    if pa.types.is_dictionary(t):
-        return _is_string(t.value_type)
-    view = getattr(pa.types, "is_string_view", lambda _: False)
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or view(t)
-
-
-def _strings(path: Path, cols: dict[str, pa.ChunkedArray], name: str) -> list[str] | None:
-    """A string column as a list (dictionaries decoded), None when absent; nulls are errors."""
-    if name not in cols:
-        return None
-    col = cols[name]
-    if not _is_string(col.type):
-        raise KevscoreError(f"{path}: column {name!r} has type {col.type}, expected string")
-    values = col.to_pylist()
-    nulls = [i for i, v in enumerate(values) if v is None]
-    if nulls:
-        raise KevscoreError(f"{path}: column {name!r} has nulls at {rows_phrase(nulls)}")
-    return values
-
-
-def _question_ids(path: Path, cols: dict[str, pa.ChunkedArray]) -> list[str] | None:
-    ids = _strings(path, cols, "question_id")
-    if ids is not None:
-        counts = Counter(ids)
-        rows = [i for i, v in enumerate(ids) if counts[v] > 1]
-        if rows:
-            dups = _few(v for v, n in counts.items() if n > 1)
-            raise KevscoreError(f"{path}: column 'question_id' has duplicate values {dups} "
-                                f"at {rows_phrase(rows)}")
-    return ids
-
-
-def _labels(path: Path, cols: dict[str, pa.ChunkedArray]) -> list[list[str]] | None:
-    """The labels column: a non-empty list of non-null, distinct strings in every row."""
-    if "labels" not in cols:
-        return None
-    col = cols["labels"]
-    t = col.type
-    if not ((pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_string(t.value_type)):
-        raise KevscoreError(f"{path}: column 'labels' has type {t}, expected list<string>")
-    values = col.to_pylist()
-    problems = (("null or empty lists", lambda v: not v),
-                ("null labels", lambda v: None in v),
-                ("repeated labels", lambda v: len(set(v)) < len(v)))
-    for what, bad in problems:
-        rows = [i for i, v in enumerate(values) if bad(v)]
-        if rows:
-            raise KevscoreError(f"{path}: column 'labels' ({t}) has {what} at {rows_phrase(rows)}")
-    return values
-
-
-def _document_map(path: Path, doc_ids: list[str], texts: list[str]) -> dict[str, str]:
-    """doc_id → document text; one doc_id with two different texts is an error."""
-    first: dict[str, str] = {}
-    clashing: dict[str, None] = {}
-    for k, text in zip(doc_ids, texts):
-        if first.setdefault(k, text) != text:
-            clashing[k] = None
-    if clashing:
-        rows = [i for i, k in enumerate(doc_ids) if k in clashing]
-        raise KevscoreError(f"{path}: column 'doc_id' maps {_few(clashing)} to different 'document' "
-                            f"texts at {rows_phrase(rows)}")
-    return first
-
-
-def _few(values: Iterable[str], limit: int = 5) -> str:
-    """'a', 'b', … (12 values): distinct values in first-seen order."""
-    distinct = list(dict.fromkeys(values))
-    shown = ", ".join(repr(v) for v in distinct[:limit])
-    return shown + (f", … ({len(distinct)} values)" if len(distinct) > limit else "")
+    scan = scan_input(Path(path), Path(documents) if documents is not None else None)
+    table = scan.reader().read(np.arange(scan.rows, dtype=np.int64))
+    table.rows = None
+    return table
 
 
 def _first_line(e: BaseException) -> str:

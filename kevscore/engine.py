@@ -7,16 +7,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kevscore.plan import plan_batches, plan_waves
+from kevscore import faults
+from kevscore.errors import KevscoreError
+from kevscore.plan import Batch, ladder, plan_batches, plan_waves, row_bucket
 from kevscore.prompt import Encoded
 
 
 class Progress:
     """Callbacks for long phases; the CLI passes a rich implementation, tests and libraries this no-op."""
 
-    def start(self, phase: str, total: int) -> None: ...
+    def start(self, phase: str, total: int, done: int = 0) -> None: ...
 
     def advance(self, phase: str, n: int) -> None: ...
+
+    def event(self, name: str, **fields) -> None:
+        """Something a log should record (a wave's bank use, a part written, an OOM retry, ...)."""
 
     def warn(self, message: str) -> None:
         """A problem the run recovers from (e.g. a corrupt on-disk bank entry), on one line."""
@@ -34,6 +39,9 @@ class RunStats:
     batches: int = 0
     prefill_s: float = 0.0
     score_s: float = 0.0
+    oom_retries: int = 0  # batches or prefill groups split after running out of memory
+    read_s: float = 0.0   # jobs: reading and tokenizing windows
+    write_s: float = 0.0  # jobs: writing parts and merging the output
 
 
 @dataclass(slots=True)
@@ -41,6 +49,7 @@ class Scores:
     probs: list[list[float]]
     label_mass: list[float]
     stats: RunStats = field(default_factory=RunStats)
+    failed: dict[int, str] = field(default_factory=dict)  # row -> why it failed on its own (skip_failed)
 
     @classmethod
     def empty(cls, rows: int) -> Scores:
@@ -54,29 +63,41 @@ def _sync(device: torch.device) -> None:
 
 class Engine:
     def __init__(self, runner, max_rows: int = 64, max_tokens: int = 8192, prefill_tokens: int = 8192,
-                 store=None):
+                 store=None, stop=None, skip_failed: bool = False):
         self.runner = runner
         self.max_rows, self.max_tokens, self.prefill_tokens = max_rows, max_tokens, prefill_tokens
         self.store = store  # a kevscore.bank_store.BankStore: entries loaded from / saved to disk
+        self.stop = stop    # a kevscore.faults.StopSignals: checked between batches and prefill groups
+        self.skip_failed = skip_failed  # a row that fails alone (out of memory) is reported, not fatal
 
     def run(self, enc: Encoded, path: str, progress: Progress | None = None) -> Scores:
         progress = progress or Progress()
+        scores = Scores.empty(len(enc))
+        progress.start("prefill", len(enc.prefixes))
+        progress.start("score", len(enc))
+        self.run_waves(enc, path, scores, progress)
+        return scores
+
+    def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Progress | None = None) -> None:
+        """Every row of `enc`, wave by wave through the bank, into `scores` (its stats accumulate)."""
+        progress = progress or Progress()
         bank = self.runner.bank
         doc_tokens = [len(p) for p in enc.prefixes]
-        scores = Scores.empty(len(enc))
         stats = scores.stats
-        stats.prefixes, stats.prefix_tokens = len(enc.prefixes), sum(doc_tokens)
-        stats.branch_tokens = sum(len(b) for b in enc.branches)
+        stats.prefixes += len(enc.prefixes)
+        stats.prefix_tokens += sum(doc_tokens)
+        stats.branch_tokens += sum(len(b) for b in enc.branches)
         rows_of: list[list[int]] = [[] for _ in enc.prefixes]
         for r, p in enumerate(enc.row_prefix):
             rows_of[p].append(r)
-        progress.start("prefill", len(enc.prefixes))
-        progress.start("score", len(enc))
         for wave in plan_waves(doc_tokens, bank.layout.entries, bank.layout.tokens):
             stats.waves += 1
             slot_of = self.prefill_wave(enc, wave, stats, progress)
             self.score_rows(enc, [r for d in wave for r in rows_of[d]], slot_of, path, scores, progress)
-        return scores
+
+    def _between(self) -> None:
+        if self.stop is not None:
+            self.stop.check()
 
     def prefill_wave(self, enc: Encoded, wave: list[int], stats: RunStats,
                      progress: Progress | None = None) -> dict[int, int]:
@@ -87,6 +108,8 @@ class Engine:
         bank.reset()
         slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in wave}
         bank.publish()
+        progress.event("wave", documents=len(wave), entries=bank.used_entries, entry_capacity=bank.layout.entries,
+                       tokens=bank.used_tokens, token_capacity=bank.layout.tokens)
         cold = wave
         if self.store is not None:
             loaded = self.store.load(bank, enc.prefixes, wave, slot_of)
@@ -102,12 +125,37 @@ class Engine:
         """Prefill `docs` into their bank slots, already allocated and published by the caller."""
         progress = progress or Progress()
         t0 = time.perf_counter()
-        for group in self._prefill_groups(enc, docs):
-            self.runner.prefill([enc.prefixes[d] for d in group], [slot_of[d] for d in group])
-            progress.advance("prefill", len(group))
-        _sync(self.runner.device)
-        stats.prefill_s += time.perf_counter() - t0
+        try:
+            for group in self._prefill_groups(enc, docs):
+                self._prefill_group(enc, group, slot_of, stats, progress)
+                progress.advance("prefill", len(group))
+                faults.point("prefill")
+                self._between()
+        finally:
+            _sync(self.runner.device)
+            stats.prefill_s += time.perf_counter() - t0
         stats.prefilled += len(docs)
+
+    def _prefill_group(self, enc: Encoded, group: list[int], slot_of: dict[int, int], stats: RunStats,
+                       progress: Progress) -> None:
+        """Prefill a group; out of memory, prefill it as two halves (each document's entry does not depend
+        on its group-mates), down to one document, which then fails the run."""
+        try:
+            faults.inject_oom("docs", len(group))
+            self.runner.prefill([enc.prefixes[d] for d in group], [slot_of[d] for d in group])
+        except torch.OutOfMemoryError as exc:
+            _free(self.runner.device)
+            tokens = sum(len(enc.prefixes[d]) for d in group)
+            if len(group) == 1:
+                raise KevscoreError(f"out of memory prefilling one document of {tokens} tokens "
+                                    f"({_first_line(exc)}); lower --bank-capacity or --window") from exc
+            half = len(group) // 2
+            stats.oom_retries += 1
+            progress.warn(f"out of memory prefilling {len(group)} documents ({tokens} tokens); retrying as "
+                          f"{half} + {len(group) - half}")
+            progress.event("oom", phase="prefill", rows=len(group), tokens=tokens, split=[half, len(group) - half])
+            self._prefill_group(enc, group[:half], slot_of, stats, progress)
+            self._prefill_group(enc, group[half:], slot_of, stats, progress)
 
     def _prefill_groups(self, enc: Encoded, wave: list[int]) -> list[list[int]]:
         """Documents sorted by length, packed into groups of at most `prefill_tokens` tokens."""
@@ -129,17 +177,66 @@ class Engine:
         branch_len = {r: len(enc.branches[r]) for r in rows}
         prefix_len = {r: len(enc.prefixes[enc.row_prefix[r]]) for r in rows}
         t0 = time.perf_counter()
-        for batch in plan_batches(rows, branch_len, prefix_len, self.max_rows, self.max_tokens):
+        try:
+            for batch in plan_batches(rows, branch_len, prefix_len, self.max_rows, self.max_tokens):
+                self._score_batch(enc, batch, slot_of, prefix_len, path, scores, progress)
+                faults.point("score")
+                self._between()
+        finally:
+            _sync(self.runner.device)
+            scores.stats.score_s += time.perf_counter() - t0
+
+    def _score_batch(self, enc: Encoded, batch: Batch, slot_of: dict[int, int], prefix_len: dict[int, int],
+                     path: str, scores: Scores, progress: Progress) -> None:
+        """Score one batch; out of memory, score it as two smaller batches (and plan later ones no larger),
+        down to one row, which then fails on its own: reported with skip_failed, else the run stops."""
+        try:
+            faults.inject_oom("rows", len(batch.rows))
             hidden = self.runner.score(batch, [enc.branches[r] for r in batch.rows],
                                        [slot_of[enc.row_prefix[r]] for r in batch.rows],
                                        [prefix_len[r] for r in batch.rows], path)
             logits, lse = self.runner.label_scores(hidden, [enc.label_ids[r] for r in batch.rows])
-            probs = torch.softmax(logits.double(), -1).cpu()
-            mass = torch.exp(torch.logsumexp(logits.double(), -1) - lse.double()).cpu()
-            for i, r in enumerate(batch.rows):
-                scores.probs[r] = probs[i, : len(enc.label_ids[r])].tolist()
-                scores.label_mass[r] = float(mass[i])
-            scores.stats.batches += 1
-            progress.advance("score", len(batch.rows))
-        _sync(self.runner.device)
-        scores.stats.score_s += time.perf_counter() - t0
+        except torch.OutOfMemoryError as exc:
+            _free(self.runner.device)
+            n = len(batch.rows)
+            if n == 1:
+                r = batch.rows[0]
+                why = (f"out of memory scoring this row alone ({len(enc.branches[r])} question tokens, "
+                       f"{prefix_len[r]} document tokens)")
+                if not self.skip_failed:
+                    raise KevscoreError(f"{why}: {_first_line(exc)}; pass --skip-invalid to report such rows "
+                                        "and go on") from exc
+                scores.failed[r] = why
+                progress.warn(f"{why}; reported in the errors file")
+                progress.advance("score", 1)
+                return
+            half = n // 2
+            self.max_rows = min(self.max_rows, max(half, n - half))
+            scores.stats.oom_retries += 1
+            progress.warn(f"out of memory scoring a batch of {n} rows x {batch.length} tokens; retrying as "
+                          f"{half} + {n - half} rows, later batches at most {self.max_rows} rows")
+            progress.event("oom", phase="score", rows=n, length=batch.length, split=[half, n - half])
+            for part in (batch.rows[:half], batch.rows[half:]):
+                sub = Batch(rows=part, size=row_bucket(len(part), self.max_rows),
+                            length=ladder(max(len(enc.branches[r]) for r in part)),
+                            prefix=ladder(max(prefix_len[r] for r in part)))
+                self._score_batch(enc, sub, slot_of, prefix_len, path, scores, progress)
+            return
+        probs = torch.softmax(logits.double(), -1).cpu()
+        mass = torch.exp(torch.logsumexp(logits.double(), -1) - lse.double()).cpu()
+        for i, r in enumerate(batch.rows):
+            scores.probs[r] = probs[i, : len(enc.label_ids[r])].tolist()
+            scores.label_mass[r] = float(mass[i])
+        scores.stats.batches += 1
+        progress.advance("score", len(batch.rows))
+
+
+def _free(device: torch.device) -> None:
+    """After an out-of-memory error: return the cached blocks the failed attempt left."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

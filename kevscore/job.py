@@ -1,20 +1,43 @@
-"""The `run` job: Parquet in -> validate -> encode -> bank and branches -> Parquet out."""
+"""The `run` job: scan and validate the input, then score it window by window into resumable part files,
+merged into the output in input order at the end.
+
+    scan (validation, rows -> documents; kevscore.stream) -> load the model -> token lengths (validation)
+      -> windows of documents (kevscore.plan) -> bank sized for one window
+      -> per window not yet done: read its rows, encode, prefill + score (waves), write its part
+      -> merge the parts into the output (atomically), remove them
+
+Host memory is bounded by a window (its texts, token ids and scores) plus a few bytes per input row for
+the plan; GPU memory by the bank (waves inside a window when it does not fit).
+"""
 from __future__ import annotations
 
+import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from kevscore.backend import build_runner, resolve_device
 from kevscore.bank_store import BankStats, BankStore, check_bank_dir, model_fingerprint
 from kevscore.checkpoint import load_checkpoint
-from kevscore.data import check_output_path, default_output_path, read_input, write_output
-from kevscore.engine import Engine, Progress, RunStats
+from kevscore.data import check_output_path, default_output_path, output_table
+from kevscore.engine import Engine, Progress, RunStats, Scores
 from kevscore.errors import KevscoreError
-from kevscore.shard import shard_rows
+from kevscore.faults import Interrupted, StopSignals
+from kevscore.parts import ERRORS_SCHEMA, PartStore, errors_path, file_sha256, merged_output
+from kevscore.plan import Windows, plan_windows
 from kevscore.prompt import encode, load_template
+from kevscore.shard import assign_documents
+from kevscore.stream import InputScan, measure_tokens, scan_input
 
 PATHS = ("indexed", "gathered")
+WINDOW_DOCS = 1024          # documents per window (--window)
+WINDOW_ROWS = 65536         # rows per window; a document with more rows is split over windows of its own
+WINDOW_TOKENS = 1 << 20     # document tokens per window
 
 
 @dataclass(slots=True)
@@ -35,17 +58,28 @@ class RunOptions:
     bank_max_gb: float | None = None  # LRU-evict the on-disk bank down to this size
     shard: tuple[int, int] | None = None  # (rank, world): score only this rank's documents (kevscore.shard)
     batch_invariant: bool = False  # one row per batch, one document per prefill: results independent of batch-mates
+    window: int = WINDOW_DOCS     # documents per window: host memory is bounded by a window, not the input
+    restart: bool = False         # discard the completed parts of an interrupted run instead of resuming it
+    skip_invalid: bool = False    # rows that cannot be scored on their own go to an errors Parquet
 
 
 @dataclass(slots=True)
 class RunResult:
     output: Path
-    stats: RunStats
+    stats: RunStats           # rows: the output's rows (resumed parts included); times: this call's work
     documents: int
     device: str
     model: str
     load_s: float
     bank: BankStats | None = None
+    errors: Path | None = None    # the errors Parquet (--skip-invalid)
+    set_aside: int = 0            # rows in it
+    windows: int = 0
+    resumed: int = 0              # windows an earlier, interrupted run had completed
+    resumed_rows: int = 0
+    wall_s: float = 0.0
+    peak_rss: int = 0             # bytes: this process's peak resident set size (getrusage)
+    peak_gpu: int | None = None   # bytes: torch.cuda.max_memory_allocated, on a GPU
 
 
 def check_options(opts: RunOptions) -> None:
@@ -55,6 +89,8 @@ def check_options(opts: RunOptions) -> None:
         raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
     if opts.bank_capacity is not None and opts.bank_capacity < 1:
         raise KevscoreError(f"--bank-capacity {opts.bank_capacity}: must be at least 1")
+    if opts.window < 1:
+        raise KevscoreError(f"--window {opts.window}: must be at least 1")
     if not opts.labels or any(not label for label in opts.labels) or len(set(opts.labels)) != len(opts.labels):
         raise KevscoreError(f"--labels {','.join(opts.labels)}: give distinct, non-empty labels")
     if opts.bank_max_gb is not None and opts.bank is None:
@@ -66,46 +102,196 @@ def check_options(opts: RunOptions) -> None:
 
 
 def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
+    started = time.perf_counter()
+    progress = progress or Progress()
     check_options(opts)
     output = Path(opts.output) if opts.output else default_output_path(opts.input)
-    table = read_input(Path(opts.input), Path(opts.documents) if opts.documents else None)
-    check_output_path(output, table.sources, opts.overwrite)
-    if opts.shard is not None:  # one rank of a distributed job: the rows of its documents only
-        table = table.take(shard_rows(table.doc_keys, table.documents, table.questions, *opts.shard))
+    scan = scan_input(Path(opts.input), Path(opts.documents) if opts.documents else None, opts.skip_invalid,
+                      keep_texts=opts.shard is not None)
+    ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
+    check_output_path(output, scan.sources, opts.overwrite or ours)
+    if opts.skip_invalid:
+        check_output_path(errors_path(output), scan.sources, opts.overwrite or ours)
     t0 = time.perf_counter()
     device = resolve_device(opts.device)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
     ckpt = load_checkpoint(opts.model, device)
     template = load_template(opts.template, ckpt.tokenizer)
-    enc = encode(table, ckpt.tokenizer, template, opts.labels, ckpt.config.max_position_embeddings)
-    runner = build_runner(ckpt, device, [len(p) for p in enc.prefixes], opts.bank_capacity, opts.eager)
-    store = open_store(opts, ckpt, runner, enc, table, progress) if opts.bank is not None else None
-    load_s = time.perf_counter() - t0
+    max_positions = ckpt.config.max_position_embeddings
+    doc_tokens = measure_tokens(scan, ckpt.tokenizer, template, opts.labels, max_positions, opts.skip_invalid)
+    doc_of_row = scan.doc_of_row
+    if opts.shard is not None:  # one rank of a distributed job: the rows of its documents only
+        doc_of_row = shard_documents(scan, *opts.shard)
+    windows = plan_windows(doc_of_row, doc_tokens, opts.window, WINDOW_ROWS, WINDOW_TOKENS)
+    runner = build_runner(ckpt, device, bank_documents(windows, doc_of_row, doc_tokens), opts.bank_capacity,
+                          opts.eager)
+    backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
+    fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
+    identity = job_identity(opts, scan, ckpt.name, fingerprint.digest, device.type, windows)
+    parts = PartStore(output, identity, windows.rows, opts.restart, progress.warn)
+    store = None
     try:
-        engine = Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
-                        prefill_tokens=1 if opts.batch_invariant else 8192, store=store)
-        scores = engine.run(enc, opts.path, progress)
+        if not opts.overwrite and output.exists() and not parts.finished():
+            check_output_path(output, scan.sources, False)  # --restart of another job over an existing output
+        store = open_store(opts, fingerprint, progress) if opts.bank is not None else None
+        load_s = time.perf_counter() - t0
+        result = RunResult(output, RunStats(), len(np.unique(doc_of_row[windows.of_row >= 0])), str(device),
+                           ckpt.name, load_s, windows=len(windows), resumed=len(parts.done),
+                           resumed_rows=sum(parts.done.values()))
+        if parts.finished():
+            result.stats.rows = parts.manifest["merged"]["rows"]
+        else:
+            engine = Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
+                            prefill_tokens=1 if opts.batch_invariant else 8192, store=store,
+                            skip_failed=opts.skip_invalid)
+            with StopSignals(progress.warn) as stop:
+                engine.stop = stop
+                score_windows(opts, scan, windows, engine, parts, ckpt.tokenizer, template, max_positions,
+                              result.stats, progress)
+            t1 = time.perf_counter()
+            set_aside = set_aside_table(scan) if opts.skip_invalid and (opts.shard or (0, 1))[0] == 0 else None
+            if opts.skip_invalid and set_aside is None:
+                set_aside = ERRORS_SCHEMA.empty_table()
+            result.stats.rows = parts.merge(windows.of_row, set_aside)
+            result.stats.write_s += time.perf_counter() - t1
+            progress.event("merged", output=str(output), rows=result.stats.rows)
+    except Interrupted as exc:
+        parts.close()
+        done = sum(parts.done.values())
+        raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(windows)} windows ({done:,} rows) are kept "
+                          f"in {parts.dir}; rerun the same command to resume") from None
+    except BaseException:
+        if parts.created and not parts.done:
+            parts.remove()  # nothing completed: leave no trace
+        else:
+            parts.close()
+        raise
     finally:
         if store is not None:
             store.close()
-    write_output(output, table, enc.labels, scores.probs, scores.label_mass)
-    documents = len(set(table.doc_ids or table.documents))
-    return RunResult(output, scores.stats, documents, str(device), ckpt.name, load_s,
-                     store.stats if store is not None else None)
+    parts.remove()
+    if opts.skip_invalid:
+        result.errors = errors_path(output)
+        result.set_aside = pq.read_metadata(result.errors).num_rows
+    result.bank = store.stats if store is not None else None
+    result.wall_s = time.perf_counter() - started
+    result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    if device.type == "cuda":
+        import torch
+
+        result.peak_gpu = int(torch.cuda.max_memory_allocated(device))
+    return result
 
 
-def open_store(opts: RunOptions, ckpt, runner, enc, table, progress: Progress | None) -> BankStore:
-    """The on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)."""
-    backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
-    fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
-    max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
-    try:
-        store = BankStore(Path(opts.bank), fingerprint, max_bytes, warn=(progress or Progress()).warn)
-    except OSError as exc:
-        raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc
+def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
+                  tokenizer, template, max_positions: int, stats: RunStats, progress: Progress) -> None:
+    """Score every window without a completed part, writing each window's part as it completes."""
+    todo = [w for w in range(len(windows)) if w not in parts.done]
+    resumed_rows = sum(parts.done.values())
+    total_rows = int(windows.rows.sum())
+    progress.start("prefill", int(windows.docs[todo].sum()) if todo else 0)
+    progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()) if todo else total_rows)
+    progress.event("start", rows=total_rows, windows=len(windows), windows_done=len(parts.done),
+                   rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
+    reader = scan.reader()
+    for w in todo:
+        t0 = time.perf_counter()
+        rows = windows.rows_of(w)
+        table = reader.read(rows)
+        enc = encode(table, tokenizer, template, opts.labels, max_positions)
+        stats.read_s += time.perf_counter() - t0
+        progress.event("window", window=w, rows=len(rows), documents=len(enc.prefixes))
+        if engine.store is not None:
+            engine.store.note_documents(enc.prefixes, _doc_ids(table, enc))
+        scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
+        engine.run_waves(enc, opts.path, scores, progress)
+        progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
+        t1 = time.perf_counter()
+        ok = [i for i in range(len(enc)) if i not in scores.failed]
+        kept = table if len(ok) == len(enc) else table.take(ok)
+        part = output_table(kept, [enc.labels[i] for i in ok], [scores.probs[i] for i in ok],
+                            [scores.label_mass[i] for i in ok])
+        errors = None
+        if scores.failed:
+            failed = sorted(scores.failed)
+            errors = pa.table({"row": [table.rows[i] for i in failed],
+                               "doc_id": [table.doc_ids[i] if table.doc_ids else None for i in failed],
+                               "question_id": [table.question_ids[i] if table.question_ids else None for i in failed],
+                               "reason": [scores.failed[i] for i in failed]}, schema=ERRORS_SCHEMA)
+        parts.write(w, part, errors)
+        stats.write_s += time.perf_counter() - t1
+        progress.event("part", window=w, rows=part.num_rows, failed=len(scores.failed),
+                       windows_done=len(parts.done), windows=len(windows))
+
+
+def _doc_ids(table, enc) -> list[list[str]]:
     doc_ids: list[list[str]] = [[] for _ in enc.prefixes]
     if table.doc_ids:
         for r, p in enumerate(enc.row_prefix):
             if table.doc_ids[r] not in doc_ids[p]:
                 doc_ids[p].append(table.doc_ids[r])
-    store.note_documents(enc.prefixes, doc_ids)
-    return store
+    return doc_ids
+
+
+def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:
+    """doc_of_row keeping only the rows of documents that kevscore.shard assigns to `rank` (others -1)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+    assignment = assign_documents(scan.costs(), world)
+    mine = np.asarray([assignment[k] == rank for k in scan.doc_keys] + [False], dtype=bool)
+    return np.where(mine[scan.doc_of_row], scan.doc_of_row, -1).astype(np.int32)
+
+
+def bank_documents(windows: Windows, doc_of_row: np.ndarray, doc_tokens: np.ndarray) -> list[int]:
+    """Document lengths standing for the largest window (most tokens; as many entries as the window with
+    the most documents; the longest document included), so the bank is sized for a window, not the input."""
+    if not len(windows):
+        return []
+    biggest = int(np.argmax(windows.tokens))
+    docs = np.unique(doc_of_row[windows.of_row == biggest])
+    lengths = sorted(int(doc_tokens[d]) for d in docs)
+    longest = int(doc_tokens[doc_of_row[windows.of_row >= 0]].max())
+    if lengths[-1] < longest:
+        lengths[0] = longest
+    return lengths + [0] * max(0, int(windows.docs.max()) - len(lengths))
+
+
+def job_identity(opts: RunOptions, scan: InputScan, model: str, fingerprint: str, device: str,
+                 windows: Windows) -> dict:
+    """What a job's results depend on; a resumed run must match it exactly."""
+    def file(path):
+        return None if path is None else {"name": Path(path).name, "sha256": file_sha256(Path(path))}
+
+    return {
+        "input": file(scan.path), "documents": file(scan.documents_path), "template": file(opts.template),
+        "model": {"name": model, "fingerprint": fingerprint},
+        "options": {"device": device, "path": opts.path, "labels": list(opts.labels), "batch_rows": opts.batch_rows,
+                    "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
+                    "window": opts.window, "shard": list(opts.shard) if opts.shard else None},
+        "plan": {"windows": len(windows), "rows": int(windows.rows.sum()), "digest": windows.digest()},
+    }
+
+
+def set_aside_table(scan: InputScan) -> pa.Table:
+    """The rows the scan set aside, with their ids and reasons."""
+    rows = np.asarray(sorted(scan.invalid), dtype=np.int64)
+    ids = {"doc_id": [None] * len(rows), "question_id": [None] * len(rows)}
+    cols = [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id)) if has]
+    if cols and len(rows):
+        from kevscore.stream import _Cursor
+
+        ids.update(_Cursor(scan.path, cols).take(rows))
+    return pa.table({"row": rows, **ids, "reason": [scan.invalid[int(r)] for r in rows]}, schema=ERRORS_SCHEMA)
+
+
+def open_store(opts: RunOptions, fingerprint, progress: Progress | None) -> BankStore:
+    """The on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)."""
+    max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
+    try:
+        return BankStore(Path(opts.bank), fingerprint, max_bytes, warn=(progress or Progress()).warn)
+    except OSError as exc:
+        raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc
+

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 def ladder(n: int, start: int = 16) -> int:
     """The smallest bucket >= n among start * {1, 1.5, 2, 3, 4, 6, 8, ...}: at most 50% padding."""
@@ -65,3 +67,69 @@ def plan_waves(doc_tokens: Sequence[int], entries: int, tokens: int) -> list[lis
     if current:
         waves.append(current)
     return waves
+
+
+@dataclass(slots=True)
+class Windows:
+    """A job cut into windows of documents: all rows of a window's documents are scored together."""
+    of_row: np.ndarray   # int32 [input rows]: each row's window; -1 for a row not scored (set aside, other rank)
+    rows: np.ndarray     # int64 per window: its rows
+    docs: np.ndarray     # int64 per window: its documents
+    tokens: np.ndarray   # int64 per window: its documents' prefix tokens
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def rows_of(self, window: int) -> np.ndarray:
+        """The window's input rows, ascending."""
+        return np.flatnonzero(self.of_row == window)
+
+    def digest(self) -> str:
+        """A fingerprint of the plan: which row goes to which window."""
+        import hashlib
+
+        return hashlib.sha256(np.ascontiguousarray(self.of_row, dtype="<i4").tobytes()).hexdigest()
+
+
+def plan_windows(doc_of_row: np.ndarray, doc_tokens: Sequence[int], max_docs: int, max_rows: int,
+                 max_tokens: int) -> Windows:
+    """Cut documents, in the order they first appear in the input, into consecutive windows of at most
+    `max_docs` documents, `max_rows` rows and `max_tokens` prefix tokens (but at least one document).
+    A document with more than `max_rows` rows gets windows of its own, its rows split in input order."""
+    n_docs = len(doc_tokens)
+    live = doc_of_row >= 0
+    counts = np.bincount(doc_of_row[live], minlength=n_docs) if n_docs else np.zeros(0, np.int64)
+    first = np.full(max(n_docs, 1), -1, dtype=np.int64)
+    rows, docs, tokens = [], [], []
+    chunked = []
+    accepting = False  # the last window takes more documents (not one of a split document's)
+    for d in np.flatnonzero(counts).tolist():
+        n, t = int(counts[d]), int(doc_tokens[d])
+        if n > max_rows:
+            first[d] = len(rows)
+            chunked.append(d)
+            for k in range(0, n, max_rows):
+                rows.append(min(max_rows, n - k))
+                docs.append(1)
+                tokens.append(t)
+            accepting = False
+            continue
+        if not accepting or docs[-1] >= max_docs or rows[-1] + n > max_rows or tokens[-1] + t > max_tokens:
+            rows.append(0)
+            docs.append(0)
+            tokens.append(0)
+            accepting = True
+        first[d] = len(rows) - 1
+        rows[-1] += n
+        docs[-1] += 1
+        tokens[-1] += t
+    of_row = np.full(len(doc_of_row), -1, dtype=np.int32)
+    of_row[live] = first[doc_of_row[live]]
+    if chunked:
+        idx = np.flatnonzero(np.isin(doc_of_row, np.asarray(chunked)))
+        sub = doc_of_row[idx]
+        order = np.argsort(sub, kind="stable")
+        bounds = np.flatnonzero(np.diff(sub[order], prepend=-1))  # where each document's run starts
+        rank = np.arange(len(order)) - np.repeat(bounds, np.diff(np.append(bounds, len(order))))
+        of_row[idx[order]] += (rank // max_rows).astype(np.int32)
+    return Windows(of_row, np.asarray(rows, np.int64), np.asarray(docs, np.int64), np.asarray(tokens, np.int64))

@@ -1,0 +1,91 @@
+"""Stopping cleanly and surviving faults: Ctrl-C / SIGTERM after the current batch, test-only fault hooks.
+
+- `StopSignals` turns the first SIGINT or SIGTERM into a request that the engine honours after the batch
+  (or prefill group) in flight, raising `Interrupted`; a second signal stops at once.
+- Test hooks, read from the environment each time (so an in-process test can set them too):
+  `KEVSCORE_TEST_KILL=POINT[:N]` makes the process SIGKILL itself the N-th time (default 1st) it reaches
+  POINT; `KEVSCORE_TEST_SIGINT=POINT[:N]` sends it a SIGINT there instead (a Ctrl-C at a known place);
+  `KEVSCORE_TEST_OOM_ROWS=N` raises `torch.OutOfMemoryError` for every scoring batch of more than N rows,
+  `KEVSCORE_TEST_OOM_DOCS=N` for every prefill group of more than N documents.
+  Points: `prefill` (after a prefill group), `score` (after a batch), `part-write` (inside a part file's
+  write, before its footer), `part-done` (a part renamed into place, the manifest not yet updated),
+  `merge` (inside the final output's write), `merged` (the output renamed into place, the parts not yet
+  removed).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections import Counter
+
+KILL, SIGINT = "KEVSCORE_TEST_KILL", "KEVSCORE_TEST_SIGINT"
+OOM = {"rows": "KEVSCORE_TEST_OOM_ROWS", "docs": "KEVSCORE_TEST_OOM_DOCS"}
+_reached: Counter[str] = Counter()
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop requested by Ctrl-C or SIGTERM, honoured between batches; the message says what was kept."""
+
+
+def _matches(spec: str | None, point: str) -> bool:
+    if not spec:
+        return False
+    name, _, nth = spec.partition(":")
+    return name == point and _reached[point] == int(nth or 1)
+
+
+def point(name: str) -> None:
+    """A place a test may kill or interrupt the process at (no-op unless a test hook names it)."""
+    kill, sigint = os.environ.get(KILL), os.environ.get(SIGINT)
+    if not (kill or sigint):
+        return
+    _reached[name] += 1
+    if _matches(kill, name):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _matches(sigint, name):
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def inject_oom(unit: str, n: int) -> None:
+    """Test-only allocation failure: torch.OutOfMemoryError for a batch of more than N rows (unit "rows")
+    or a prefill group of more than N documents (unit "docs")."""
+    limit = os.environ.get(OOM[unit])
+    if limit and n > int(limit):
+        import torch
+
+        raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {OOM[unit]}={limit}: {n} {unit})")
+
+
+class StopSignals:
+    """While active (main thread only), the first SIGINT/SIGTERM sets `requested`; a second one raises
+    KeyboardInterrupt at once. `warn` is told when a stop is requested."""
+
+    def __init__(self, warn=None):
+        self.requested: str | None = None
+        self._warn = warn
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = name
+        if self._warn is not None:
+            self._warn(f"{name}: stopping after the current batch (send it again to stop at once)")
+
+    def check(self) -> None:
+        """Raise Interrupted when a stop was requested (the engine calls this between batches)."""
+        if self.requested is not None:
+            raise Interrupted(self.requested)

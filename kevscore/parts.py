@@ -1,0 +1,378 @@
+"""Resumable output: one part file per window beside the output, a manifest, and the final merge.
+
+    OUT.parts/manifest.json          format, version, the job's identity (input and template SHA-256s, model
+                                     fingerprint, options that change results, the window plan's digest),
+                                     windows done; when merging, the SHA-256s of the files it is renaming
+    OUT.parts/lock                   flock held by the running job (a second run on OUT is refused)
+    OUT.parts/part-NNNNNN.parquet    window N's scores (output schema, rows ascending), written atomically
+    OUT.parts/errors-NNNNNN.parquet  window N's rows that failed on their own (--skip-invalid), written first
+    OUT.parts/.*.tmp                 a write in progress (removed by the next run)
+
+A window's part is complete once renamed into place; its metadata names the job, so a part of another job is
+never used. The final output is merged from the parts in input order (a k-way merge by row, a bounded chunk
+of input rows at a time), written to a temporary file in OUT.parts, recorded in the manifest and renamed
+over OUT; only then are the parts removed. A run killed anywhere leaves either complete parts (resumed),
+a temporary file (removed), or a renamed output the manifest vouches for (the rerun just cleans up).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kevscore import faults
+from kevscore.data import OUTPUT_SCHEMA, _first_line, _fsync_dir
+from kevscore.errors import KevscoreError
+
+FORMAT, VERSION = "kevscore-parts", 1
+MANIFEST, LOCK = "manifest.json", "lock"
+JOB_KEY = b"kevscore.job"
+PART_ROW_GROUP = 1024   # rows per row group in part files: a merge keeps about one per open part
+MERGE_ROWS = 16384      # input rows per merge chunk
+ERRORS_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("question_id", pa.string()),
+                           ("reason", pa.string())])
+OPTION_FLAGS = {"path": "--path", "labels": "--labels", "batch_rows": "--batch-rows", "bank_capacity": "--bank-capacity",
+                "eager": "--eager", "batch_invariant": "--batch-invariant", "window": "--window",
+                "shard": "shard (rank, world)", "device": "--device", "model": "--model"}
+
+
+def parts_dir(output: Path) -> Path:
+    return output.with_name(output.name + ".parts")
+
+
+def errors_path(output: Path) -> Path:
+    """Where --skip-invalid reports the rows set aside: OUT's stem + .errors.parquet."""
+    return output.with_name(f"{output.stem}.errors.parquet")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], tmp_dir: Path,
+                  hook: str | None = None) -> None:
+    """Write `tables` to a temporary file in tmp_dir (fsynced), then rename it to `path`."""
+    tmp = tmp_dir / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            with pq.ParquetWriter(f, schema) as writer:
+                for table in tables:
+                    writer.write_table(table, row_group_size=PART_ROW_GROUP)
+                    if hook:
+                        faults.point(hook)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise KevscoreError(f"{path}: cannot write ({_first_line(e)})") from e
+        raise
+    _fsync_dir(path.parent)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "x") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def merged_output(output: Path) -> bool:
+    """True when OUT.parts records a merge whose result is the file at OUT: a run killed after renaming its
+    output and before removing its parts (the rerun only cleans up)."""
+    manifest = _read_json(parts_dir(output) / MANIFEST) or {}
+    merged = manifest.get("merged") or {}
+    name = (merged.get("tmp") or {}).get("output")
+    return bool(name) and output.is_file() and file_sha256(output) == (merged.get("sha256") or {}).get(name)
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """What changed between two job identities, in words."""
+    out = []
+    for name in ("input", "documents", "template"):
+        if old.get(name) != new.get(name):
+            was, now = old.get(name), new.get(name)
+            if was and now and was.get("name") == now.get("name"):
+                out.append(f"{name} {now['name']} changed (SHA-256 {was['sha256'][:12]} -> {now['sha256'][:12]})")
+            else:
+                out.append(f"{name} {(was or {}).get('name', 'none')} -> {(now or {}).get('name', 'none')}")
+    if old.get("model") != new.get("model"):
+        was, now = old.get("model") or {}, new.get("model") or {}
+        out.append(f"model {was.get('name')} ({str(was.get('fingerprint'))[:12]}) -> "
+                   f"{now.get('name')} ({str(now.get('fingerprint'))[:12]})")
+    was, now = old.get("options") or {}, new.get("options") or {}
+    for key in sorted(set(was) | set(now)):
+        if was.get(key) != now.get(key):
+            out.append(f"{OPTION_FLAGS.get(key, key)} {was.get(key)} -> {now.get(key)}")
+    if not out and old.get("plan") != new.get("plan"):
+        out.append("the window plan")
+    return out or ["the parts' format"]
+
+
+class PartStore:
+    """The parts of one job's output: open (lock, check or start the manifest), write, merge, remove."""
+
+    def __init__(self, output: Path, identity: dict, windows: np.ndarray, restart: bool = False,
+                 warn: Callable[[str], None] | None = None):
+        """`windows`: each window's planned row count. Raises KevscoreError when OUT.parts holds completed
+        parts of another job (unless restart: they are discarded)."""
+        self.output, self.dir = Path(output), parts_dir(Path(output))
+        self.identity, self.planned = identity, windows
+        self.job = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+        self.warn = warn or (lambda message: None)
+        self.created = not self.dir.exists()
+        try:
+            self.dir.mkdir(exist_ok=True)
+        except OSError as e:
+            raise KevscoreError(f"{self.dir}: cannot create the parts directory ({_first_line(e)})") from e
+        self._lock = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise KevscoreError(f"{self.output}: another kevscore run is writing this output now "
+                                f"(its parts are in {self.dir})") from None
+        try:
+            self._open(restart)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ opening
+
+    def _open(self, restart: bool) -> None:
+        for p in self.dir.glob(".*.tmp"):
+            p.unlink(missing_ok=True)  # writes of a run that was killed
+        manifest = _read_json(self.dir / MANIFEST)
+        self.manifest = None
+        if manifest is not None:
+            same = (manifest.get("format") == FORMAT and manifest.get("version") == VERSION
+                    and manifest.get("identity") == self.identity)
+            done = self._parts()
+            if restart:
+                if done:
+                    self.warn(f"{self.dir}: --restart: discarding {len(done)} completed part(s)")
+                self._clear()
+            elif not same and done:
+                what = "; ".join(differences(manifest.get("identity") or {}, self.identity))
+                raise KevscoreError(f"{self.output}: {len(done)} completed part(s) in {self.dir} belong to another "
+                                    f"job ({what}); rerun with --restart to discard them, or choose another --output")
+            elif not same:
+                self._clear()  # another job's leftovers with nothing completed: nothing to lose
+            else:
+                self.manifest = manifest
+        if self.manifest is None:
+            self.manifest = {"format": FORMAT, "version": VERSION, "identity": self.identity, "job": self.job,
+                             "created": time.time(), "done": []}
+            _write_json(self.dir / MANIFEST, self.manifest)
+        self.done: dict[int, int] = {}  # window -> rows in its part
+        for w, path in self._parts().items():
+            rows = self._check_part(w, path)
+            if rows is None:
+                self.warn(f"{path}: not a complete part of this job; recomputing window {w}")
+                path.unlink(missing_ok=True)
+                self._errors_file(w).unlink(missing_ok=True)
+            else:
+                self.done[w] = rows
+
+    def _parts(self) -> dict[int, Path]:
+        out = {}
+        for p in self.dir.glob("part-*.parquet"):
+            try:
+                out[int(p.name[5:-8])] = p
+            except ValueError:
+                continue
+        return out
+
+    def _clear(self) -> None:
+        for p in self.dir.iterdir():
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.name != LOCK:
+                p.unlink(missing_ok=True)
+
+    def _check_part(self, w: int, path: Path) -> int | None:
+        """The part's row count when it is window w's complete part of this job, else None."""
+        if not 0 <= w < len(self.planned):
+            return None
+        try:
+            meta = pq.read_metadata(path)
+            schema = pq.read_schema(path)
+            failed = pq.read_metadata(self._errors_file(w)).num_rows if self._errors_file(w).exists() else 0
+        except (OSError, pa.ArrowException):
+            return None
+        if (schema.metadata or {}).get(JOB_KEY) != self.job.encode() or not schema.equals(OUTPUT_SCHEMA):
+            return None
+        return meta.num_rows if meta.num_rows + failed == int(self.planned[w]) else None
+
+    def _part_file(self, w: int) -> Path:
+        return self.dir / f"part-{w:06d}.parquet"
+
+    def _errors_file(self, w: int) -> Path:
+        return self.dir / f"errors-{w:06d}.parquet"
+
+    # ------------------------------------------------------------ writing
+
+    def write(self, w: int, table: pa.Table, errors: pa.Table | None = None) -> None:
+        """Window w's scores (rows ascending) and the rows that failed on their own, atomically."""
+        if errors is not None and errors.num_rows:
+            write_parquet(self._errors_file(w), ERRORS_SCHEMA, [errors], self.dir)
+        table = table.replace_schema_metadata({JOB_KEY: self.job.encode()})
+        groups = [pa.Table.from_batches([b], table.schema) for b in table.to_batches(max_chunksize=PART_ROW_GROUP)]
+        write_parquet(self._part_file(w), table.schema, groups or [table], self.dir, hook="part-write")
+        faults.point("part-done")
+        self.done[w] = table.num_rows
+        self.manifest["done"] = sorted(self.done)
+        _write_json(self.dir / MANIFEST, self.manifest)
+
+    def failed_rows(self) -> pa.Table:
+        """Every window's rows that failed on their own, by row."""
+        tables = [pq.read_table(self._errors_file(w)) for w in sorted(self.done) if self._errors_file(w).exists()]
+        return pa.concat_tables([ERRORS_SCHEMA.empty_table(), *tables]).sort_by("row")
+
+    # ------------------------------------------------------------ finishing
+
+    def finished(self) -> bool:
+        """True when a merge of this job was renamed into place and only the clean-up was left."""
+        merged = self.manifest.get("merged")
+        if not merged:
+            return False
+        pending = [(self.dir / merged["tmp"][name], target) for name, target in
+                   (("errors", errors_path(self.output)), ("output", self.output)) if merged["tmp"].get(name)]
+        for tmp, target in pending:  # killed between recording the merge and renaming it
+            if tmp.exists() and file_sha256(tmp) == merged["sha256"][tmp.name]:
+                os.replace(tmp, target)
+                _fsync_dir(target.parent)
+        return self.output.exists() and file_sha256(self.output) == merged["sha256"].get(merged["tmp"]["output"])
+
+    def merge(self, of_row: np.ndarray, set_aside: pa.Table | None) -> int:
+        """Merge the parts into the output in input order (and the errors file when `set_aside` is given:
+        the rows the scan set aside); then remove the parts. Returns the output's row count."""
+        failed = self.failed_rows()
+        of_row = of_row.copy()
+        of_row[np.asarray(failed.column("row").to_pylist(), dtype=np.int64)] = -1
+        expected = int((of_row >= 0).sum())
+        if sum(self.done.values()) != expected:
+            raise KevscoreError(f"{self.dir}: the parts hold {sum(self.done.values())} rows, the plan {expected}")
+        names = {"output": f".{self.output.name}.{secrets.token_hex(4)}.tmp"}
+        if set_aside is not None:
+            names["errors"] = f".{errors_path(self.output).name}.{secrets.token_hex(4)}.tmp"
+            errors = pa.concat_tables([set_aside.cast(ERRORS_SCHEMA), failed]).sort_by("row")
+            self._write_tmp(self.dir / names["errors"], ERRORS_SCHEMA, [errors], hook=None)
+        self._write_tmp(self.dir / names["output"], OUTPUT_SCHEMA, self._merged(of_row), hook="merge")
+        self.manifest["merged"] = {"tmp": names, "rows": expected,
+                                   "sha256": {n: file_sha256(self.dir / n) for n in names.values()}}
+        _write_json(self.dir / MANIFEST, self.manifest)
+        if set_aside is not None:
+            os.replace(self.dir / names["errors"], errors_path(self.output))
+        os.replace(self.dir / names["output"], self.output)
+        _fsync_dir(self.output.parent)
+        faults.point("merged")
+        return expected
+
+    def _write_tmp(self, tmp: Path, schema: pa.Schema, tables: Iterable[pa.Table], hook: str | None) -> None:
+        try:
+            with open(tmp, "xb") as f:
+                with pq.ParquetWriter(f, schema) as writer:
+                    for table in tables:
+                        writer.write_table(table)
+                        if hook:
+                            faults.point(hook)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise KevscoreError(f"{self.output}: cannot write the output ({_first_line(e)})") from e
+
+    def _merged(self, of_row: np.ndarray) -> Iterator[pa.Table]:
+        """The output in input order, MERGE_ROWS input rows at a time: each chunk takes the next rows of
+        every part with rows in it (a part's rows ascend) and orders them by row."""
+        readers: dict[int, _PartReader] = {}
+        n_windows = len(self.planned)
+        for a in range(0, len(of_row), MERGE_ROWS):
+            wins = of_row[a:a + MERGE_ROWS]
+            live = wins >= 0
+            if not live.any():
+                continue
+            counts = np.bincount(wins[live], minlength=n_windows)
+            pieces = []
+            for w in np.flatnonzero(counts).tolist():
+                if w not in readers:
+                    readers[w] = _PartReader(self._part_file(w))
+                pieces.append(readers[w].take(int(counts[w])))
+                if readers[w].exhausted():
+                    del readers[w]
+            chunk = pa.concat_tables(pieces).replace_schema_metadata(None).sort_by("row")
+            want = np.flatnonzero(live) + a
+            if not np.array_equal(chunk.column("row").to_numpy(), want):
+                raise KevscoreError(f"{self.dir}: the parts do not hold the rows the plan expects; rerun with --restart")
+            yield chunk
+        if not len(of_row) or not (of_row >= 0).any():
+            yield OUTPUT_SCHEMA.empty_table()
+
+    def remove(self) -> None:
+        """Remove the parts directory (after a merge, or a failure that left no completed part)."""
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+class _PartReader:
+    """The rows of one part file, taken in order a few at a time."""
+
+    def __init__(self, path: Path):
+        self.file = pq.ParquetFile(path)
+        self.it = self.file.iter_batches(batch_size=PART_ROW_GROUP)
+        self.buffer: pa.Table | None = None
+        self.left = self.file.metadata.num_rows
+
+    def take(self, n: int) -> pa.Table:
+        pieces, have = [], 0
+        while have < n:
+            if self.buffer is None or self.buffer.num_rows == 0:
+                self.buffer = pa.Table.from_batches([next(self.it)])
+            k = min(n - have, self.buffer.num_rows)
+            pieces.append(self.buffer.slice(0, k))
+            self.buffer = self.buffer.slice(k)
+            have += k
+        self.left -= n
+        return pa.concat_tables(pieces)
+
+    def exhausted(self) -> bool:
+        return self.left <= 0

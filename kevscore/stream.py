@@ -1,0 +1,552 @@
+"""Streaming input: validate a Parquet input without loading it, and read the rows of one window at a time.
+
+`scan_input` reads the input in record batches, a few columns at a time, and keeps only compact arrays:
+each row's document (an int32 index), and per document its key, its text length and its questions'
+summed length. Every check of the whole-file reader is made here, in the same order and with the same
+one-line messages (file, column, input row numbers), so `read_input` is this scan plus reading every row.
+With `skip_invalid`, rows that cannot be scored on their own (a null question or document, a `labels`
+value that is null, empty or repeats a label, a `doc_id` with no document) are set aside with a reason
+instead of stopping the run; problems of identity or structure (missing columns, wrong types, null or
+duplicate ids, one `doc_id` with two texts) always stop it.
+
+`RowReader` then reads chosen rows (one window's) in ascending order, continuing from where the last call
+stopped when the rows lie ahead: a file whose windows follow the file order is read once in all.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kevscore.errors import KevscoreError, rows_phrase
+
+BATCH_ROWS = 4096        # rows per record batch read
+READ_BUFFER = 1 << 20    # bytes: stream column chunks instead of loading a whole row group
+
+
+# ---------------------------------------------------------------- small helpers (messages)
+
+def few(values: Iterable[str], limit: int = 5) -> str:
+    """'a', 'b', … (12 values): distinct values in first-seen order."""
+    distinct = list(dict.fromkeys(values))
+    shown = ", ".join(repr(v) for v in distinct[:limit])
+    return shown + (f", … ({len(distinct)} values)" if len(distinct) > limit else "")
+
+
+def first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def is_string(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        return is_string(t.value_type)
+    view = getattr(pa.types, "is_string_view", lambda _: False)
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or view(t)
+
+
+def _is_labels(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and is_string(t.value_type)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+# ---------------------------------------------------------------- files
+
+def open_parquet(path: Path) -> pq.ParquetFile:
+    if not path.exists():
+        raise KevscoreError(f"{path}: no such file")
+    if not path.is_file():
+        raise KevscoreError(f"{path}: not a file")
+    try:
+        return pq.ParquetFile(path, pre_buffer=False, buffer_size=READ_BUFFER)
+    except (pa.ArrowException, OSError) as e:
+        raise KevscoreError(f"{path}: not a readable Parquet file ({first_line(e)})") from e
+
+
+def check_names(path: Path, names: list[str], required: Sequence[str], reject: str | None) -> None:
+    missing = [c for c in required if c not in names]
+    present = ", ".join(repr(c) for c in names) or "none"
+    if missing:
+        need = ", ".join(repr(c) for c in missing)
+        raise KevscoreError(f"{path}: missing required column(s) {need}; columns present: {present}")
+    if reject is not None and reject in names:
+        raise KevscoreError(f"{path}: has a {reject!r} column although a documents file was given; "
+                            f"use one form or the other")
+
+
+def _type(file: pq.ParquetFile, name: str) -> pa.DataType:
+    return file.schema_arrow.field(name).type
+
+
+def _check_string(path: Path, file: pq.ParquetFile, name: str) -> None:
+    t = _type(file, name)
+    if not is_string(t):
+        raise KevscoreError(f"{path}: column {name!r} has type {t}, expected string")
+
+
+def _check_labels_type(path: Path, file: pq.ParquetFile) -> None:
+    t = _type(file, "labels")
+    if not _is_labels(t):
+        raise KevscoreError(f"{path}: column 'labels' has type {t}, expected list<string>")
+
+
+def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str]) -> Iterator[tuple[int, dict[str, list]]]:
+    """(first input row, {column: values}) per record batch of `columns`, dictionaries decoded."""
+    start = 0
+    it = file.iter_batches(batch_size=BATCH_ROWS, columns=list(columns), use_threads=False)
+    while True:
+        try:
+            batch = next(it, None)
+        except (pa.ArrowException, OSError) as e:
+            raise KevscoreError(f"{path}: cannot read the Parquet data ({first_line(e)})") from e
+        if batch is None:
+            return
+        yield start, {c: batch.column(c).to_pylist() for c in columns}
+        start += batch.num_rows
+
+
+# ---------------------------------------------------------------- the scan
+
+@dataclass(slots=True)
+class InputScan:
+    """What a job needs to know about its input, in memory proportional to its documents plus 4 bytes
+    per row: each row's document, each document's key, source row and lengths, and the rows set aside."""
+    path: Path
+    documents_path: Path | None
+    rows: int
+    doc_of_row: np.ndarray                 # int32 [rows]: index into doc_keys; -1 for a row set aside
+    doc_keys: list[str]                    # doc_id, else the text (keep_texts) or its digest (hex)
+    doc_chars: np.ndarray                  # int64 per document: its text's length in characters
+    question_chars: np.ndarray             # int64 per document: its questions' lengths, summed
+    doc_row: np.ndarray                    # int64 per document: a row holding its text (input, or documents file)
+    has_doc_id: bool = False
+    has_question_id: bool = False
+    has_labels: bool = False
+    invalid: dict[int, str] = field(default_factory=dict)  # row -> why it is set aside (skip_invalid)
+
+    @property
+    def sources(self) -> list[Path]:
+        return [self.path] if self.documents_path is None else [self.path, self.documents_path]
+
+    @property
+    def documents(self) -> int:
+        return len(self.doc_keys)
+
+    def set_aside(self, rows: Iterable[int], reason: str) -> None:
+        for r in rows:
+            if r not in self.invalid:
+                self.invalid[r] = reason
+                self.doc_of_row[r] = -1
+
+    def costs(self) -> dict[str, int]:
+        """Document key -> text length plus its questions' lengths (kevscore.shard.document_costs)."""
+        total = self.doc_chars + self.question_chars
+        return {k: int(c) for k, c in zip(self.doc_keys, total)}
+
+    def reader(self) -> RowReader:
+        return RowReader(self)
+
+
+def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False,
+               keep_texts: bool = False) -> InputScan:
+    """Validate the input (one file, or questions plus a documents file) and index its rows by document.
+    `keep_texts`: without doc_id, key documents by their text (as kevscore.shard does), not a digest."""
+    path = Path(path)
+    if documents is None:
+        return _scan_one(path, skip_invalid, keep_texts)
+    return _scan_two(path, Path(documents), skip_invalid)
+
+
+class _Docs:
+    """Documents met in row order: key -> index, text digest, length, a row holding the text."""
+
+    def __init__(self):
+        self.index: dict = {}
+        self.keys: list = []
+        self.digests: list[bytes] = []
+        self.chars: list[int] = []
+        self.rows: list[int] = []
+
+    def add(self, key, digest: bytes, chars: int, row: int) -> tuple[int, bool]:
+        """(index, same text as when first met)."""
+        d = self.index.get(key)
+        if d is None:
+            d = self.index[key] = len(self.keys)
+            self.keys.append(key)
+            self.digests.append(digest)
+            self.chars.append(chars)
+            self.rows.append(row)
+            return d, True
+        return d, self.digests[d] == digest
+
+
+def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
+    file = open_parquet(path)
+    names = file.schema_arrow.names
+    check_names(path, names, ("document", "question"), None)
+    n = file.metadata.num_rows
+    _check_string(path, file, "document")
+    has_id = "doc_id" in names
+    id_ok = has_id and is_string(_type(file, "doc_id"))
+    doc_of_row = np.full(n, -1, dtype=np.int32)
+    docs = _Docs()
+    null_docs, null_ids = [], []
+    clash: dict[int, None] = {}
+    for start, cols in batches(path, file, ["document", "doc_id"] if id_ok else ["document"]):
+        ids = cols.get("doc_id")
+        for j, text in enumerate(cols["document"]):
+            i = start + j
+            if text is None:
+                null_docs.append(i)
+                if ids is not None and ids[j] is None:
+                    null_ids.append(i)
+                continue
+            digest = _digest(text)
+            if ids is not None:
+                if ids[j] is None:
+                    null_ids.append(i)
+                    continue
+                key = ids[j]
+            else:
+                key = text if keep_texts else digest
+            d, same = docs.add(key, digest, len(text), i)
+            if not same:
+                clash[d] = None
+            doc_of_row[i] = d
+    scan = InputScan(path, None, n, doc_of_row, [], np.zeros(0, np.int64), np.zeros(0, np.int64),
+                     np.zeros(0, np.int64), has_doc_id=has_id)
+    if null_docs:
+        if not skip_invalid:
+            raise KevscoreError(f"{path}: column 'document' has nulls at {rows_phrase(null_docs)}")
+        scan.set_aside(null_docs, "column 'document' is null")
+    if has_id:
+        _check_string(path, file, "doc_id")
+        if null_ids:
+            raise KevscoreError(f"{path}: column 'doc_id' has nulls at {rows_phrase(null_ids)}")
+        if clash:
+            rows = np.flatnonzero(np.isin(doc_of_row, np.fromiter(clash, np.int32))).tolist()
+            raise KevscoreError(f"{path}: column 'doc_id' maps {few(docs.keys[d] for d in clash)} to different "
+                                f"'document' texts at {rows_phrase(rows)}")
+    scan.doc_keys = [k if isinstance(k, str) else k.hex() for k in docs.keys]
+    scan.doc_chars = np.asarray(docs.chars, dtype=np.int64)
+    scan.doc_row = np.asarray(docs.rows, dtype=np.int64)
+    _scan_questions(scan, file, skip_invalid)
+    return scan
+
+
+def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
+    file = open_parquet(path)
+    names = file.schema_arrow.names
+    check_names(path, names, ("question", "doc_id"), "document")
+    n = file.metadata.num_rows
+    _check_string(path, file, "doc_id")
+    doc_of_row = np.full(n, -1, dtype=np.int32)
+    index: dict[str, int] = {}
+    keys: list[str] = []
+    null_ids = []
+    for start, cols in batches(path, file, ["doc_id"]):
+        for j, key in enumerate(cols["doc_id"]):
+            if key is None:
+                null_ids.append(start + j)
+                continue
+            d = index.get(key)
+            if d is None:
+                d = index[key] = len(keys)
+                keys.append(key)
+            doc_of_row[start + j] = d
+    if null_ids:
+        raise KevscoreError(f"{path}: column 'doc_id' has nulls at {rows_phrase(null_ids)}")
+    found = _documents_file(documents)
+    unknown = [d for d, k in enumerate(keys) if k not in found]
+    scan = InputScan(path, documents, n, doc_of_row, keys, np.zeros(len(keys), np.int64),
+                     np.zeros(len(keys), np.int64), np.full(len(keys), -1, np.int64), has_doc_id=True)
+    for d, k in enumerate(keys):
+        if k in found:
+            scan.doc_row[d], scan.doc_chars[d] = found[k]
+    if unknown:
+        rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(unknown, np.int32))).tolist()
+        if not skip_invalid:
+            raise KevscoreError(f"{path}: column 'doc_id' has values with no document in {documents}: "
+                                f"{few(keys[d] for d in unknown)} at {rows_phrase(rows)}")
+        for r in rows:
+            scan.set_aside([r], f"doc_id {keys[doc_of_row[r]]!r} has no document in {documents.name}")
+    _scan_questions(scan, file, skip_invalid)
+    return scan
+
+
+def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
+    """doc_id -> (its row in the documents file, its text's length); checks nulls, types and clashes."""
+    file = open_parquet(path)
+    check_names(path, file.schema_arrow.names, ("doc_id", "document"), None)
+    _check_string(path, file, "doc_id")
+    text_ok = is_string(_type(file, "document"))
+    found: dict[str, tuple[int, int]] = {}
+    digests: dict[str, bytes] = {}
+    null_ids, null_texts = [], []
+    clash: dict[str, None] = {}
+    for start, cols in batches(path, file, ["doc_id", "document"] if text_ok else ["doc_id"]):
+        texts = cols.get("document")
+        for j, key in enumerate(cols["doc_id"]):
+            text = texts[j] if texts is not None else ""
+            if key is None or text is None:
+                (null_ids if key is None else null_texts).append(start + j)
+                continue
+            digest = _digest(text)
+            if key not in found:
+                found[key] = (start + j, len(text))
+                digests[key] = digest
+            elif digests[key] != digest:
+                clash[key] = None
+    if null_ids:
+        raise KevscoreError(f"{path}: column 'doc_id' has nulls at {rows_phrase(null_ids)}")
+    _check_string(path, file, "document")
+    if null_texts:
+        raise KevscoreError(f"{path}: column 'document' has nulls at {rows_phrase(null_texts)}")
+    if clash:
+        rows = [start + j for start, cols in batches(path, file, ["doc_id"])
+                for j, key in enumerate(cols["doc_id"]) if key in clash]
+        raise KevscoreError(f"{path}: column 'doc_id' maps {few(clash)} to different 'document' texts at "
+                            f"{rows_phrase(rows)}")
+    return found
+
+
+LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not v),
+                  ("null labels", "a null label", lambda v: None in v),
+                  ("repeated labels", "a repeated label", lambda v: len(set(v)) < len(v)))
+
+
+def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -> None:
+    """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths per document."""
+    path, names = scan.path, file.schema_arrow.names
+    _check_string(path, file, "question")
+    scan.has_question_id, scan.has_labels = "question_id" in names, "labels" in names
+    qid_ok = scan.has_question_id and is_string(_type(file, "question_id"))
+    labels_ok = scan.has_labels and _is_labels(_type(file, "labels"))
+    columns = ["question"] + (["question_id"] if qid_ok else []) + (["labels"] if labels_ok else [])
+    null_q, null_qid = [], []
+    bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
+    qhash = np.zeros(scan.rows if qid_ok else 0, dtype=np.int64)
+    qchars = np.zeros(scan.documents, dtype=np.int64)
+    for start, cols in batches(path, file, columns):
+        qids, labels = cols.get("question_id"), cols.get("labels")
+        docs = scan.doc_of_row[start:start + len(cols["question"])]
+        for j, q in enumerate(cols["question"]):
+            i = start + j
+            if q is None:
+                null_q.append(i)
+            elif docs[j] >= 0:
+                qchars[docs[j]] += len(q)
+            if qids is not None:
+                if qids[j] is None:
+                    null_qid.append(i)
+                else:
+                    qhash[i] = hash(qids[j])
+            if labels is not None:
+                for rows, (_, _, bad) in zip(bad_labels, LABEL_PROBLEMS):
+                    if bad(labels[j]):
+                        rows.append(i)
+                        break
+    scan.question_chars = qchars
+    if null_q:
+        if not skip_invalid:
+            raise KevscoreError(f"{path}: column 'question' has nulls at {rows_phrase(null_q)}")
+        scan.set_aside(null_q, "column 'question' is null")
+    if scan.has_question_id:
+        _check_string(path, file, "question_id")
+        if null_qid:
+            raise KevscoreError(f"{path}: column 'question_id' has nulls at {rows_phrase(null_qid)}")
+        _check_duplicates(path, file, qhash)
+    del qhash
+    if scan.has_labels:
+        _check_labels_type(path, file)
+        t = _type(file, "labels")
+        for rows, (what, one, _) in zip(bad_labels, LABEL_PROBLEMS):
+            if rows and not skip_invalid:
+                raise KevscoreError(f"{path}: column 'labels' ({t}) has {what} at {rows_phrase(rows)}")
+            scan.set_aside(rows, f"column 'labels' has {one}")
+
+
+def _check_duplicates(path: Path, file: pq.ParquetFile, qhash: np.ndarray) -> None:
+    """Duplicate question ids: equal hashes first (8 bytes a row), then the values of those rows only."""
+    values, counts = np.unique(qhash, return_counts=True)
+    suspects = set(values[counts > 1].tolist())
+    if not suspects:
+        return
+    seen: dict[str, list[int]] = {}
+    for start, cols in batches(path, file, ["question_id"]):
+        for j, v in enumerate(cols["question_id"]):
+            if int(qhash[start + j]) in suspects:
+                seen.setdefault(v, []).append(start + j)
+    dups = {v: rows for v, rows in seen.items() if len(rows) > 1}
+    if dups:
+        rows = sorted(r for rs in dups.values() for r in rs)
+        raise KevscoreError(f"{path}: column 'question_id' has duplicate values {few(dups)} at {rows_phrase(rows)}")
+
+
+# ---------------------------------------------------------------- reading rows
+
+class _Cursor:
+    """Reads chosen rows of one Parquet file in ascending order, a record batch at a time, continuing
+    from the batch it stopped in when the next rows lie ahead."""
+
+    def __init__(self, path: Path, columns: Sequence[str]):
+        self.path, self.columns = path, list(columns)
+        self.file = open_parquet(path)
+        meta = self.file.metadata
+        self.starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+        self.it: Iterator[pa.RecordBatch] | None = None
+        self.batch: pa.RecordBatch | None = None
+        self.start = 0  # input row of self.batch's first row
+
+    def _group(self, row: int) -> int:
+        return int(np.searchsorted(self.starts, row, side="right")) - 1
+
+    def _seek(self, row: int) -> None:
+        group = self._group(row)
+        self.it = self.file.iter_batches(batch_size=BATCH_ROWS, columns=self.columns, use_threads=False,
+                                         row_groups=list(range(group, len(self.starts) - 1)))
+        self.batch, self.start = None, int(self.starts[group])
+        self._next()
+
+    def _next(self) -> None:
+        if self.batch is not None:
+            self.start += self.batch.num_rows
+        try:
+            self.batch = next(self.it)
+        except StopIteration:
+            raise KevscoreError(f"{self.path}: fewer rows than when it was scanned; was it changed?") from None
+        except (pa.ArrowException, OSError) as e:
+            raise KevscoreError(f"{self.path}: cannot read the Parquet data ({first_line(e)})") from e
+
+    def take(self, rows: np.ndarray) -> dict[str, list]:
+        """The values of `rows` (ascending input rows) per column, in that order."""
+        pieces = []
+        i = 0
+        while i < len(rows):
+            r = int(rows[i])
+            if self.batch is None or r < self.start:
+                self._seek(r)
+            while r >= self.start + self.batch.num_rows:
+                if self._group(r) > self._group(self.start + self.batch.num_rows):
+                    self._seek(r)  # skip whole row groups without decoding them
+                else:
+                    self._next()
+            j = int(np.searchsorted(rows, self.start + self.batch.num_rows, side="left"))
+            pieces.append(self.batch.take(pa.array(rows[i:j] - self.start, pa.int64())))
+            i = j
+        if not pieces:
+            return {c: [] for c in self.columns}
+        table = pa.Table.from_batches(pieces)
+        return {c: table.column(c).to_pylist() for c in self.columns}
+
+
+class RowReader:
+    """Reads the rows of a scanned input (one window at a time) as InputTables."""
+
+    def __init__(self, scan: InputScan):
+        self.scan = scan
+        cols = ["question"] + [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id),
+                                                 ("labels", scan.has_labels)) if has]
+        if scan.documents_path is None:
+            cols.append("document")
+            self.docs = None
+        else:
+            self.docs = _Cursor(scan.documents_path, ["document"])
+        self.rows = _Cursor(scan.path, cols)
+
+    def read(self, rows: np.ndarray):
+        """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""
+        from kevscore.data import InputTable
+
+        scan = self.scan
+        cols = self.rows.take(rows)
+        if self.docs is None:
+            texts: dict[str, str] = {}
+            documents = [texts.setdefault(t, t) for t in cols["document"]]  # one string per distinct text
+        else:
+            wanted = scan.doc_of_row[rows]
+            doc_rows = np.unique(scan.doc_row[wanted])
+            text_of = dict(zip(doc_rows.tolist(), self.docs.take(doc_rows)["document"]))
+            documents = [text_of[int(scan.doc_row[d])] for d in wanted]
+        return InputTable(documents, cols["question"], cols.get("doc_id"), cols.get("question_id"),
+                          cols.get("labels"), scan.sources, rows.tolist())
+
+
+# ---------------------------------------------------------------- tokens
+
+def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequence[str], max_positions: int,
+                   skip_invalid: bool = False) -> np.ndarray:
+    """Tokenize every document (once) and question, keeping only lengths: each document's prefix length
+    (int32; -1 for a document no row uses). Checks what `prompt.encode` checks, with its messages and
+    input row numbers: labels of one token, no empty branch, no prompt longer than the model's positions;
+    with skip_invalid such rows are set aside instead."""
+    from kevscore.prompt import _tokenize, label_token_ids
+
+    name = scan.path.name
+    doc_tokens = np.full(scan.documents, -1, dtype=np.int32)
+    if scan.documents_path is not None:
+        wanted = {int(r): d for d, r in enumerate(scan.doc_row) if r >= 0}
+        file = open_parquet(scan.documents_path)
+        for start, cols in batches(scan.documents_path, file, ["document"]):
+            todo = [(wanted[start + j], t) for j, t in enumerate(cols["document"]) if start + j in wanted]
+            for (d, _), ids in zip(todo, _tokenize(tokenizer, [template.prefix(t) for _, t in todo])):
+                doc_tokens[d] = len(ids)
+    if not scan.has_labels:
+        label_token_ids(tokenizer, default_labels, "--labels")
+    label_ok: dict[tuple[str, ...], str | None] = {}  # label list -> None, or why it is not usable
+    empty, long, worst = [], [], 0
+    file = open_parquet(scan.path)
+    columns = ["question"] + (["document"] if scan.documents_path is None else []) + (
+        ["labels"] if scan.has_labels else [])
+    for start, cols in batches(scan.path, file, columns):
+        docs = scan.doc_of_row[start:start + len(cols["question"])]
+        live = [j for j in range(len(docs)) if docs[j] >= 0]
+        if scan.documents_path is None:
+            new = list(dict.fromkeys(int(docs[j]) for j in live if doc_tokens[docs[j]] < 0))
+            first = {}
+            for j in live:
+                first.setdefault(int(docs[j]), j)
+            texts = [template.prefix(cols["document"][first[d]]) for d in new]
+            for d, ids in zip(new, _tokenize(tokenizer, texts)):
+                doc_tokens[d] = len(ids)
+        if scan.has_labels:
+            for j in live:
+                key = tuple(cols["labels"][j])
+                if key not in label_ok:
+                    try:
+                        label_token_ids(tokenizer, key, f"{name}: column 'labels' (row {start + j})")
+                        label_ok[key] = None
+                    except KevscoreError as exc:
+                        if not skip_invalid:
+                            raise
+                        label_ok[key] = str(exc).split("): ", 1)[-1]
+                if label_ok[key] is not None:
+                    scan.set_aside([start + j], label_ok[key])
+            live = [j for j in live if scan.doc_of_row[start + j] >= 0]
+        branches = _tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
+        for j, ids in zip(live, branches):
+            i, n = start + j, len(ids) + int(doc_tokens[docs[j]])
+            if not ids:
+                empty.append(i)
+            elif n > max_positions:
+                long.append(i)
+                worst = max(worst, n)
+                if skip_invalid:
+                    scan.set_aside([i], f"prompt (document + question) is {n} tokens, longer than the model's "
+                                        f"{max_positions} positions")
+    if empty:
+        if not skip_invalid:
+            raise KevscoreError(f"{name}: column 'question': the prompt branch is empty at {rows_phrase(empty)}")
+        scan.set_aside(empty, "the prompt branch (template and question) is empty")
+    if long and not skip_invalid:
+        raise KevscoreError(f"{name}: prompt (document + question) longer than the model's {max_positions} "
+                            f"positions at {rows_phrase(long)} (longest {worst} tokens)")
+    return doc_tokens
