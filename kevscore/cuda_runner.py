@@ -63,8 +63,17 @@ class GraphRunner(EagerRunner):
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.forward(device, batch, path)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.forward(device, batch, path)
+        except RuntimeError as exc:
+            # an allocation failing inside the capture can surface as a capture error on exit; report it as
+            # what it is, so the engine splits the batch (kevscore.engine) instead of failing the run
+            cause = exc if isinstance(exc, torch.OutOfMemoryError) else exc.__context__
+            if isinstance(cause, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+                raise torch.OutOfMemoryError(f"out of memory capturing a graph of {batch.size} rows x "
+                                             f"{batch.length} tokens: {exc}") from exc
+            raise
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
         return CapturedBatch(graph, host, device, out)

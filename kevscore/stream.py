@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from kevscore.errors import KevscoreError, rows_phrase
 
-BATCH_ROWS = 4096        # rows per record batch read
+BATCH_ROWS = 1024        # rows per record batch read
 READ_BUFFER = 1 << 20    # bytes: stream column chunks instead of loading a whole row group
 
 
