@@ -14,6 +14,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,7 +189,8 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
 
 def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
                   tokenizer, template, max_positions: int, stats: RunStats, progress: Progress) -> None:
-    """Score every window without a completed part, writing each window's part as it completes."""
+    """Score every window without a completed part, writing each window's part as it completes. The next
+    window is read and tokenized on a worker thread while this one is scored (two windows in memory)."""
     todo = [w for w in range(len(windows)) if w not in parts.done]
     resumed_rows = sum(parts.done.values())
     total_rows = int(windows.rows.sum())
@@ -197,34 +199,48 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
     progress.event("start", rows=total_rows, windows=len(windows), windows_done=len(parts.done),
                    rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
     reader = scan.reader()
-    for w in todo:
-        t0 = time.perf_counter()
-        rows = windows.rows_of(w)
-        table = reader.read(rows)
-        enc = encode(table, tokenizer, template, opts.labels, max_positions)
-        stats.read_s += time.perf_counter() - t0
-        progress.event("window", window=w, rows=len(rows), documents=len(enc.prefixes))
-        if engine.store is not None:
-            engine.store.note_documents(enc.prefixes, _doc_ids(table, enc))
-        scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
-        engine.run_waves(enc, opts.path, scores, progress)
-        progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
-        t1 = time.perf_counter()
-        ok = [i for i in range(len(enc)) if i not in scores.failed]
-        kept = table if len(ok) == len(enc) else table.take(ok)
-        part = output_table(kept, [enc.labels[i] for i in ok], [scores.probs[i] for i in ok],
-                            [scores.label_mass[i] for i in ok])
-        errors = None
-        if scores.failed:
-            failed = sorted(scores.failed)
-            errors = pa.table({"row": [table.rows[i] for i in failed],
-                               "doc_id": [table.doc_ids[i] if table.doc_ids else None for i in failed],
-                               "question_id": [table.question_ids[i] if table.question_ids else None for i in failed],
-                               "reason": [scores.failed[i] for i in failed]}, schema=ERRORS_SCHEMA)
-        parts.write(w, part, errors)
-        stats.write_s += time.perf_counter() - t1
-        progress.event("part", window=w, rows=part.num_rows, failed=len(scores.failed),
-                       windows_done=len(parts.done), windows=len(windows))
+
+    def load(w: int):
+        table = reader.read(windows.rows_of(w))
+        return table, encode(table, tokenizer, template, opts.labels, max_positions)
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kevscore-read")
+    try:
+        upcoming = pool.submit(load, todo[0]) if todo else None
+        for k, w in enumerate(todo):
+            t0 = time.perf_counter()
+            table, enc = upcoming.result()
+            stats.read_s += time.perf_counter() - t0  # the time scoring waited for its window
+            upcoming = pool.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
+            progress.event("window", window=w, rows=len(enc), documents=len(enc.prefixes))
+            if engine.store is not None:
+                engine.store.note_documents(enc.prefixes, _doc_ids(table, enc))
+            scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
+            engine.run_waves(enc, opts.path, scores, progress)
+            progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
+            t1 = time.perf_counter()
+            parts.write(w, *_part_tables(table, enc, scores))
+            stats.write_s += time.perf_counter() - t1
+            progress.event("part", window=w, rows=len(enc) - len(scores.failed), failed=len(scores.failed),
+                           windows_done=len(parts.done), windows=len(windows))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table | None]:
+    """A window's scores in output form, and its rows that failed on their own (or None)."""
+    ok = [i for i in range(len(enc)) if i not in scores.failed]
+    kept = table if len(ok) == len(enc) else table.take(ok)
+    part = output_table(kept, [enc.labels[i] for i in ok], [scores.probs[i] for i in ok],
+                        [scores.label_mass[i] for i in ok])
+    if not scores.failed:
+        return part, None
+    failed = sorted(scores.failed)
+    errors = pa.table({"row": [table.rows[i] for i in failed],
+                       "doc_id": [table.doc_ids[i] if table.doc_ids else None for i in failed],
+                       "question_id": [table.question_ids[i] if table.question_ids else None for i in failed],
+                       "reason": [scores.failed[i] for i in failed]}, schema=ERRORS_SCHEMA)
+    return part, errors
 
 
 def _doc_ids(table, enc) -> list[list[str]]:
@@ -270,7 +286,8 @@ def job_identity(opts: RunOptions, scan: InputScan, model: str, fingerprint: str
         "model": {"name": model, "fingerprint": fingerprint},
         "options": {"device": device, "path": opts.path, "labels": list(opts.labels), "batch_rows": opts.batch_rows,
                     "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
-                    "window": opts.window, "shard": list(opts.shard) if opts.shard else None},
+                    "window": opts.window, "shard": list(opts.shard) if opts.shard else None,
+                    "skip_invalid": opts.skip_invalid},
         "plan": {"windows": len(windows), "rows": int(windows.rows.sum()), "digest": windows.digest()},
     }
 

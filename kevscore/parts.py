@@ -43,7 +43,8 @@ ERRORS_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("quest
                            ("reason", pa.string())])
 OPTION_FLAGS = {"path": "--path", "labels": "--labels", "batch_rows": "--batch-rows", "bank_capacity": "--bank-capacity",
                 "eager": "--eager", "batch_invariant": "--batch-invariant", "window": "--window",
-                "shard": "shard (rank, world)", "device": "--device", "model": "--model"}
+                "shard": "shard (rank, world)", "device": "--device", "model": "--model",
+                "skip_invalid": "--skip-invalid"}
 
 
 def parts_dir(output: Path) -> Path:
