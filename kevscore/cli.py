@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from kevscore.engine import Progress as ProgressCallbacks
@@ -42,7 +42,7 @@ class RichProgress(ProgressCallbacks):
     """Prefill (documents) and score (rows) bars with rates and ETAs, and the bank's use in the current wave."""
 
     def __init__(self, bar: Progress):
-        self.bar, self.tasks = bar, {}
+        self.bar, self.tasks, self.windows = bar, {}, 0
 
     def start(self, phase: str, total: int, done: int = 0) -> None:
         unit = "rows" if phase == "score" else "docs"
@@ -52,15 +52,15 @@ class RichProgress(ProgressCallbacks):
         self.bar.advance(self.tasks[phase], n)
 
     def event(self, name: str, **f) -> None:
-        if name == "start" and f["windows_done"] and "score" in self.tasks:
-            self.bar.update(self.tasks["score"], info=f"{f['windows_done']}/{f['windows']} windows resumed")
+        if name == "start":
+            self.windows = f["windows"]
         elif name == "window" and "score" in self.tasks:
-            self.bar.update(self.tasks["score"], info=f"window {f['window'] + 1}")
+            self.bar.update(self.tasks["score"], info=f"window {f['window'] + 1}/{self.windows}")
         elif name == "wave":
             if "bank" not in self.tasks:
                 self.tasks["bank"] = self.bar.add_task("bank", total=f["entry_capacity"], unit="", info="")
             self.bar.update(self.tasks["bank"], completed=f["entries"], total=f["entry_capacity"],
-                            info=f"entries, {f['tokens']:,}/{f['token_capacity']:,} K/V tokens")
+                            info=f"entries; K/V {f['tokens']:,}/{f['token_capacity']:,} tokens")
 
     def warn(self, message: str) -> None:
         self.bar.console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
@@ -226,7 +226,8 @@ def run(
     if world_from_env() is not None:
         return _run_rank(opts, quiet)
     log = JsonProgress() if log_json else None
-    columns = [TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), RateColumn(),
+    columns = [TextColumn("{task.description:>7}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+               RateColumn(table_column=Column(no_wrap=True)),
                TimeElapsedColumn(), EtaColumn(), TextColumn("{task.fields[info]}")]
     try:
         with Progress(*columns, console=console, disable=quiet or log_json, transient=False) as bar:

@@ -21,29 +21,29 @@ from collections import Counter
 
 KILL, SIGINT = "KEVSCORE_TEST_KILL", "KEVSCORE_TEST_SIGINT"
 OOM = {"rows": "KEVSCORE_TEST_OOM_ROWS", "docs": "KEVSCORE_TEST_OOM_DOCS"}
-_reached: Counter[str] = Counter()
+_reached: Counter[tuple[str, str]] = Counter()  # (hook setting, point) -> times reached in this process
 
 
 class Interrupted(KeyboardInterrupt):
     """A stop requested by Ctrl-C or SIGTERM, honoured between batches; the message says what was kept."""
 
 
-def _matches(spec: str | None, point: str) -> bool:
+def _reach(spec: str | None, point: str) -> bool:
+    """Count this arrival at `point` under hook setting `spec`; True on the arrival the setting names."""
     if not spec:
         return False
     name, _, nth = spec.partition(":")
-    return name == point and _reached[point] == int(nth or 1)
+    if name != point:
+        return False
+    _reached[spec, point] += 1
+    return _reached[spec, point] == int(nth or 1)
 
 
 def point(name: str) -> None:
     """A place a test may kill or interrupt the process at (no-op unless a test hook names it)."""
-    kill, sigint = os.environ.get(KILL), os.environ.get(SIGINT)
-    if not (kill or sigint):
-        return
-    _reached[name] += 1
-    if _matches(kill, name):
+    if _reach(os.environ.get(KILL), name):
         os.kill(os.getpid(), signal.SIGKILL)
-    if _matches(sigint, name):
+    if _reach(os.environ.get(SIGINT), name):
         os.kill(os.getpid(), signal.SIGINT)
 
 

@@ -160,6 +160,9 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
             result.stats.write_s += time.perf_counter() - t1
             progress.event("merged", output=str(output), rows=result.stats.rows)
     except Interrupted as exc:
+        if parts.created and not parts.done:
+            parts.remove()
+            raise Interrupted(f"interrupted ({exc}) before any window was complete; nothing was written") from None
         parts.close()
         done = sum(parts.done.values())
         raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(windows)} windows ({done:,} rows) are kept "

@@ -249,6 +249,12 @@ def test_interrupted_in_process_raises_interrupted(tmp_path, killable, template,
     with pytest.raises(Interrupted, match="1 of 4 windows"):
         run_job(opts(src, tmp_path / "out.parquet", template))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert sorted(p.name for p in parts_dir(tmp_path / "out.parquet").iterdir())[-2:] == ["manifest.json",
+                                                                                       "part-000000.parquet"]
+    monkeypatch.setenv("KEVSCORE_TEST_SIGINT", "score:1")  # nothing complete: nothing left behind
+    with pytest.raises(Interrupted, match="before any window was complete; nothing was written"):
+        run_job(opts(src, tmp_path / "other.parquet", template))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet.parts"]
 
 
 def test_resume_refuses_changed_options_or_input_and_restart_starts_over(tmp_path, killable, template):
