@@ -80,7 +80,8 @@ def job_fingerprint(opts: RunOptions, world: int) -> str:
     files = [Path(p) for p in (opts.input, opts.documents, opts.template) if p is not None]
     stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     keep = {k: str(v) for k, v in dataclasses.asdict(opts).items()
-            if k in ("model", "path", "labels", "batch_rows", "batch_invariant", "bank_capacity")}
+            if k in ("model", "path", "labels", "batch_rows", "batch_invariant", "bank_capacity", "window",
+                     "skip_invalid")}
     blob = json.dumps({"files": stats, "options": keep, "world": world}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
