@@ -305,23 +305,24 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def build_demo_checkpoint(dest: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer files of the demo model into `dest`."""
+def build_demo_checkpoint(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
+    """Write config.json, model.safetensors and the tokenizer files of the demo model into `dest`
+    (another `cfg` than the demo's: a model of the same tokenizer, for training experiments)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_json()
     size = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
-    if -(-size // 64) * 64 != DEMO_CONFIG.vocab_size:
+    if -(-size // 64) * 64 != cfg.vocab_size:
         raise KevscoreError(f"demo tokenizer has {size} tokens; DEMO_CONFIG.vocab_size must be updated")
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    config = DEMO_CONFIG.to_hf() | {
+    config = cfg.to_hf() | {
         "bos_token_id": None, "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
         "dtype": "float32",
     }
     _write_json(dest / "config.json", config)
     _write_json(dest / "tokenizer.json", tok)
     _write_json(dest / "tokenizer_config.json", tokenizer_config())
-    write_safetensors(dest / "model.safetensors", demo_weights())
+    write_safetensors(dest / "model.safetensors", demo_weights(cfg))
 
 
 def _complete(path: Path) -> bool:

@@ -174,8 +174,10 @@ class Engine:
                    scores: Scores, progress: Progress | None = None) -> None:
         """Score `rows` (whose documents are in the bank at `slot_of`) into `scores`."""
         progress = progress or Progress()
+        other = faults.wrong_entry(list(slot_of))  # identity unless a test injects the fault
+        slot_of = {d: slot_of[other[d]] for d in slot_of}
         branch_len = {r: len(enc.branches[r]) for r in rows}
-        prefix_len = {r: len(enc.prefixes[enc.row_prefix[r]]) for r in rows}
+        prefix_len = {r: len(enc.prefixes[other[enc.row_prefix[r]]]) for r in rows}
         t0 = time.perf_counter()
         try:
             for batch in plan_batches(rows, branch_len, prefix_len, self.max_rows, self.max_tokens):

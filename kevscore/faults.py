@@ -7,6 +7,9 @@
   POINT; `KEVSCORE_TEST_SIGINT=POINT[:N]` sends it a SIGINT there instead (a Ctrl-C at a known place);
   `KEVSCORE_TEST_OOM_ROWS=N` raises `torch.OutOfMemoryError` for every scoring batch of more than N rows,
   `KEVSCORE_TEST_OOM_DOCS=N` for every prefill group of more than N documents.
+  `KEVSCORE_TEST_WRONG_ENTRY=1` makes every row read the bank entry of another document of its wave (the
+  next one in document order) for its whole branch: states, conv, K/V and positions. Its scores are then
+  exactly those of its question asked about that document; the demo model's accuracy drops to chance.
   Points: `prefill` (after a prefill group), `score` (after a batch), `part-write` (inside a part file's
   write, before its footer), `part-done` (a part renamed into place, the manifest not yet updated),
   `merge` (inside the final output's write), `merged` (the output renamed into place, the parts not yet
@@ -21,6 +24,7 @@ from collections import Counter
 
 KILL, SIGINT = "KEVSCORE_TEST_KILL", "KEVSCORE_TEST_SIGINT"
 OOM = {"rows": "KEVSCORE_TEST_OOM_ROWS", "docs": "KEVSCORE_TEST_OOM_DOCS"}
+WRONG_ENTRY = "KEVSCORE_TEST_WRONG_ENTRY"
 _reached: Counter[tuple[str, str]] = Counter()  # (hook setting, point) -> times reached in this process
 
 
@@ -89,3 +93,11 @@ class StopSignals:
         """Raise Interrupted when a stop was requested (the engine calls this between batches)."""
         if self.requested is not None:
             raise Interrupted(self.requested)
+
+
+def wrong_entry(docs: list[int]) -> dict[int, int]:
+    """Under KEVSCORE_TEST_WRONG_ENTRY: each document -> the next of `docs` (cyclic); else identity."""
+    if os.environ.get(WRONG_ENTRY, "") in ("", "0"):
+        return {d: d for d in docs}
+    order = sorted(docs)
+    return {d: order[(i + 1) % len(order)] for i, d in enumerate(order)}

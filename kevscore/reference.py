@@ -12,7 +12,7 @@ import torch
 
 from kevscore.checkpoint import Checkpoint
 
-_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
             "causal_conv1d_fn", "causal_conv1d_update")
 
 
@@ -35,7 +35,7 @@ def force_torch_kernels() -> None:
     """Make transformers' Qwen3.5 modeling use its torch kernels for CPU tensors (idempotent)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    for name in _KERNELS:
+    for name in KERNELS:
         fn = getattr(modeling, name, None)
         if fn is not None:
             setattr(modeling, name, _device_dispatch(fn))

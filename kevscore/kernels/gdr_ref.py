@@ -43,14 +43,22 @@ def chunk_cumsum(g: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     return gc.flatten(1, 2)[:, :t]
 
 
+def _masked_decay(gc: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """exp2(g_i - g_j) as [R, NT, HV, i, j], 0 where `keep` is false. Masking the exponent (not the
+    product) keeps the kept values bit-identical and the gradient finite: the dropped exponents are
+    positive and can overflow, and inf * 0 in a backward pass is NaN."""
+    diff = (gc.unsqueeze(3) - gc.unsqueeze(2)).permute(0, 1, 4, 2, 3)
+    return torch.exp2(diff.masked_fill(~keep, -math.inf))
+
+
 def wy_repr(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w = A (beta k exp2(g)), u = A (beta v) with A = (I + strictly_lower(beta k k^T exp2(g_i - g_j)))^-1."""
     t, hv = k.shape[1], v.shape[2]
     kc = _chunks(_repeat_heads(k, hv))  # [R, NT, C, HV, K]
     vc, gc, bc = _chunks(v), _chunks(g, gate=True), _chunks(beta)
     kk = torch.einsum("rnihk,rnjhk->rnhij", kc, kc)
-    decay = torch.exp2(gc.unsqueeze(3) - gc.unsqueeze(2)).permute(0, 1, 4, 2, 3)  # [R, NT, HV, i, j]
     lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).tril(-1)
+    decay = _masked_decay(gc, lower)  # [R, NT, HV, i, j]
     a = (kk * decay * bc.permute(0, 1, 3, 2).unsqueeze(-1)).masked_fill(~lower, 0.0)
     a = a + torch.eye(CHUNK, device=k.device)
     kb = (kc * (bc * torch.exp2(gc)).unsqueeze(-1)).permute(0, 1, 3, 2, 4)  # [R, NT, HV, C, K]
@@ -105,8 +113,8 @@ def chunk_output(q, k, v_new, h, g, scale: float) -> torch.Tensor:
     vc, gc = _chunks(v_new), _chunks(g, gate=True)
     inter = torch.einsum("rnihk,rnhkv->rnihv", qc, h) * torch.exp2(gc).unsqueeze(-1)
     qk = torch.einsum("rnihk,rnjhk->rnhij", qc, kc)
-    decay = torch.exp2(gc.unsqueeze(3) - gc.unsqueeze(2)).permute(0, 1, 4, 2, 3)
     causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    decay = _masked_decay(gc, causal)
     intra = torch.einsum("rnhij,rnjhv->rnihv", (qk * decay).masked_fill(~causal, 0.0), vc)
     return ((inter + intra) * scale).flatten(1, 2)[:, :t]
 

@@ -1,0 +1,275 @@
+"""Train the built-in demo model on the demo task (`kevscore.demo_task`), reproducibly from a seed.
+
+    python -m kevscore.demo_train --out /tmp/demo-trained --device cuda        # ~3 minutes on one H200
+    python -m kevscore.demo_train --out /tmp/demo-trained --device cpu --steps 200   # a smoke run
+
+It starts from the demo checkpoint's deterministic initial weights (`kevscore.demo.demo_weights`), trains
+transformers' Qwen3_5ForCausalLM (the Kev architecture) with AdamW on freshly generated examples (one
+question per document, every family), with the loss on the answer token only ("Yes" / "No" after the
+prompt kevscore itself builds: prefix and branch tokenized separately, exactly as the runner does), and
+writes a complete checkpoint directory (config, fp32 safetensors, tokenizer) plus `training.json`: the
+options, the loss and validation accuracy per family along the way, and how many validation and example
+documents also occurred in training (expected: none).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kevscore import demo, demo_task
+from kevscore.config import FULL, LINEAR, KevConfig
+from kevscore.kernels import gdr_ref
+
+SMALL = dataclasses.replace(demo.DEMO_CONFIG, hidden_size=64, intermediate_size=128,
+                            layer_types=(LINEAR, LINEAR, LINEAR, FULL), num_attention_heads=2, num_key_value_heads=1,
+                            linear_num_key_heads=1, linear_num_value_heads=2)
+VALIDATION_SEED = 1 << 40   # validation examples; training seeds are seed * 2**20 + step, far below
+EXAMPLES_SEED = 1 << 41     # examples/ (see examples/make_examples.py)
+
+
+def encode(tok, template, groups: list[list[demo_task.Example]], pad: int, answer_ids: dict[str, int]):
+    """Sequences of one document then its questions, each followed by its answer token (except the
+    last), prefix and branches tokenized apart exactly as the runner does.
+
+    Returns (ids [B, T] right-padded, answer positions [B, Q] (-1: none), targets [B, Q]); a group of one
+    question is exactly the runner's `prefix + branch` sequence.
+    """
+    prefixes = tok([template.prefix(g[0].document) for g in groups], add_special_tokens=False)["input_ids"]
+    flat = [e for g in groups for e in g]
+    branches = iter(tok([template.branch(e.question) for e in flat], add_special_tokens=False)["input_ids"])
+    seqs, where, targets = [], [], []
+    for prefix, group in zip(prefixes, groups):
+        seq, pos, tgt = list(prefix), [], []
+        for k, e in enumerate(group):
+            seq += next(branches)
+            pos.append(len(seq) - 1)
+            tgt.append(answer_ids[e.answer])
+            if k + 1 < len(group):
+                seq.append(answer_ids[e.answer])
+        seqs.append(seq)
+        where.append(pos)
+        targets.append(tgt)
+    width = -(-max(map(len, seqs)) // 64) * 64  # few distinct shapes: each new one costs Triton an autotune
+    q = max(map(len, where))
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    positions = torch.full((len(seqs), q), -1, dtype=torch.long)
+    tgts = torch.full((len(seqs), q), -1, dtype=torch.long)
+    for i, (s, p, t) in enumerate(zip(seqs, where, targets)):
+        ids[i, : len(s)] = torch.tensor(s)
+        positions[i, : len(p)] = torch.tensor(p)
+        tgts[i, : len(t)] = torch.tensor(t)
+    return ids, positions, tgts
+
+
+def group(rows: list[demo_task.Example]) -> list[list[demo_task.Example]]:
+    """Consecutive examples of one document, as `demo_task.examples` yields them."""
+    out: list[list[demo_task.Example]] = []
+    for e in rows:
+        if out and out[-1][0].document == e.document:
+            out[-1].append(e)
+        else:
+            out.append([e])
+    return out
+
+
+def answer_logits(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [B, Q, V] at the answer positions (causal: trailing pads change nothing)."""
+    hidden = model.model(input_ids=ids).last_hidden_state
+    rows = torch.arange(len(ids), device=ids.device)[:, None]
+    return model.lm_head(hidden[rows, positions.clamp(min=0)])
+
+
+def doc_hash(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+
+@torch.no_grad()
+def accuracy(model, tok, template, rows: list[demo_task.Example], answer_ids: dict[str, int], device,
+             batch: int = 256) -> dict[str, float]:
+    """Accuracy per family and overall, predicting the more likely of the two answer tokens."""
+    model.eval()
+    hits: dict[str, list[bool]] = {}
+    yes, no = answer_ids["Yes"], answer_ids["No"]
+    for s in range(0, len(rows), batch):
+        chunk = rows[s: s + batch]
+        ids, positions, _ = encode(tok, template, [[e] for e in chunk], tok.pad_token_id, answer_ids)
+        logits = answer_logits(model, ids.to(device), positions.to(device))[:, 0]
+        pred = torch.where(logits[:, yes] >= logits[:, no], 0, 1).tolist()
+        for e, p in zip(chunk, pred):
+            hits.setdefault(e.family, []).append(demo_task.ANSWERS[p] == e.answer)
+    model.train()
+    out = {f: sum(h) / len(h) for f, h in sorted(hits.items())}
+    out["all"] = sum(sum(h) for h in hits.values()) / sum(len(h) for h in hits.values())
+    return out
+
+
+def _chunk_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=False, **_):
+    """transformers' chunked gated delta rule, computed by kevscore's vectorised reference (triangular
+    solves instead of transformers' row-by-row loop): the same arithmetic, several times faster to train."""
+    out, final = gdr_ref.chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                                output_final_state=output_final_state,
+                                                use_qk_l2norm=use_qk_l2norm_in_kernel)
+    return out.to(value.dtype), final
+
+
+def training_init(model, seed: int) -> None:
+    """The demo's initial weights give DeltaNet decays of exp(-1.3 A) per token (memories of one or two
+    tokens); start training from long memories instead, as Mamba-style models do: dt = softplus(dt_bias)
+    log-uniform in [1e-3, 1e-1]."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("dt_bias"):
+                dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+
+def build_model(init_dir: Path, device):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    from kevscore.reference import KERNELS
+
+    # transformers' own torch kernels on every device: fla-core 0.5.2 refuses the gated delta rule's
+    # backward under Triton < 3.7.1 on Hopper (wrong results, its issue #640), and these shapes are tiny
+    for name in KERNELS:
+        fn = getattr(modeling, name, None)
+        if fn is not None:
+            setattr(modeling, name, getattr(fn, "__wrapped__", fn))
+    modeling.torch_chunk_gated_delta_rule = _chunk_gated_delta_rule
+    config = modeling.Qwen3_5TextConfig(**json.loads((init_dir / "config.json").read_text()))
+    model = modeling.Qwen3_5ForCausalLM.from_pretrained(init_dir, config=config, dtype=torch.float32)
+    return model.to(device).train()
+
+
+def sentences_at(step: int, steps: int, curriculum: float) -> tuple[int, int]:
+    """Document length (min, max sentences) at `step`: from (1, 2) up to the task's (3, 12), linearly over
+    the first `curriculum` fraction of training."""
+    f = 1.0 if curriculum <= 0 else min(1.0, step / (curriculum * steps))
+    return round(1 + 2 * f), round(2 + 10 * f)
+
+
+def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, eval_every: int,
+          validation: int, max_seconds: float = math.inf, pack: int = 4, curriculum: float = 0.5,
+          families: tuple[str, ...] = demo_task.FAMILIES, config: KevConfig = demo.DEMO_CONFIG,
+          lm_weight: float = 1.0, log=print) -> dict:
+    from kevscore.checkpoint import load_tokenizer
+    from kevscore.prompt import load_template
+
+    torch.manual_seed(seed)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    with tempfile.TemporaryDirectory() as tmp:
+        init = Path(tmp)
+        demo.build_demo_checkpoint(init, config)  # config, tokenizer and the deterministic initial weights
+        tok = load_tokenizer(init)
+        model = build_model(init, device)
+    training_init(model, seed)
+    template = load_template(None, tok)
+    answer_ids = {a: tok.convert_tokens_to_ids(a) for a in demo_task.ANSWERS}
+    valid = demo_task.examples(validation, VALIDATION_SEED, families)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    seen: set[bytes] = set()
+    history = []
+    t0, loss_sum, loss_n = time.perf_counter(), 0.0, 0
+    for step in range(steps):
+        groups = group(demo_task.examples(batch * pack, seed * (1 << 20) + step, families, pack,
+                                          sentences_at(step, steps, curriculum)))
+        seen.update(doc_hash(g[0].document) for g in groups)
+        ids, positions, y = encode(tok, template, groups, tok.pad_token_id, answer_ids)
+        ids, positions, y = ids.to(device), positions.to(device), y.to(device)
+        logits = model.lm_head(model.model(input_ids=ids).last_hidden_state)  # [B, T, V]
+        rows = torch.arange(len(ids), device=device)[:, None]
+        loss = F.cross_entropy(logits[rows, positions.clamp(min=0)].flatten(0, 1), y.flatten(), ignore_index=-1)
+        if lm_weight:  # next-token loss on the prompt text: teaches copying document words early
+            nxt = ids[:, 1:].masked_fill(ids[:, 1:] == tok.pad_token_id, -1)
+            loss = loss + lm_weight * F.cross_entropy(logits[:, :-1].flatten(0, 1), nxt.flatten(), ignore_index=-1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            acc = accuracy(model, tok, template, valid, answer_ids, device)
+            entry = {"step": step + 1, "loss": round(loss_sum / loss_n, 4), "lr": sched.get_last_lr()[0],
+                     "seconds": round(time.perf_counter() - t0, 1), "validation": {k: round(v, 4) for k, v in acc.items()}}
+            history.append(entry)
+            log(json.dumps(entry))
+            loss_sum, loss_n = 0.0, 0
+            if time.perf_counter() - t0 > max_seconds:
+                log(f"stopping at step {step + 1}: over --max-seconds {max_seconds}")
+                break
+    example_rows = demo_task.examples(400, EXAMPLES_SEED, per_document=4)
+    examples_docs = {doc_hash(e.document) for e in example_rows}
+    report = {
+        "seed": seed, "steps": steps, "steps_done": history[-1]["step"], "batch": batch, "lr": lr, "device": device,
+        "pack": pack, "curriculum": curriculum, "lm_weight": lm_weight, "families": list(families), "config": config.to_hf(),
+        "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1),
+        "final_validation": history[-1]["validation"], "history": history,
+        "examples_accuracy": accuracy(model, tok, template, example_rows, answer_ids, device),
+        "training_documents": len(seen),
+        "validation_documents_seen_in_training": sum(doc_hash(e.document) in seen for e in valid),
+        "example_documents_seen_in_training": len(examples_docs & seen),
+    }
+    save(model, out, report, config)
+    return report
+
+
+def save(model, out: Path, report: dict, config: KevConfig = demo.DEMO_CONFIG) -> None:
+    """A complete checkpoint directory: the demo's config and tokenizer, the trained fp32 weights."""
+    out.mkdir(parents=True, exist_ok=True)
+    demo.build_demo_checkpoint(out, config)  # config + tokenizer (+ initial weights, overwritten below)
+    state = model.state_dict()
+    names = demo.weight_shapes(config)
+    tensors = {n: state[n].detach().float().cpu().numpy().astype(np.float32) for n in names}
+    demo.write_safetensors(out / "model.safetensors", tensors)
+    report["model_sha256"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--validation", type=int, default=2048, help="validation examples")
+    ap.add_argument("--max-seconds", type=float, default=math.inf, help="stop early (at an evaluation) after this")
+    ap.add_argument("--pack", type=int, default=4, help="questions per training document (each answered in turn)")
+    ap.add_argument("--curriculum", type=float, default=0.5, help="fraction of training over which documents grow")
+    ap.add_argument("--families", default=",".join(demo_task.FAMILIES))
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the prompt text")
+    ap.add_argument("--small", action="store_true", help="experiments: a 4-layer, 64-wide model, not the demo's")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = train(args.out, args.steps, args.batch, args.lr, args.seed, args.device, args.eval_every,
+                   args.validation, args.max_seconds, args.pack, args.curriculum, tuple(args.families.split(",")),
+                   SMALL if args.small else demo.DEMO_CONFIG, args.lm_weight)
+    print(json.dumps({"out": str(args.out), "steps_done": report["steps_done"], "seconds": report["seconds"],
+                      "final_validation": report["final_validation"], "examples": report["examples_accuracy"]}))
+
+
+if __name__ == "__main__":
+    main()
