@@ -21,10 +21,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.data import _write_atomic, check_output_path, default_output_path
+from kevscore.data import OUTPUT_SCHEMA, check_output_path, default_output_path
 from kevscore.engine import Progress
 from kevscore.errors import KevscoreError
 from kevscore.job import RunOptions, check_options, run_job
+from kevscore.parts import ERRORS_SCHEMA, errors_path, merge_sorted, write_parquet
 
 TIMEOUT = datetime.timedelta(hours=24)  # ranks wait this long for each other at the status exchange
 
@@ -127,16 +128,29 @@ def _score_part(opts: RunOptions, output: Path, rank: int, world: int, progress:
 
 
 def merge_parts(output: Path, world: int, expected_rows: int | None = None) -> int:
-    """Concatenate the rank parts in input row order into `output` (atomically); then remove them."""
+    """Merge the rank parts into `output` in input row order, streamed (host memory stays bounded), and
+    their errors files (--skip-invalid) into `output`'s; each written atomically, then the parts removed."""
     parts = [part_path(output, r, world) for r in range(world)]
-    table = pa.concat_tables([pq.read_table(p) for p in parts]).sort_by("row")
-    if expected_rows is not None and table.num_rows != expected_rows:
-        raise KevscoreError(f"{output}: the parts hold {table.num_rows} rows, the input {expected_rows}")
-    _write_atomic(output, table)
+    rows = 0
+
+    def chunks():
+        nonlocal rows
+        for chunk in merge_sorted(parts):
+            rows += chunk.num_rows
+            yield chunk
+        if expected_rows is not None and rows != expected_rows:
+            raise KevscoreError(f"{output}: the parts hold {rows} rows, the input {expected_rows}")
+
+    write_parquet(output, OUTPUT_SCHEMA, chunks(), output.parent)
+    errors = [errors_path(p) for p in parts if errors_path(p).exists()]
+    if errors:
+        table = pa.concat_tables([ERRORS_SCHEMA.empty_table(), *(pq.read_table(e) for e in errors)]).sort_by("row")
+        write_parquet(errors_path(output), ERRORS_SCHEMA, [table.cast(ERRORS_SCHEMA)], output.parent)
     for p in parts:
         p.unlink()
         manifest_path(p).unlink(missing_ok=True)
-    return table.num_rows
+        errors_path(p).unlink(missing_ok=True)
+    return rows
 
 
 def run_distributed(opts: RunOptions, progress: Progress | None = None) -> DistributedResult:
@@ -154,6 +168,8 @@ def run_distributed(opts: RunOptions, progress: Progress | None = None) -> Distr
             check_options(opts)
             sources = [Path(p) for p in (opts.input, opts.documents) if p is not None]
             check_output_path(output, sources, opts.overwrite)
+            if opts.skip_invalid:
+                check_output_path(errors_path(output), sources, opts.overwrite)
             if opts.device != "cpu" and torch.cuda.is_available():
                 torch.cuda.set_device(local % torch.cuda.device_count())
             status = _score_part(opts, output, rank, world, progress)

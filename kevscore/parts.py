@@ -377,3 +377,29 @@ class _PartReader:
 
     def exhausted(self) -> bool:
         return self.left <= 0
+
+    def next_row(self) -> int:
+        """The `row` of the next row to take (the part must not be exhausted)."""
+        if self.buffer is None or self.buffer.num_rows == 0:
+            self.buffer = pa.Table.from_batches([next(self.it)])
+        return self.buffer.column("row")[0].as_py()
+
+    def take_below(self, limit: int) -> pa.Table:
+        """Every next row whose `row` is below `limit` (a part's rows ascend)."""
+        pieces = []
+        while not self.exhausted() and self.next_row() < limit:
+            rows = self.buffer.column("row").to_numpy()
+            k = int(np.searchsorted(rows, limit))
+            pieces.append(self.buffer.slice(0, k))
+            self.buffer = self.buffer.slice(k)
+            self.left -= k
+        return pa.concat_tables(pieces) if pieces else self.file.schema_arrow.empty_table()
+
+
+def merge_sorted(paths: list[Path], chunk_rows: int = MERGE_ROWS) -> Iterator[pa.Table]:
+    """The rows of parquet files whose `row` columns ascend, in `row` order, about `chunk_rows` input
+    rows at a time: host memory holds one chunk and one batch per file, whatever the files' sizes."""
+    readers = [_PartReader(p) for p in paths]
+    while live := [r for r in readers if not r.exhausted()]:
+        limit = min(r.next_row() for r in live) + chunk_rows
+        yield pa.concat_tables([r.take_below(limit) for r in live]).replace_schema_metadata(None).sort_by("row")

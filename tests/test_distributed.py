@@ -73,3 +73,26 @@ def test_ranks_share_one_persistent_bank(tmp_path):
     report = json.loads(check.stdout)
     docs = len(set(pq.read_table(EXAMPLES / "questions.parquet").column("doc_id").to_pylist()))
     assert report["totals"]["entries"] == docs and not report["bad_entries"]
+
+
+def test_skip_invalid_merges_the_ranks_errors(tmp_path, single):
+    """Rows set aside (rank 0) and the rows of both ranks' documents: one errors file, one output, no parts."""
+    import pyarrow as pa
+
+    rows = pq.read_table(EXAMPLES / "questions.parquet").to_pylist()
+    rows[1]["question"] = None
+    rows[4]["document"] = "The market was busy and loud. " * 800  # over the demo model's 4096 positions
+    rows[4]["doc_id"] = "long"
+    src = tmp_path / "q.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    out = tmp_path / "out.parquet"
+    res = launch(str(src), "--device", "cpu", "--batch-invariant", "--skip-invalid", "-o", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    errors = pq.read_table(tmp_path / "out.errors.parquet").to_pylist()
+    assert [e["row"] for e in errors] == [1, 4]
+    assert "null" in errors[0]["reason"] and "positions" in errors[1]["reason"]
+    scored = pq.read_table(out)
+    keep = [r for r in range(len(rows)) if r not in (1, 4)]
+    assert scored.column("row").to_pylist() == keep
+    assert scored.column("probs").to_pylist() == [single.column("probs")[r].as_py() for r in keep]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.errors.parquet", "out.parquet", "q.parquet"]
