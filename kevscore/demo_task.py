@@ -57,10 +57,13 @@ class Example:
     family: str   # one of FAMILIES
 
 
-def document(rng: random.Random, sentences: tuple[int, int] = (3, 12)) -> tuple[str, list[str], list[int]]:
-    """(text, nouns in order of appearance, numbers in order of appearance). Every document has at least
-    two nouns and one number, so each family can be asked with either answer."""
-    nouns = rng.sample(NOUNS, len(NOUNS))
+def document(rng: random.Random, sentences: tuple[int, int] = (3, 12),
+             vocabulary: int = len(NOUNS)) -> tuple[str, list[str], list[int]]:
+    """(text, nouns in order of appearance, numbers in order of appearance) over the first `vocabulary`
+    nouns. Every document has at least two nouns and one number, so each family can be asked with either
+    answer; a document uses at most half of the vocabulary."""
+    nouns = rng.sample(NOUNS[:vocabulary], vocabulary)
+    floor = vocabulary // 2
     numbers = rng.sample(range(10, 100), 90)
     parts: list[tuple[str, list]] = []  # (sentence, its nouns and numbers in text order)
 
@@ -70,7 +73,10 @@ def document(rng: random.Random, sentences: tuple[int, int] = (3, 12)) -> tuple[
         parts.insert(at, (template.format(**fill), [fill[k] for k in order]))
 
     for _ in range(rng.randint(*sentences)):
-        add(rng.choice(SENTENCES), len(parts))
+        template = rng.choice(SENTENCES)
+        if len(nouns) - template.count("{a}") - template.count("{b}") < floor:
+            break
+        add(template, len(parts))
     if sum(isinstance(x, str) for _, xs in parts for x in xs) < 2:
         add("The {a} and the {b} were there all day.", rng.randint(0, len(parts)))
     if not any(isinstance(x, int) for _, xs in parts for x in xs):
@@ -90,14 +96,15 @@ def _reversed_or_random(rng: random.Random, present: list[int]) -> int:
             return n
 
 
-def question(rng: random.Random, family: str, nouns: list[str], numbers: list[int]) -> tuple[str, str] | None:
+def question(rng: random.Random, family: str, nouns: list[str], numbers: list[int],
+             vocabulary: int = len(NOUNS)) -> tuple[str, str] | None:
     """(question, answer) for one family, or None when this document cannot ask it."""
     yes = rng.random() < 0.5
     phrasing = rng.choice(QUESTIONS[family])
     if family == "mention":
         if yes and not nouns:
             return None
-        a = rng.choice(nouns) if yes else rng.choice([w for w in NOUNS if w not in nouns])
+        a = rng.choice(nouns) if yes else rng.choice([w for w in NOUNS[:vocabulary] if w not in nouns])
         return phrasing.format(a=a), ANSWERS[not yes]
     if family == "number":
         if yes and not numbers:
@@ -112,19 +119,20 @@ def question(rng: random.Random, family: str, nouns: list[str], numbers: list[in
 
 
 def examples(n: int, seed: int, families: tuple[str, ...] = FAMILIES, per_document: int = 1,
-             sentences: tuple[int, int] = (3, 12)) -> list[Example]:
+             sentences: tuple[int, int] = (3, 12), vocabulary: int = len(NOUNS)) -> list[Example]:
     """`n` examples, `per_document` questions on each document (families drawn uniformly), documents of
-    `sentences` (min, max) sentences; a document's questions are consecutive."""
+    `sentences` (min, max) sentences over the first `vocabulary` nouns (training curricula shrink both);
+    a document's questions are consecutive."""
     rng = random.Random(seed)
     out: list[Example] = []
     while len(out) < n:
-        text, nouns, numbers = document(rng, sentences)
+        text, nouns, numbers = document(rng, sentences, vocabulary)
         asked = set()
         tries = 0
         while len(out) < n and len(asked) < per_document and tries < 20 * per_document:
             tries += 1
             family = rng.choice(families)
-            qa = question(rng, family, nouns, numbers)
+            qa = question(rng, family, nouns, numbers, vocabulary)
             if qa is None or qa[0] in asked:
                 continue
             asked.add(qa[0])

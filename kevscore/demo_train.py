@@ -152,17 +152,19 @@ def build_model(init_dir: Path, device):
     return model.to(device).train()
 
 
-def sentences_at(step: int, steps: int, curriculum: float) -> tuple[int, int]:
-    """Document length (min, max sentences) at `step`: from (1, 2) up to the task's (3, 12), linearly over
-    the first `curriculum` fraction of training."""
+def curriculum_at(step: int, steps: int, curriculum: float, start_vocabulary: int) -> tuple[tuple[int, int], int]:
+    """(document sentences (min, max), noun vocabulary) at `step`: from (1, 2) sentences over
+    `start_vocabulary` nouns up to the task's (3, 12) over all nouns, linearly over the first `curriculum`
+    fraction of training."""
     f = 1.0 if curriculum <= 0 else min(1.0, step / (curriculum * steps))
-    return round(1 + 2 * f), round(2 + 10 * f)
+    vocabulary = round(start_vocabulary + (len(demo_task.NOUNS) - start_vocabulary) * f)
+    return (round(1 + 2 * f), round(2 + 10 * f)), vocabulary
 
 
 def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, eval_every: int,
           validation: int, max_seconds: float = math.inf, pack: int = 4, curriculum: float = 0.5,
           families: tuple[str, ...] = demo_task.FAMILIES, config: KevConfig = demo.DEMO_CONFIG,
-          lm_weight: float = 1.0, log=print) -> dict:
+          lm_weight: float = 1.0, start_vocabulary: int = 8, log=print) -> dict:
     from kevscore.checkpoint import load_tokenizer
     from kevscore.prompt import load_template
 
@@ -189,8 +191,8 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
     history = []
     t0, loss_sum, loss_n = time.perf_counter(), 0.0, 0
     for step in range(steps):
-        groups = group(demo_task.examples(batch * pack, seed * (1 << 20) + step, families, pack,
-                                          sentences_at(step, steps, curriculum)))
+        sentences, vocabulary = curriculum_at(step, steps, curriculum, start_vocabulary)
+        groups = group(demo_task.examples(batch * pack, seed * (1 << 20) + step, families, pack, sentences, vocabulary))
         seen.update(doc_hash(g[0].document) for g in groups)
         ids, positions, y = encode(tok, template, groups, tok.pad_token_id, answer_ids)
         ids, positions, y = ids.to(device), positions.to(device), y.to(device)
@@ -220,7 +222,8 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
     examples_docs = {doc_hash(e.document) for e in example_rows}
     report = {
         "seed": seed, "steps": steps, "steps_done": history[-1]["step"], "batch": batch, "lr": lr, "device": device,
-        "pack": pack, "curriculum": curriculum, "lm_weight": lm_weight, "families": list(families), "config": config.to_hf(),
+        "pack": pack, "curriculum": curriculum, "lm_weight": lm_weight, "start_vocabulary": start_vocabulary,
+        "families": list(families), "config": config.to_hf(),
         "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1),
         "final_validation": history[-1]["validation"], "history": history,
         "examples_accuracy": accuracy(model, tok, template, example_rows, answer_ids, device),
@@ -260,13 +263,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--families", default=",".join(demo_task.FAMILIES))
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the prompt text")
+    ap.add_argument("--start-vocabulary", type=int, default=8, help="nouns at the curriculum's start")
     ap.add_argument("--small", action="store_true", help="experiments: a 4-layer, 64-wide model, not the demo's")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     report = train(args.out, args.steps, args.batch, args.lr, args.seed, args.device, args.eval_every,
                    args.validation, args.max_seconds, args.pack, args.curriculum, tuple(args.families.split(",")),
-                   SMALL if args.small else demo.DEMO_CONFIG, args.lm_weight)
+                   SMALL if args.small else demo.DEMO_CONFIG, args.lm_weight, args.start_vocabulary)
     print(json.dumps({"out": str(args.out), "steps_done": report["steps_done"], "seconds": report["seconds"],
                       "final_validation": report["final_validation"], "examples": report["examples_accuracy"]}))
 
