@@ -55,6 +55,7 @@ class Example:
     question: str
     answer: str   # "Yes" or "No"
     family: str   # one of FAMILIES
+    key_end: int  # characters of `question` up to the end of the word that decides it (its last noun or number)
 
 
 def document(rng: random.Random, sentences: tuple[int, int] = (3, 12),
@@ -118,6 +119,19 @@ def question(rng: random.Random, family: str, nouns: list[str], numbers: list[in
     return phrasing.format(a=a, b=b), ANSWERS[not yes]
 
 
+def _key_end(question: str) -> int:
+    """End of the question's last noun or number (the word its answer turns on)."""
+    words = [(w.strip("?"), i) for i, w in _words(question)]
+    return max(i + len(w) for w, i in words if w in NOUNS or w.isdigit())
+
+
+def _words(text: str):
+    i = 0
+    for w in text.split(" "):
+        yield i, w
+        i += len(w) + 1
+
+
 def examples(n: int, seed: int, families: tuple[str, ...] = FAMILIES, per_document: int = 1,
              sentences: tuple[int, int] = (3, 12), vocabulary: int = len(NOUNS)) -> list[Example]:
     """`n` examples, `per_document` questions on each document (families drawn uniformly), documents of
@@ -136,5 +150,5 @@ def examples(n: int, seed: int, families: tuple[str, ...] = FAMILIES, per_docume
             if qa is None or qa[0] in asked:
                 continue
             asked.add(qa[0])
-            out.append(Example(text, qa[0], qa[1], family))
+            out.append(Example(text, qa[0], qa[1], family, _key_end(qa[0])))
     return out

@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import random
 import tempfile
 import time
 from pathlib import Path
@@ -37,23 +38,33 @@ VALIDATION_SEED = 1 << 40   # validation examples; training seeds are seed * 2**
 EXAMPLES_SEED = 1 << 41     # examples/ (see examples/make_examples.py)
 
 
-def encode(tok, template, groups: list[list[demo_task.Example]], pad: int, answer_ids: dict[str, int]):
+def encode(tok, template, groups: list[list[demo_task.Example]], pad: int, answer_ids: dict[str, int],
+           with_keys: bool = False):
     """Sequences of one document then its questions, each followed by its answer token (except the
     last), prefix and branches tokenized apart exactly as the runner does.
 
     Returns (ids [B, T] right-padded, answer positions [B, Q] (-1: none), targets [B, Q]); a group of one
-    question is exactly the runner's `prefix + branch` sequence.
+    question is exactly the runner's `prefix + branch` sequence. With `with_keys`, each question's key
+    word position follows its answer position, with the same target (an auxiliary target that supervises
+    the first step, "is this word in the document", where the word is; none for `order`).
     """
     prefixes = tok([template.prefix(g[0].document) for g in groups], add_special_tokens=False)["input_ids"]
     flat = [e for g in groups for e in g]
     branches = iter(tok([template.branch(e.question) for e in flat], add_special_tokens=False)["input_ids"])
+    # tokens of the branch up to its key word: BPE works word by word, so this is a prefix of the branch
+    keys = iter(len(ids) for ids in tok([template.branch(e.question[: e.key_end]).split(e.question[: e.key_end])[0]
+                                         + e.question[: e.key_end] for e in flat], add_special_tokens=False)["input_ids"])
     seqs, where, targets = [], [], []
     for prefix, group in zip(prefixes, groups):
         seq, pos, tgt = list(prefix), [], []
         for k, e in enumerate(group):
+            key = len(seq) + next(keys) - 1
             seq += next(branches)
             pos.append(len(seq) - 1)
             tgt.append(answer_ids[e.answer])
+            if with_keys:
+                pos.append(key)
+                tgt.append(answer_ids[e.answer] if e.family != "order" else -1)
             if k + 1 < len(group):
                 seq.append(answer_ids[e.answer])
         seqs.append(seq)
@@ -87,6 +98,32 @@ def answer_logits(model, ids: torch.Tensor, positions: torch.Tensor) -> torch.Te
     hidden = model.model(input_ids=ids).last_hidden_state
     rows = torch.arange(len(ids), device=ids.device)[:, None]
     return model.lm_head(hidden[rows, positions.clamp(min=0)])
+
+
+def recall_batch(tok, rng: random.Random, answer_ids: dict[str, int], batch: int, items: int = 24,
+                 pool: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Warm-up sequences that teach the task's first step densely: nouns and two-digit numbers drawn with
+    repeats from a small pool, with a target after each item: Yes if it occurred before, else No.
+    Returns (ids [B, T], targets [B, T] with -1 where none)."""
+    seqs, tgts = [], []
+    for _ in range(batch):
+        words = rng.sample(demo_task.NOUNS, pool // 2) + [str(n) for n in rng.sample(range(10, 100), pool - pool // 2)]
+        seq, tgt, seen = [], [], set()
+        for _ in range(items):
+            w = rng.choice(words)
+            ids = tok(" " + w, add_special_tokens=False)["input_ids"]
+            seq += ids
+            tgt += [-1] * (len(ids) - 1) + [answer_ids["Yes" if w in seen else "No"]]
+            seen.add(w)
+        seqs.append(seq)
+        tgts.append(tgt)
+    width = max(map(len, seqs))
+    ids = torch.full((batch, width), tok.pad_token_id, dtype=torch.long)
+    targets = torch.full((batch, width), -1, dtype=torch.long)
+    for i, (s, t) in enumerate(zip(seqs, tgts)):
+        ids[i, : len(s)] = torch.tensor(s)
+        targets[i, : len(t)] = torch.tensor(t)
+    return ids, targets
 
 
 def doc_hash(text: str) -> bytes:
@@ -152,6 +189,12 @@ def build_model(init_dir: Path, device):
     return model.to(device).train()
 
 
+def warm_opt_lr(opt, lr: float, step: int, steps: int) -> None:
+    """The recall warm-up's learning rate: linear warm-up over its first 10%, then constant."""
+    for group_ in opt.param_groups:
+        group_["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10))
+
+
 def curriculum_at(step: int, steps: int, curriculum: float, start_vocabulary: int) -> tuple[tuple[int, int], int]:
     """(document sentences (min, max), noun vocabulary) at `step`: from (1, 2) sentences over
     `start_vocabulary` nouns up to the task's (3, 12) over all nouns, linearly over the first `curriculum`
@@ -164,7 +207,8 @@ def curriculum_at(step: int, steps: int, curriculum: float, start_vocabulary: in
 def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, eval_every: int,
           validation: int, max_seconds: float = math.inf, pack: int = 4, curriculum: float = 0.5,
           families: tuple[str, ...] = demo_task.FAMILIES, config: KevConfig = demo.DEMO_CONFIG,
-          lm_weight: float = 1.0, start_vocabulary: int = 8, log=print) -> dict:
+          lm_weight: float = 1.0, start_vocabulary: int = 8, key_loss: bool = True, recall_steps: int = 300,
+          log=print) -> dict:
     from kevscore.checkpoint import load_tokenizer
     from kevscore.prompt import load_template
 
@@ -190,11 +234,26 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
     seen: set[bytes] = set()
     history = []
     t0, loss_sum, loss_n = time.perf_counter(), 0.0, 0
+    rng = random.Random(seed)
+    for step in range(recall_steps):  # warm-up: "did this word occur before?" at every word
+        ids, y = recall_batch(tok, rng, answer_ids, batch * pack)
+        ids, y = ids.to(device), y.to(device)
+        logits = model.lm_head(model.model(input_ids=ids).last_hidden_state)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        warm_opt_lr(opt, lr, step, recall_steps)
+        opt.step()
+        if (step + 1) % eval_every == 0 or step + 1 == recall_steps:
+            log(json.dumps({"recall_step": step + 1, "loss": round(loss.item(), 4)}))
+    for group_ in opt.param_groups:
+        group_["lr"] = lr * sched.lr_lambdas[0](0)
     for step in range(steps):
         sentences, vocabulary = curriculum_at(step, steps, curriculum, start_vocabulary)
         groups = group(demo_task.examples(batch * pack, seed * (1 << 20) + step, families, pack, sentences, vocabulary))
         seen.update(doc_hash(g[0].document) for g in groups)
-        ids, positions, y = encode(tok, template, groups, tok.pad_token_id, answer_ids)
+        ids, positions, y = encode(tok, template, groups, tok.pad_token_id, answer_ids, with_keys=key_loss)
         ids, positions, y = ids.to(device), positions.to(device), y.to(device)
         logits = model.lm_head(model.model(input_ids=ids).last_hidden_state)  # [B, T, V]
         rows = torch.arange(len(ids), device=device)[:, None]
@@ -223,6 +282,7 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
     report = {
         "seed": seed, "steps": steps, "steps_done": history[-1]["step"], "batch": batch, "lr": lr, "device": device,
         "pack": pack, "curriculum": curriculum, "lm_weight": lm_weight, "start_vocabulary": start_vocabulary,
+        "key_loss": key_loss, "recall_steps": recall_steps,
         "families": list(families), "config": config.to_hf(),
         "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1),
         "final_validation": history[-1]["validation"], "history": history,
@@ -263,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--families", default=",".join(demo_task.FAMILIES))
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the prompt text")
+    ap.add_argument("--recall-steps", type=int, default=300, help="warm-up steps of the dense recall task")
+    ap.add_argument("--no-key-loss", action="store_true", help="no auxiliary answer target at the key word")
     ap.add_argument("--start-vocabulary", type=int, default=8, help="nouns at the curriculum's start")
     ap.add_argument("--small", action="store_true", help="experiments: a 4-layer, 64-wide model, not the demo's")
     args = ap.parse_args(argv)
@@ -270,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     report = train(args.out, args.steps, args.batch, args.lr, args.seed, args.device, args.eval_every,
                    args.validation, args.max_seconds, args.pack, args.curriculum, tuple(args.families.split(",")),
-                   SMALL if args.small else demo.DEMO_CONFIG, args.lm_weight, args.start_vocabulary)
+                   SMALL if args.small else demo.DEMO_CONFIG, args.lm_weight, args.start_vocabulary,
+                   not args.no_key_loss, args.recall_steps)
     print(json.dumps({"out": str(args.out), "steps_done": report["steps_done"], "seconds": report["seconds"],
                       "final_validation": report["final_validation"], "examples": report["examples_accuracy"]}))
 

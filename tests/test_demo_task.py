@@ -84,10 +84,45 @@ def test_training_encoding_is_the_runners(demo) -> None:
         assert ids[i, positions[i, 1]] == ids[i, positions[i, 0]]  # both branches end alike
 
 
+def test_key_positions_hold_the_deciding_word(demo) -> None:
+    tok = demo.tokenizer
+    template = load_template(None, tok)
+    answer_ids = {a: tok.convert_tokens_to_ids(a) for a in demo_task.ANSWERS}
+    groups = demo_train.group(demo_task.examples(60, 5, per_document=3))
+    ids, positions, targets = demo_train.encode(tok, template, groups, tok.pad_token_id, answer_ids, with_keys=True)
+    for i, g in enumerate(groups):
+        for k, e in enumerate(g):
+            last, key = positions[i, 2 * k], positions[i, 2 * k + 1]
+            word = e.question[: e.key_end].split()[-1]
+            assert tok.decode(ids[i, key]).strip() == (word[-1] if word.isdigit() else word), e
+            assert key < last and targets[i, 2 * k] == answer_ids[e.answer]
+            assert targets[i, 2 * k + 1] == (-1 if e.family == "order" else answer_ids[e.answer])
+
+
+def test_recall_batch_targets() -> None:
+    import random
+
+    from kevscore.checkpoint import load_checkpoint as load
+
+    tok = load("demo").tokenizer
+    answer_ids = {a: tok.convert_tokens_to_ids(a) for a in demo_task.ANSWERS}
+    ids, targets = demo_train.recall_batch(tok, random.Random(0), answer_ids, 4)
+    for row, tgt in zip(ids.tolist(), targets.tolist()):
+        text, seen, answers = "", set(), []
+        for t, y in zip(row, tgt):
+            text += tok.decode([t])
+            if y >= 0:
+                word = text.split()[-1]
+                answers.append(("Yes" if word in seen else "No", y))
+                seen.add(word)
+        assert len(answers) == 24 and all(answer_ids[a] == y for a, y in answers)
+        assert 0 < sum(a == "Yes" for a, _ in answers) < 24
+
+
 def test_training_smoke_run(tmp_path: Path) -> None:
     """A few CPU steps: the loss falls from its start and the written checkpoint loads and scores."""
     report = demo_train.train(tmp_path / "ckpt", steps=12, batch=8, lr=3e-3, seed=0, device="cpu", eval_every=4,
-                              validation=32, pack=2, log=lambda _: None)
+                              validation=32, pack=2, recall_steps=4, log=lambda _: None)
     losses = [h["loss"] for h in report["history"]]
     assert losses[-1] < losses[0]
     assert report["validation_documents_seen_in_training"] == 0 and report["example_documents_seen_in_training"] == 0
