@@ -1,9 +1,10 @@
-"""The built-in demo model: a small Kev checkpoint made offline, byte-for-byte the same on every machine.
+"""The built-in demo model: a small Kev checkpoint, byte-for-byte the same on every machine.
 
-Weights come from a counter-based generator (SplitMix64 over seed, tensor name and element index) and
-the tokenizer is a byte-level BPE whose merges are counted here over a small embedded corpus; both are
-written as plain JSON/bytes by this module, so no library version changes the files. The weights are
-random: the demo's probabilities only exercise the pipeline.
+The tokenizer is a byte-level BPE whose merges are counted here over a small embedded corpus, written as
+plain JSON by this module, so no library version changes the files. The weights are trained on the demo
+task (`kevscore.demo_task`, by `kevscore.demo_train`) and ship in `demo_model/`; training starts from
+the deterministic initial weights made here by a counter-based generator (SplitMix64 over seed, tensor
+name and element index).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from kevscore import checkpoint
 from kevscore.config import FULL, LINEAR, KevConfig
 from kevscore.errors import KevscoreError
 
-DEMO_NAME = "demo-v2"
+DEMO_NAME = "demo-v3"
+TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo_train)
 SEED = 0x4B657653636F7265  # "KevScore"
 NUM_MERGES = 1000  # learned merges; with bytes, forced merges and specials the tokenizer stays in (1216, 1280]
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
@@ -305,9 +307,25 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def build_demo_checkpoint(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
-    """Write config.json, model.safetensors and the tokenizer files of the demo model into `dest`
-    (another `cfg` than the demo's: a model of the same tokenizer, for training experiments)."""
+def trained_weights() -> Path:
+    """The shipped trained weights (kevscore/demo_model/model.safetensors), checked against the SHA-256
+    that the training run recorded beside them (training.json)."""
+    path = TRAINED_DIR / "model.safetensors"
+    try:
+        want = json.loads((TRAINED_DIR / "training.json").read_text())["model_sha256"]
+        have = hashlib.sha256(path.read_bytes()).hexdigest()
+    except (OSError, ValueError, KeyError) as exc:
+        raise KevscoreError(f"{TRAINED_DIR}: the demo model's trained weights are missing or unreadable "
+                            f"({exc}); reinstall kevscore") from exc
+    if have != want:
+        raise KevscoreError(f"{path}: SHA-256 {have[:12]}… is not the trained weights' {want[:12]}…; reinstall kevscore")
+    return path
+
+
+def build_demo_checkpoint(dest: Path, cfg: KevConfig = DEMO_CONFIG, trained: bool = True) -> None:
+    """Write config.json, model.safetensors and the tokenizer files of the demo model into `dest`: the
+    shipped trained weights, or with `trained=False` the deterministic initial ones that training starts
+    from (another `cfg` than the demo's: a model of the same tokenizer, for training experiments)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_json()
@@ -322,7 +340,10 @@ def build_demo_checkpoint(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
     _write_json(dest / "config.json", config)
     _write_json(dest / "tokenizer.json", tok)
     _write_json(dest / "tokenizer_config.json", tokenizer_config())
-    write_safetensors(dest / "model.safetensors", demo_weights(cfg))
+    if trained and cfg == DEMO_CONFIG:
+        shutil.copyfile(trained_weights(), dest / "model.safetensors")
+    else:
+        write_safetensors(dest / "model.safetensors", demo_weights(cfg))
 
 
 def _complete(path: Path) -> bool:

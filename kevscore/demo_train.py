@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
 import random
 import tempfile
 import time
@@ -35,7 +36,14 @@ SMALL = dataclasses.replace(demo.DEMO_CONFIG, hidden_size=64, intermediate_size=
                             layer_types=(LINEAR, LINEAR, LINEAR, FULL), num_attention_heads=2, num_key_value_heads=1,
                             linear_num_key_heads=1, linear_num_value_heads=2)
 VALIDATION_SEED = 1 << 40   # validation examples; training seeds are seed * 2**20 + step, far below
-EXAMPLES_SEED = 1 << 41     # examples/ (see examples/make_examples.py)
+EXAMPLES_SEED = 1 << 41     # examples/demo-task.parquet (see examples/make_demo_task.py)
+SHIPPED_FAMILIES = ("mention", "number")  # what the shipped demo was trained on (`order` is not learnt yet)
+EXAMPLE_ROWS, EXAMPLE_PER_DOCUMENT = 200, 4
+
+
+def example_rows(families: tuple[str, ...] = SHIPPED_FAMILIES) -> list[demo_task.Example]:
+    """The rows of examples/demo-task.parquet."""
+    return demo_task.examples(EXAMPLE_ROWS, EXAMPLES_SEED, families, per_document=EXAMPLE_PER_DOCUMENT)
 
 
 def encode(tok, template, groups: list[list[demo_task.Example]], pad: int, answer_ids: dict[str, int],
@@ -126,6 +134,14 @@ def recall_batch(tok, rng: random.Random, answer_ids: dict[str, int], batch: int
     return ids, targets
 
 
+def training_stream(steps: int, batch: int, pack: int, seed: int, families: tuple[str, ...], curriculum: float,
+                    start_vocabulary: int):
+    """The task examples of each training step, grouped by document, exactly as `train` draws them."""
+    for step in range(steps):
+        sentences, vocabulary = curriculum_at(step, steps, curriculum, start_vocabulary)
+        yield group(demo_task.examples(batch * pack, seed * (1 << 20) + step, families, pack, sentences, vocabulary))
+
+
 def doc_hash(text: str) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=8).digest()
 
@@ -205,10 +221,10 @@ def curriculum_at(step: int, steps: int, curriculum: float, start_vocabulary: in
 
 
 def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, eval_every: int,
-          validation: int, max_seconds: float = math.inf, pack: int = 4, curriculum: float = 0.5,
-          families: tuple[str, ...] = demo_task.FAMILIES, config: KevConfig = demo.DEMO_CONFIG,
-          lm_weight: float = 1.0, start_vocabulary: int = 8, key_loss: bool = True, recall_steps: int = 300,
-          log=print) -> dict:
+          validation: int, max_seconds: float = math.inf, pack: int = 4, curriculum: float = 0.6,
+          families: tuple[str, ...] = SHIPPED_FAMILIES, config: KevConfig = demo.DEMO_CONFIG,
+          lm_weight: float = 0.0, start_vocabulary: int = 8, key_loss: bool = True, recall_steps: int = 300,
+          start_from: Path | None = None, log=print) -> dict:
     from kevscore.checkpoint import load_tokenizer
     from kevscore.prompt import load_template
 
@@ -217,10 +233,13 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
     torch.backends.cudnn.allow_tf32 = False
     with tempfile.TemporaryDirectory() as tmp:
         init = Path(tmp)
-        demo.build_demo_checkpoint(init, config)  # config, tokenizer and the deterministic initial weights
+        demo.build_demo_checkpoint(init, config, trained=False)  # config, tokenizer, deterministic initial weights
+        if start_from is not None:  # a second stage: go on from an earlier run's weights
+            shutil.copyfile(Path(start_from) / "model.safetensors", init / "model.safetensors")
         tok = load_tokenizer(init)
         model = build_model(init, device)
-    training_init(model, seed)
+    if start_from is None:
+        training_init(model, seed)
     template = load_template(None, tok)
     answer_ids = {a: tok.convert_tokens_to_ids(a) for a in demo_task.ANSWERS}
     valid = demo_task.examples(validation, VALIDATION_SEED, families)
@@ -249,9 +268,8 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
             log(json.dumps({"recall_step": step + 1, "loss": round(loss.item(), 4)}))
     for group_ in opt.param_groups:
         group_["lr"] = lr * sched.lr_lambdas[0](0)
-    for step in range(steps):
-        sentences, vocabulary = curriculum_at(step, steps, curriculum, start_vocabulary)
-        groups = group(demo_task.examples(batch * pack, seed * (1 << 20) + step, families, pack, sentences, vocabulary))
+    stream = training_stream(steps, batch, pack, seed, families, curriculum, start_vocabulary)
+    for step, groups in enumerate(stream):
         seen.update(doc_hash(g[0].document) for g in groups)
         ids, positions, y = encode(tok, template, groups, tok.pad_token_id, answer_ids, with_keys=key_loss)
         ids, positions, y = ids.to(device), positions.to(device), y.to(device)
@@ -277,16 +295,17 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
             if time.perf_counter() - t0 > max_seconds:
                 log(f"stopping at step {step + 1}: over --max-seconds {max_seconds}")
                 break
-    example_rows = demo_task.examples(400, EXAMPLES_SEED, per_document=4)
-    examples_docs = {doc_hash(e.document) for e in example_rows}
+    examples = example_rows(families)
+    examples_docs = {doc_hash(e.document) for e in examples}
     report = {
         "seed": seed, "steps": steps, "steps_done": history[-1]["step"], "batch": batch, "lr": lr, "device": device,
         "pack": pack, "curriculum": curriculum, "lm_weight": lm_weight, "start_vocabulary": start_vocabulary,
         "key_loss": key_loss, "recall_steps": recall_steps,
+        "start_from": None if start_from is None else _sha256(Path(start_from) / "model.safetensors"),
         "families": list(families), "config": config.to_hf(),
         "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1),
         "final_validation": history[-1]["validation"], "history": history,
-        "examples_accuracy": accuracy(model, tok, template, example_rows, answer_ids, device),
+        "examples_accuracy": accuracy(model, tok, template, examples, answer_ids, device),
         "training_documents": len(seen),
         "validation_documents_seen_in_training": sum(doc_hash(e.document) in seen for e in valid),
         "example_documents_seen_in_training": len(examples_docs & seen),
@@ -295,10 +314,14 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
     return report
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def save(model, out: Path, report: dict, config: KevConfig = demo.DEMO_CONFIG) -> None:
     """A complete checkpoint directory: the demo's config and tokenizer, the trained fp32 weights."""
     out.mkdir(parents=True, exist_ok=True)
-    demo.build_demo_checkpoint(out, config)  # config + tokenizer (+ initial weights, overwritten below)
+    demo.build_demo_checkpoint(out, config, trained=False)  # config + tokenizer (+ initial weights, overwritten below)
     state = model.state_dict()
     names = demo.weight_shapes(config)
     tensors = {n: state[n].detach().float().cpu().numpy().astype(np.float32) for n in names}
@@ -310,19 +333,21 @@ def save(model, out: Path, report: dict, config: KevConfig = demo.DEMO_CONFIG) -
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=2500)
+    ap.add_argument("--batch", type=int, default=16, help="documents per step (each with --pack questions)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cpu", help="cpu (how the shipped weights were made) or cuda")
     ap.add_argument("--eval-every", type=int, default=250)
-    ap.add_argument("--validation", type=int, default=2048, help="validation examples")
+    ap.add_argument("--validation", type=int, default=512, help="validation examples")
     ap.add_argument("--max-seconds", type=float, default=math.inf, help="stop early (at an evaluation) after this")
     ap.add_argument("--pack", type=int, default=4, help="questions per training document (each answered in turn)")
-    ap.add_argument("--curriculum", type=float, default=0.5, help="fraction of training over which documents grow")
-    ap.add_argument("--families", default=",".join(demo_task.FAMILIES))
-    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    ap.add_argument("--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the prompt text")
+    ap.add_argument("--curriculum", type=float, default=0.6, help="fraction of training over which documents grow")
+    ap.add_argument("--families", default=",".join(SHIPPED_FAMILIES), help=f"of {','.join(demo_task.FAMILIES)}")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads (the shipped weights: 2)")
+    ap.add_argument("--lm-weight", type=float, default=0.0, help="weight of the next-token loss on the prompt text")
+    ap.add_argument("--start-from", type=Path, help="a second stage: start from this run's output (with "
+                    "--recall-steps 0 --curriculum 0)")
     ap.add_argument("--recall-steps", type=int, default=300, help="warm-up steps of the dense recall task")
     ap.add_argument("--no-key-loss", action="store_true", help="no auxiliary answer target at the key word")
     ap.add_argument("--start-vocabulary", type=int, default=8, help="nouns at the curriculum's start")
@@ -333,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     report = train(args.out, args.steps, args.batch, args.lr, args.seed, args.device, args.eval_every,
                    args.validation, args.max_seconds, args.pack, args.curriculum, tuple(args.families.split(",")),
                    SMALL if args.small else demo.DEMO_CONFIG, args.lm_weight, args.start_vocabulary,
-                   not args.no_key_loss, args.recall_steps)
+                   not args.no_key_loss, args.recall_steps, args.start_from)
     print(json.dumps({"out": str(args.out), "steps_done": report["steps_done"], "seconds": report["seconds"],
                       "final_validation": report["final_validation"], "examples": report["examples_accuracy"]}))
 

@@ -68,13 +68,22 @@ def test_transformers_loads_and_runs(ckpt: Path, tok, monkeypatch: pytest.Monkey
     state = model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in weights.items())  # nothing re-initialised on load
     assert torch.equal(state["lm_head.weight"], weights["model.embed_tokens.weight"])  # tied
-    text = "Document: The bus runs every hour.\nQuestion: Does the document mention the bus?"
-    ids = torch.tensor([tok(text)["input_ids"]])
+    # transformers itself, on the full prompt, answers the demo task's example questions
+    from kevscore.demo_train import example_rows
+    from kevscore.prompt import chat_template
+
+    template, rows = chat_template(tok), example_rows()[:8]
+    yes, no = tok.convert_tokens_to_ids("Yes"), tok.convert_tokens_to_ids("No")
     for dtype in (torch.float32, torch.bfloat16):
-        with torch.no_grad():
-            logits = model.to(dtype)(ids).logits.float()
-        assert torch.isfinite(logits).all()
-        assert logits.softmax(-1).max() < 0.5
+        right = 0
+        for e in rows:
+            ids = tok(template.prefix(e.document), add_special_tokens=False)["input_ids"]
+            ids += tok(template.branch(e.question), add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logits = model.to(dtype)(torch.tensor([ids])).logits[0, -1].float()
+            assert torch.isfinite(logits).all()
+            right += ("Yes" if logits[yes] >= logits[no] else "No") == e.answer
+        assert right >= 7, (dtype, right)
 
 
 @pytest.mark.parametrize("word", ["Yes", "No", " Yes", " No", "yes", "no"])

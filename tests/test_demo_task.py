@@ -119,17 +119,21 @@ def test_recall_batch_targets() -> None:
         assert 0 < sum(a == "Yes" for a, _ in answers) < 24
 
 
-def test_training_smoke_run(tmp_path: Path) -> None:
-    """A few CPU steps: the loss falls from its start and the written checkpoint loads and scores."""
-    report = demo_train.train(tmp_path / "ckpt", steps=12, batch=8, lr=3e-3, seed=0, device="cpu", eval_every=4,
-                              validation=32, pack=2, recall_steps=4, log=lambda _: None)
+def test_training_runs_and_reproduces_its_weights(tmp_path: Path) -> None:
+    """A few CPU steps, twice: the loss falls, the checkpoint loads, and a rerun writes the same bytes."""
+    def run(name: str) -> dict:
+        return demo_train.train(tmp_path / name, steps=10, batch=6, lr=3e-3, seed=0, device="cpu", eval_every=5,
+                                validation=16, pack=2, recall_steps=3, log=lambda _: None)
+
+    report = run("a")
     losses = [h["loss"] for h in report["history"]]
     assert losses[-1] < losses[0]
     assert report["validation_documents_seen_in_training"] == 0 and report["example_documents_seen_in_training"] == 0
-    saved = json.loads((tmp_path / "ckpt" / "training.json").read_text())
-    assert saved["model_sha256"] == report["model_sha256"] and saved["steps_done"] == 12
-    ckpt = load_checkpoint(str(tmp_path / "ckpt"))
+    saved = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert saved["model_sha256"] == report["model_sha256"] and saved["steps_done"] == 10
+    ckpt = load_checkpoint(str(tmp_path / "a"))
     assert torch.isfinite(ckpt.weights["model.embed_tokens.weight"]).all()
+    assert run("b")["model_sha256"] == report["model_sha256"]
 
 
 def test_wrong_entry_fault_reads_the_next_document(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
