@@ -25,6 +25,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from kevscore import checkpoint
 from kevscore.config import FULL, LINEAR, KevConfig
 from kevscore.errors import KevscoreError
+from kevscore.parts import file_sha256
 
 DEMO_NAME = "demo-v3"
 TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo_train)
@@ -313,7 +314,7 @@ def trained_weights() -> Path:
     path = TRAINED_DIR / "model.safetensors"
     try:
         want = json.loads((TRAINED_DIR / "training.json").read_text())["model_sha256"]
-        have = hashlib.sha256(path.read_bytes()).hexdigest()
+        have = file_sha256(path)
     except (OSError, ValueError, KeyError) as exc:
         raise KevscoreError(f"{TRAINED_DIR}: the demo model's trained weights are missing or unreadable "
                             f"({exc}); reinstall kevscore") from exc

@@ -1,15 +1,18 @@
 """Train the built-in demo model on the demo task (`kevscore.demo_task`), reproducibly from a seed.
 
-    python -m kevscore.demo_train --out /tmp/demo-trained --device cuda        # ~3 minutes on one H200
-    python -m kevscore.demo_train --out /tmp/demo-trained --device cpu --steps 200   # a smoke run
+    python -m kevscore.demo_train --out /tmp/demo-trained      # the shipped weights: ~55 min on 2 CPU cores
+    python -m kevscore.demo_train --out /tmp/smoke --steps 20 --recall-steps 10    # a smoke run
 
-It starts from the demo checkpoint's deterministic initial weights (`kevscore.demo.demo_weights`), trains
-transformers' Qwen3_5ForCausalLM (the Kev architecture) with AdamW on freshly generated examples (one
-question per document, every family), with the loss on the answer token only ("Yes" / "No" after the
-prompt kevscore itself builds: prefix and branch tokenized separately, exactly as the runner does), and
-writes a complete checkpoint directory (config, fp32 safetensors, tokenizer) plus `training.json`: the
-options, the loss and validation accuracy per family along the way, and how many validation and example
-documents also occurred in training (expected: none).
+It starts from the demo checkpoint's deterministic initial weights (`kevscore.demo.demo_weights`, with
+long-memory DeltaNet decays) and trains transformers' Qwen3_5ForCausalLM (the Kev architecture) with
+AdamW: first a dense recall warm-up ("did this word occur before?"), then freshly generated task
+examples (`--pack` questions per document, documents and noun vocabulary growing over a curriculum),
+with the loss on the answer token ("Yes" / "No" after the prompt kevscore itself builds: prefix and
+branch tokenized separately, exactly as the runner does) and on the same answer at the question's key
+word. It writes a complete checkpoint directory (config, fp32 safetensors, tokenizer) plus
+`training.json`: the options, the loss and validation accuracy per family along the way, and how many
+validation and example documents also occurred in training (expected: none). docs/demo-training.md says
+why each piece is there.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from kevscore import demo, demo_task
 from kevscore.config import FULL, LINEAR, KevConfig
 from kevscore.kernels import gdr_ref
+from kevscore.parts import file_sha256
 
 SMALL = dataclasses.replace(demo.DEMO_CONFIG, hidden_size=64, intermediate_size=128,
                             layer_types=(LINEAR, LINEAR, LINEAR, FULL), num_attention_heads=2, num_key_value_heads=1,
@@ -205,6 +209,14 @@ def build_model(init_dir: Path, device):
     return model.to(device).train()
 
 
+def _update(model, opt, loss: torch.Tensor) -> None:
+    """One optimiser step on `loss`, gradients clipped to norm 1."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
 def warm_opt_lr(opt, lr: float, step: int, steps: int) -> None:
     """The recall warm-up's learning rate: linear warm-up over its first 10%, then constant."""
     for group_ in opt.param_groups:
@@ -259,11 +271,8 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
         ids, y = ids.to(device), y.to(device)
         logits = model.lm_head(model.model(input_ids=ids).last_hidden_state)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         warm_opt_lr(opt, lr, step, recall_steps)
-        opt.step()
+        _update(model, opt, loss)
         if (step + 1) % eval_every == 0 or step + 1 == recall_steps:
             log(json.dumps({"recall_step": step + 1, "loss": round(loss.item(), 4)}))
     for group_ in opt.param_groups:
@@ -279,10 +288,7 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
         if lm_weight:  # next-token loss on the prompt text: teaches copying document words early
             nxt = ids[:, 1:].masked_fill(ids[:, 1:] == tok.pad_token_id, -1)
             loss = loss + lm_weight * F.cross_entropy(logits[:, :-1].flatten(0, 1), nxt.flatten(), ignore_index=-1)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        _update(model, opt, loss)
         sched.step()
         loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
         if (step + 1) % eval_every == 0 or step + 1 == steps:
@@ -301,7 +307,7 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
         "seed": seed, "steps": steps, "steps_done": history[-1]["step"], "batch": batch, "lr": lr, "device": device,
         "pack": pack, "curriculum": curriculum, "lm_weight": lm_weight, "start_vocabulary": start_vocabulary,
         "key_loss": key_loss, "recall_steps": recall_steps,
-        "start_from": None if start_from is None else _sha256(Path(start_from) / "model.safetensors"),
+        "start_from": None if start_from is None else file_sha256(Path(start_from) / "model.safetensors"),
         "families": list(families), "config": config.to_hf(),
         "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1),
         "final_validation": history[-1]["validation"], "history": history,
@@ -314,10 +320,6 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
     return report
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def save(model, out: Path, report: dict, config: KevConfig = demo.DEMO_CONFIG) -> None:
     """A complete checkpoint directory: the demo's config and tokenizer, the trained fp32 weights."""
     out.mkdir(parents=True, exist_ok=True)
@@ -326,7 +328,7 @@ def save(model, out: Path, report: dict, config: KevConfig = demo.DEMO_CONFIG) -
     names = demo.weight_shapes(config)
     tensors = {n: state[n].detach().float().cpu().numpy().astype(np.float32) for n in names}
     demo.write_safetensors(out / "model.safetensors", tensors)
-    report["model_sha256"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    report["model_sha256"] = file_sha256(out / "model.safetensors")
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
 
 

@@ -363,11 +363,16 @@ class _PartReader:
         self.buffer: pa.Table | None = None
         self.left = self.file.metadata.num_rows
 
+    def _fill(self) -> pa.Table:
+        """The current batch, the next one read in when it is used up."""
+        if self.buffer is None or self.buffer.num_rows == 0:
+            self.buffer = pa.Table.from_batches([next(self.it)])
+        return self.buffer
+
     def take(self, n: int) -> pa.Table:
         pieces, have = [], 0
         while have < n:
-            if self.buffer is None or self.buffer.num_rows == 0:
-                self.buffer = pa.Table.from_batches([next(self.it)])
+            self._fill()
             k = min(n - have, self.buffer.num_rows)
             pieces.append(self.buffer.slice(0, k))
             self.buffer = self.buffer.slice(k)
@@ -380,9 +385,7 @@ class _PartReader:
 
     def next_row(self) -> int:
         """The `row` of the next row to take (the part must not be exhausted)."""
-        if self.buffer is None or self.buffer.num_rows == 0:
-            self.buffer = pa.Table.from_batches([next(self.it)])
-        return self.buffer.column("row")[0].as_py()
+        return self._fill().column("row")[0].as_py()
 
     def take_below(self, limit: int) -> pa.Table:
         """Every next row whose `row` is below `limit` (a part's rows ascend)."""

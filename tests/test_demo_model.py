@@ -6,6 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -17,7 +18,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TASK = EXAMPLES / "demo-task.parquet"
 
 
-def score(tmp_path: Path, name: str, *args: str) -> list[str]:
+def score(tmp_path: Path, name: str, *args: str) -> pa.Table:
     out = tmp_path / f"{name}.parquet"
     res = CliRunner().invoke(app, ["run", str(TASK), "-o", str(out), "--device", "cpu", "--quiet", *args])
     assert res.exit_code == 0, (res.stderr, res.exception)
