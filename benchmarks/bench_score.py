@@ -54,14 +54,15 @@ KERNEL_GROUPS = [
     ("FLA chunk pipeline", ("chunk_", "recompute_w_u", "l2norm", "cumsum")),
     ("causal conv", ("causal_conv1d",)),
     ("attention", ("_branch_attn_kernel", "fmha", "flash", "attention", "efficient")),
-    ("norms / swiglu", ("layer_norm", "swiglu")),
+    ("norms / swiglu", ("layer_norm", "swiglu", "norm_rope")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "Kernel2")),
     ("gather / copy", ("index", "gather", "cat", "copy", "Copy", "Memcpy", "Memset")),
 ]
 
 
-def profile(fn, reps: int = 3) -> dict[str, dict[str, float]]:
-    """GPU time per call (ms) by kernel group and for the 12 costliest kernels, from the torch profiler."""
+def profile(fn, reps: int = 3) -> dict[str, dict]:
+    """GPU time per call (ms) by kernel group and for the 25 costliest kernels (with launches per call), and
+    the number of kernel launches per call, from the torch profiler."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     fn()
@@ -72,6 +73,7 @@ def profile(fn, reps: int = 3) -> dict[str, dict[str, float]]:
         torch.cuda.synchronize()
     groups: dict[str, float] = {}
     kernels: dict[str, float] = {}
+    calls: dict[str, float] = {}
     for evt in prof.key_averages():
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
         if total <= 0:
@@ -79,8 +81,11 @@ def profile(fn, reps: int = 3) -> dict[str, dict[str, float]]:
         name = next((g for g, keys in KERNEL_GROUPS if any(k in evt.key for k in keys)), "elementwise / other")
         groups[name] = groups.get(name, 0.0) + total / 1000 / reps
         kernels[evt.key[:90]] = total / 1000 / reps
-    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])
-    return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "top_kernels": top}
+        calls[evt.key[:90]] = evt.count / reps
+    top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
+    return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "top_kernels": top,
+            "top_kernel_launches": {k: calls[k] for k in top}, "launches_per_call": sum(calls.values()),
+            "kernel_ms_per_call": sum(kernels.values())}
 
 
 def main() -> None:
@@ -182,8 +187,11 @@ def print_table(r: dict) -> None:
               f"{hf / r['median_ms']['indexed']:.1f}x slower than indexed")
     for p, prof in r.get("profile_ms", {}).items():
         print(f"profile {p} (ms/call): " + ", ".join(f"{g} {ms:.2f}" for g, ms in prof["groups"].items()))
-    for name, ms in r.get("profile_ms", {}).get("indexed", {}).get("top_kernels", {}).items():
-        print(f"  {ms:8.2f}  {name}")
+        if "launches_per_call" in prof:
+            print(f"  {prof['kernel_ms_per_call']:.2f} ms in {prof['launches_per_call']:.0f} kernel launches per call")
+    indexed = r.get("profile_ms", {}).get("indexed", {})
+    for name, ms in indexed.get("top_kernels", {}).items():
+        print(f"  {ms:8.2f} {indexed.get('top_kernel_launches', {}).get(name, 0):5.0f}x  {name}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # On the GPU machine: install the carried FLA wheels, run the cuda tests, then the scoring benchmark.
 # Usage (repo root): bash benchmarks/device_run.sh [pytest args...]; logs go to $OUT (or ./device-out).
 # SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (6 takes ~45 s once Triton's cache is warm),
-# BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with KEVSCORE_FUSED_CONV=1), LONGJOB=rows (a long job of that
+# BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with KEVSCORE_FUSED_CONV=0, FLA's conv),
+# KERNELS=1 (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary).
 # Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
 set -o pipefail
@@ -10,6 +11,10 @@ OUT="${OUT:-device-out}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton-cache}"
 python3 -c "import torch, triton, transformers, fla; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, transformers.__version__, fla.__version__)"
+if [ "${KERNELS:-0}" = 1 ]; then
+  python3 benchmarks/bench_kernels.py --json "$OUT/kernels-kev-4b.json" > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"
+  sed -n '/best per kernel/,$p' "$OUT/kernels.log"
+fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n "${PYTEST_WORKERS:-2}" -p no:hypothesispytest --tb=line -rfEP "$@" 2>&1 \
     | tee "$OUT/pytest_cuda.log" | grep -E "^(FAILED|ERROR|E |/)|max \||passed|failed|crashed" | tail -40
@@ -17,9 +22,9 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 benchmarks/bench_score.py ${BENCH_ARGS:---model kev-4b --profile --json "$OUT/score-kev-4b.json"} 2>&1 | tee "$OUT/bench.log" | tail -30
 fi
-if [ "${AB_FUSED_CONV:-0}" = 1 ]; then  # the same benchmark with the fused branch conv (NOTES.md 5)
-  KEVSCORE_FUSED_CONV=1 python3 benchmarks/bench_score.py --model kev-4b --profile --hf-reps 0 \
-    --json "$OUT/score-kev-4b-fused-conv.json" 2>&1 | tee "$OUT/bench-fused-conv.log" | tail -30
+if [ "${AB_FUSED_CONV:-0}" = 1 ]; then  # the same benchmark with FLA's branch conv (NOTES.md 6)
+  KEVSCORE_FUSED_CONV=0 python3 benchmarks/bench_score.py --model kev-4b --profile --hf-reps 0 \
+    --json "$OUT/score-kev-4b-fla-conv.json" 2>&1 | tee "$OUT/bench-fla-conv.log" | tail -30
 fi
 if [ -n "${LONGJOB:-}" ]; then  # issue 7: a long job on the Kev-0.8B shape, summary = last JSON line
   python3 benchmarks/make_long_input.py /tmp/long.parquet --rows "$LONGJOB" --docs $((LONGJOB / 10)) || exit 1

@@ -123,10 +123,10 @@ def injected_fault(ops, fault: str | None) -> Iterator[None]:
         raise KevscoreError(f"--inject-fault {fault}: choose {', '.join(FAULTS)}")
     real = ops.gdr_branch
 
-    def broken(q, k, v, g, beta, bank, slots, path, *rest):
+    def broken(q, k, v, gate, beta, bank, slots, path, *rest):
         if path == "indexed":
             slots = (slots + 1) % bank.shape[0]
-        return real(q, k, v, g, beta, bank, slots, path, *rest)
+        return real(q, k, v, gate, beta, bank, slots, path, *rest)
 
     ops.gdr_branch = broken
     try:

@@ -15,23 +15,26 @@ FP32_PARAMS = ("A_log", "dt_bias", "_scale")  # kept in fp32 whatever the model 
 class Block(nn.Module):
     """Pre-norm block over a residual stream; each norm also adds the previous sub-layer's output."""
 
-    def __init__(self, cfg: KevConfig, kind: str, ops, rotary: Rotary):
+    def __init__(self, cfg: KevConfig, kind: str, ops):
         super().__init__()
         self.kind, self.ops = kind, ops
-        self.mixer = DeltaNet(cfg, ops) if kind == LINEAR else Attention(cfg, ops, rotary)
+        self.mixer = DeltaNet(cfg, ops) if kind == LINEAR else Attention(cfg, ops)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, ops)
         # 1 + weight of Qwen3.5's zero-centred RMSNorms, in fp32
         self.input_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
         self.post_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: Context, cos, sin):
-        """(sub-layer output, residual stream before it is added)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: Context, cos, sin, keep=None):
+        """(sub-layer output, residual stream before it is added). keep: an index into the leading dims; the
+        mixer's output projection, the MLP and the returned tensors cover only those positions."""
         if residual is None:
             h, residual = self.ops.rms_norm(x, self.input_scale, self.eps), x
         else:
             h, residual = self.ops.add_rms_norm(x, residual, self.input_scale, self.eps)
-        h = self.mixer(h, ctx) if self.kind == LINEAR else self.mixer(h, ctx, cos, sin)
+        h = self.mixer(h, ctx, keep=keep) if self.kind == LINEAR else self.mixer(h, ctx, cos, sin, keep=keep)
+        if keep is not None:
+            residual = residual[keep]
         h, residual = self.ops.add_rms_norm(h, residual, self.post_scale, self.eps)
         return self.mlp(h), residual
 
@@ -42,7 +45,7 @@ class KevModel(nn.Module):
         self.cfg = cfg
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(Block(cfg, kind, ops, self.rotary) for kind in cfg.layer_types)
+        self.layers = nn.ModuleList(Block(cfg, kind, ops) for kind in cfg.layer_types)
         self.final_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
         self.ops = ops
         self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
@@ -88,12 +91,14 @@ class KevModel(nn.Module):
             else:
                 block.mixer.bank_kv = bank.kv[next(attn)]
 
-    def _run(self, ids: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last sub-layer output, residual stream before it): their sum is the final hidden state."""
+    def _run(self, ids: torch.Tensor, ctx: Context, keep=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last sub-layer output, residual stream before it): their sum is the final hidden state. keep: an
+        index into the leading dims of ids; the last layer computes its output at those positions only."""
         x, residual = self.embed[ids], None
-        cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)
-        for block in self.layers:
-            x, residual = block(x, residual, ctx, cos, sin)
+        cos, sin = self.rotary.cos_sin(ctx.positions)
+        last = len(self.layers) - 1
+        for i, block in enumerate(self.layers):
+            x, residual = block(x, residual, ctx, cos, sin, keep if i == last else None)
         return x, residual
 
     @torch.no_grad()
@@ -104,7 +109,6 @@ class KevModel(nn.Module):
     @torch.no_grad()
     def branch(self, ids: torch.Tensor, ctx: BranchContext, last: torch.Tensor) -> torch.Tensor:
         """Run question rows ids [R, T]; return the final-normed hidden state at each row's `last` position."""
-        x, residual = self._run(ids, ctx)
-        rows = torch.arange(x.shape[0], device=x.device)
-        x, residual = x[rows, last], residual[rows, last]
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        x, residual = self._run(ids, ctx, keep=(rows, last))  # [R, hidden]: the last layer's output at `last`
         return self.ops.add_rms_norm(x, residual, self.final_scale, self.cfg.rms_norm_eps)[0]

@@ -13,6 +13,9 @@ DEV = "cuda"
 
 
 def scan_inputs(rows, t, h, hv, dk, dv, dtype, seed):
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
     from kevscore.kernels import fla_ops
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -20,7 +23,7 @@ def scan_inputs(rows, t, h, hv, dk, dv, dtype, seed):
     v = torch.randn(rows, t, hv, dv, generator=gen, device=DEV).to(dtype)
     g = -torch.nn.functional.softplus(torch.randn(rows, t, hv, generator=gen, device=DEV)) * 2
     beta = torch.rand(rows, t, hv, generator=gen, device=DEV).to(dtype)
-    return fla_ops.gdr_parts(q, k, v, g, beta)
+    return fla_ops.gdr_parts(q, k, v, chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2), beta)
 
 
 def upload_column(rows, entries, seed):
@@ -225,10 +228,13 @@ def test_branch_attention_matches_gathered_sdpa(dims, t):
                         kv_mask=mask, kv_start=start, kv_len=plen, path="indexed")
     cpu = BranchContext(positions=None, slots=None, kv_index=ctx.kv_index.cpu(), kv_mask=mask.cpu(),
                         kv_start=None, kv_len=None, path="indexed")
-    ref = torch_ops.attn_branch(q.float().cpu(), k.float().cpu(), v.float().cpu(), pool.float().cpu(), cpu)
-    out = branch_attention(q, k, v, pool[0], pool[1], start, plen).float().cpu()
-    rel = ((out.float() - ref).norm() / ref.norm()).item()
-    assert rel < 1e-2, rel
+    gate = torch.randn(rows, t, nh, 2 * d, generator=gen, device=DEV, dtype=torch.bfloat16)[..., d:]
+    for g in (None, gate):  # the output gate is applied in the kernel's epilogue
+        ref = torch_ops.attn_branch(q.float().cpu(), k.float().cpu(), v.float().cpu(),
+                                    None if g is None else g.float().cpu(), pool.float().cpu(), cpu)
+        out = branch_attention(q, k, v, pool[0], pool[1], start, plen, gate=g).float().cpu()
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, rel
 
 
 @pytest.mark.parametrize("dims", [(16, 128, 32, 128), (2, 64, 4, 64)], ids=["kev4b", "demo"])
@@ -265,8 +271,62 @@ def test_fused_branch_conv_in_the_model_keeps_paths_bitwise(tiny, monkeypatch):
     from kevscore.kernels import fla_ops
 
     enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 130])
+    monkeypatch.setattr(fla_ops, "FUSED_CONV", False)
     base = gpu_engine(tiny, enc.prefixes, max_rows=8).run(enc, "indexed").probs
     monkeypatch.setattr(fla_ops, "FUSED_CONV", True)
     out = {p: gpu_engine(tiny, enc.prefixes, max_rows=8).run(enc, p).probs for p in ("indexed", "gathered")}
     assert out["indexed"] == out["gathered"]
     assert max(abs(a - b) for ra, rb in zip(base, out["indexed"]) for a, b in zip(ra, rb)) < 0.02
+
+
+@pytest.mark.parametrize("shape", [(96, 64, 9216), (3, 17, 48), (1, 1, 1100)])
+def test_swiglu_rows_bitwise_equals_fla(shape):
+    """kernels/elementwise.py's row-tiled SwiGLU does FLA's swiglu_fwd arithmetic: equal to the bit."""
+    from kevscore.kernels import fla_ops
+
+    *lead, inner = shape
+    gate_up = torch.randn(*lead, 2 * inner, device=DEV, generator=torch.Generator(DEV).manual_seed(inner)) * 4
+    for dtype in (torch.bfloat16, torch.float32):
+        x = gate_up.to(dtype)
+        ours = fla_ops.swiglu(x)
+        assert ours.is_contiguous() and torch.equal(ours, fla_ops.swiglu_fla(x))
+
+
+@pytest.mark.parametrize("dims", [(16, 4, 256, 64), (4, 2, 64, 16)], ids=["kev4b", "demo"])
+def test_qk_norm_rotary_close_to_torch(dims):
+    """The fused per-head RMSNorm + rotary of q (read from the q|gate projection in place) and k against the
+    fp32 torch ops: within one bf16 rounding of the output."""
+    from kevscore.kernels import fla_ops, torch_ops
+    from kevscore.layers.common import Rotary
+
+    nh, nkv, d, rot = dims
+    rows, t = 5, 70
+    gen = torch.Generator(DEV).manual_seed(d)
+    proj = (torch.randn(rows, t, 2 * nh * d + 2 * nkv * d, device=DEV, generator=gen) * 3).to(torch.bfloat16)
+    qg, k = proj[..., : 2 * nh * d], proj[..., 2 * nh * d: (2 * nh + nkv) * d]
+    q = qg.reshape(rows, t, nh, 2 * d)[..., :d]
+    k = k.reshape(rows, t, nkv, d)
+    qs, ks = (1 + torch.randn(d, device=DEV, generator=gen) * 0.2 for _ in range(2))
+    cos, sin = Rotary(rot, 1e7).to(DEV).cos_sin(torch.randint(0, 20000, (rows, t), device=DEV, generator=gen))
+    ours = fla_ops.qk_norm_rotary(q, k, qs, ks, cos, sin, 1e-6)
+    ref = torch_ops.qk_norm_rotary(q.float(), k.float(), qs, ks, cos, sin, 1e-6)
+    for a, b in zip(ours, ref):
+        assert a.dtype == torch.bfloat16 and a.is_contiguous()
+        assert torch.allclose(a.float(), b, rtol=2 ** -8, atol=1e-5)
+
+
+def test_fla_gate_cumsum_close_to_torch_decay():
+    """FLA's fused gate + chunk cumsum (approximate exp2/log2 in its softplus) against the fp32 torch decay."""
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from kevscore.kernels import fla_ops, torch_ops
+
+    gen = torch.Generator(DEV).manual_seed(0)
+    proj = (torch.randn(6, 130, 40, device=DEV, generator=gen) * 4).to(torch.bfloat16)
+    a = proj[..., 8:40]  # a strided slice of the projection output, as in the layer
+    gate = (a, torch.randn(32, device=DEV, generator=gen), torch.randn(32, device=DEV, generator=gen))
+    ours = fla_ops.gate_cumsum(gate)
+    ref = chunk_local_cumsum(torch_ops.gdn_decay(gate), chunk_size=64, scale=RCP_LN2)
+    assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4)
+

@@ -62,3 +62,28 @@ def test_waves_when_bank_is_smaller_than_input(tiny, enc):
     assert waves.stats.waves == 3
     for a, b in zip(full.probs, waves.probs):
         assert a == pytest.approx(b, abs=1e-5)  # other padding, other fp32 rounding
+
+
+def test_last_layer_runs_only_at_the_scored_positions(tiny, monkeypatch):
+    """The last layer's output projection and MLP see one position per row (its last), and the scores equal
+    those of running every position through the last layer and selecting afterwards."""
+    from kevscore.model import KevModel
+
+    enc = synthetic([30, 64], [5, 17, 40])
+    engine = cpu_engine(tiny, docs=enc.prefixes)
+    shapes = []
+    engine.runner.model.layers[-1].mlp.register_forward_hook(lambda mod, args, out: shapes.append(args[0].shape))
+    kept = engine.run(enc, "indexed").probs
+    branch = [s for s in shapes if len(s) == 2]  # [rows, hidden]: no token axis left
+    assert all(s[0] == 1 for s in shapes if len(s) == 3)  # only the packed prefill [1, tokens, hidden]
+    assert sum(s[0] for s in branch) >= len(enc)
+
+    full_run = KevModel._run
+
+    def select_after(self, ids, ctx, keep=None):
+        x, residual = full_run(self, ids, ctx)
+        return (x, residual) if keep is None else (x[keep], residual[keep])
+
+    monkeypatch.setattr(KevModel, "_run", select_after)
+    full = cpu_engine(tiny, docs=enc.prefixes).run(enc, "indexed").probs
+    assert max(abs(a - b) for ra, rb in zip(kept, full) for a, b in zip(ra, rb)) < 1e-5

@@ -27,9 +27,10 @@ def _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale):
 
 
 @triton.jit
-def _branch_attn_kernel(q, k, v, o, pool_k, pool_v, kv_start, kv_len, T, qk_scale,
-                        sq_r, sq_t, sk_r, sk_t, sv_r, sv_t, so_r, so_t, sp_t, s_start, s_len,
-                        NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _branch_attn_kernel(q, k, v, o, gate, pool_k, pool_v, kv_start, kv_len, T, qk_scale,
+                        sq_r, sq_t, sk_r, sk_t, sv_r, sv_t, so_r, so_t, sg_r, sg_t, sg_h, sp_t, s_start, s_len,
+                        NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        HAS_GATE: tl.constexpr):
     i_m, i_rh = tl.program_id(0), tl.program_id(1)
     i_r, i_kv = i_rh // NKV, i_rh % NKV
     o_m = i_m * BM + tl.arange(0, BM)
@@ -64,14 +65,19 @@ def _branch_attn_kernel(q, k, v, o, pool_k, pool_v, kv_start, kv_len, T, qk_scal
         b_m, b_l, acc = _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale)
 
     out = acc / b_l[:, None]
+    if HAS_GATE:  # the layer's output gate, read in place from the q|gate projection
+        p_g = gate + i_r.to(tl.int64) * sg_r + t_m[:, None] * sg_t + head[:, None] * sg_h + o_d[None, :]
+        out = out * tl.sigmoid(tl.load(p_g, mask=m_m[:, None], other=0.0).to(tl.float32))
     p_o = o + i_r.to(tl.int64) * so_r + t_m[:, None] * so_t + head[:, None] * D + o_d[None, :]
     tl.store(p_o, out.to(o.dtype.element_ty), mask=m_m[:, None])
 
 
 def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
                      pool_v: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor,
-                     block_m: int = 64, block_n: int = 64, num_warps: int = 8) -> torch.Tensor:
-    """q [R, T, NH, D]; k, v [R, T, NKV, D] (token and row strides free, heads packed);
+                     gate: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
+                     num_stages: int = 3) -> torch.Tensor:
+    """q [R, T, NH, D]; k, v [R, T, NKV, D] (token and row strides free, heads packed); gate: None or
+    [R, T, NH, D] with channels contiguous (any other strides): the output is multiplied by sigmoid(gate);
     pool_k, pool_v [tokens, NKV, D]; row r's document is pool[kv_start[r] : kv_start[r] + kv_len[r]];
     kv_start and kv_len are 1-D with any stride (the runner passes columns of its upload buffer)."""
     r, t, nh, d = q.shape
@@ -81,9 +87,13 @@ def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: 
     assert pool_k.stride()[1:] == (d, 1) and pool_v.stride() == pool_k.stride()
     o = torch.empty(r, t, nh, d, dtype=q.dtype, device=q.device)
     g = nh // nkv
+    if gate is not None:
+        assert gate.shape == q.shape and gate.stride(3) == 1
+    sg = gate.stride()[:3] if gate is not None else (0, 0, 0)
     grid = (triton.cdiv(t * g, block_m), r * nkv)
-    _branch_attn_kernel[grid](q, k, v, o, pool_k, pool_v, kv_start, kv_len, t, d ** -0.5 * LOG2E,
-                              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                              o.stride(0), o.stride(1), pool_k.stride(0), kv_start.stride(0), kv_len.stride(0),
-                              NKV=nkv, G=g, D=d, BM=block_m, BN=block_n, num_warps=num_warps)
+    _branch_attn_kernel[grid](q, k, v, o, gate if gate is not None else q, pool_k, pool_v, kv_start, kv_len, t,
+                              d ** -0.5 * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+                              v.stride(1), o.stride(0), o.stride(1), *sg, pool_k.stride(0), kv_start.stride(0),
+                              kv_len.stride(0), NKV=nkv, G=g, D=d, BM=block_m, BN=block_n, HAS_GATE=gate is not None,
+                              num_warps=num_warps, num_stages=num_stages)
     return o

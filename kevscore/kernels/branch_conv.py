@@ -6,7 +6,7 @@ by its slot (no gather, no padding copy), and writes q and k (l2-normalized per 
 contiguous, as the chunk pipeline wants them. Per element it does the arithmetic of FLA 0.5.2's
 `causal_conv1d` (fp32 taps in the same order, SiLU, round to the activation dtype) followed by FLA's
 `l2norm_fwd` (fp32, eps 1e-6, round); it replaces those two kernels and the `.contiguous()` copies
-between them. Enabled by `KEVSCORE_FUSED_CONV=1` until it is measured on a GPU (benchmarks/NOTES.md 5).
+between them. On by default; `KEVSCORE_FUSED_CONV=0` runs FLA's conv instead (benchmarks/NOTES.md 6).
 Torch reference: `torch_ops.conv_branch` + split + `F.normalize`.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
 
 
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
-                hk: int, dk: int, hv: int, dv: int, block_t: int = 32) -> tuple[torch.Tensor, ...]:
+                hk: int, dk: int, hv: int, dv: int, block_t: int = 32, num_warps: int = 4) -> tuple[torch.Tensor, ...]:
     """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
     k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv]), all contiguous."""
@@ -80,5 +80,5 @@ def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, 
     grid = (triton.cdiv(t, block_t), 2 * hk + hv, r)
     _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, bank_conv, bank_conv.stride(0), slots,
                               slots.stride(0), q, k, v, t, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
-                              BT=block_t, BD=bd, EPS=L2_EPS, num_warps=4)
+                              BT=block_t, BD=bd, EPS=L2_EPS, num_warps=num_warps)
     return q, k, v

@@ -22,15 +22,16 @@ from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h  # noqa: E
 from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra  # noqa: E402
-from fla.ops.utils import chunk_local_cumsum  # noqa: E402
+from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum  # noqa: E402
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv  # noqa: E402
+from kevscore.kernels.elementwise import qk_norm_rope, swiglu_rows  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
 
 NAME = "fla"
-FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "0") == "1"  # kernels/branch_conv.py, until measured
+FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch_conv.py; 0: FLA's conv (A/B)
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,8 +47,21 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the gate|up projection output, FLA's `swiglu_fwd` arithmetic in a row-tiled kernel."""
+    return swiglu_rows(gate_up)
+
+
+def swiglu_fla(gate_up: torch.Tensor) -> torch.Tensor:
+    """FLA's own kernel (flat indexing); kept as the oracle of `swiglu` and for A/B benchmarks."""
     gate, up = gate_up.chunk(2, -1)
     return swiglu_fwd(gate, up, output_contiguous=True)
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of each q and k head, then partial NeoX rotary (cos/sin fp32 [..., rotary_dim]); one kernel
+    per tensor, reading q out of the q|gate projection in place. Returns packed [..., heads, head_dim]."""
+    return qk_norm_rope(q, q_scale, cos, sin, eps), qk_norm_rope(k, k_scale, cos, sin, eps)
 
 
 def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
@@ -59,9 +73,9 @@ def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> to
 
 def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
                  hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """(q, k, v, whether q and k are already l2-normalized) of the branch conv. With KEVSCORE_FUSED_CONV=1
-    one kernel reads the conv states from the bank in place and normalizes q and k
-    (`kernels/branch_conv.py`); by default FLA's conv on gathered states, then the split."""
+    """(q, k, v, whether q and k are already l2-normalized) of the branch conv. By default one kernel reads
+    the conv states from the bank in place and normalizes q and k (`kernels/branch_conv.py`); with
+    KEVSCORE_FUSED_CONV=0, FLA's conv on gathered states, then the split (FLA l2-normalizes later)."""
     if FUSED_CONV:
         return (*branch_conv(x, weight, bank_conv, slots, hk, dk, hv, dv), True)
     y = conv_branch(x, weight, bank_conv.index_select(0, slots.long()))
@@ -75,27 +89,36 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
     return y
 
 
-def gdr_prefill(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.contiguous(),
-                                      output_final_state=True, use_qk_l2norm_in_kernel=True,
+def gdr_prefill(q, k, v, gate, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate = (a, A_log, dt_bias): FLA computes the decay -exp(A_log) * softplus(a + dt_bias) in its kernel."""
+    a, A_log, dt_bias = gate
+    o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
+                                      beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                      use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                       cu_seqlens=cu_seqlens.long())
     return o, final
 
 
-def gdr_parts(q, k, v, g, beta, qk_normed: bool = False):
-    """FLA's forward up to the state scan: l2norm (unless done), log2 gate cumsum, WY representation."""
+def gate_cumsum(gate) -> torch.Tensor:
+    """The per-chunk cumulative log2 decay from gate = (a, A_log, dt_bias): FLA's fused gate + cumsum kernel."""
+    a, A_log, dt_bias = gate
+    return gdn_gate_chunk_cumsum(a, A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
+
+
+def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
+    """FLA's forward up to the state scan, given the gate cumsum: l2norm (unless done), WY representation."""
     if not qk_normed:
         q, _ = l2norm_fwd(q.contiguous())
         k, _ = l2norm_fwd(k.contiguous())
-    gc = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v.contiguous(), g=gc, beta=beta.contiguous(),
                                                chunk_size=CHUNK)
     return q, k, w, u, gc
 
 
-def gdr_branch(q, k, v, g, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
+def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
                qk_normed: bool = False) -> torch.Tensor:
-    q, k, w, u, gc = gdr_parts(q, k, v, g, beta, qk_normed)
+    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan."""
+    q, k, w, u, gc = gdr_parts(q, k, v, gate_cumsum(gate), beta, qk_normed)
     if path == "gathered":
         h0 = bank.index_select(0, slots)
         h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0, chunk_size=CHUNK)
@@ -109,16 +132,17 @@ def _sdpa_causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
 
 
-def attn_prefill(q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Packed documents -> right-padded [D, L] batch -> causal SDPA -> packed again."""
+def attn_prefill(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Packed documents -> right-padded [D, L] batch -> causal SDPA -> packed again, times sigmoid(gate)."""
     starts, lens = cu_seqlens[:-1].long(), cu_seqlens[1:].long() - cu_seqlens[:-1].long()
     steps = torch.arange(max_len, device=q.device)
     valid = steps[None, :] < lens[:, None]
     index = torch.where(valid, starts[:, None] + steps, 0)
     out = _sdpa_causal(q[0][index], k[0][index], v[0][index])
-    return out[valid][None]
+    return out[valid][None] * torch.sigmoid(gate)
 
 
-def attn_branch(q, k, v, kv: torch.Tensor, ctx) -> torch.Tensor:
-    """Reads the document K/V in place from the pool `kv` [2, tokens, Hkv, D] (no per-row gather)."""
-    return branch_attention(q, k, v, kv[0], kv[1], ctx.kv_start, ctx.kv_len)
+def attn_branch(q, k, v, gate, kv: torch.Tensor, ctx) -> torch.Tensor:
+    """Reads the document K/V in place from the pool `kv` [2, tokens, Hkv, D] (no per-row gather); the
+    output gate sigmoid(gate) is applied in the kernel's epilogue."""
+    return branch_attention(q, k, v, kv[0], kv[1], ctx.kv_start, ctx.kv_len, gate=gate)

@@ -36,6 +36,28 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial NeoX rotary of x [..., heads, head_dim] over its first cos.shape[-1] channels (cos/sin fp32)."""
+    dim, half = cos.shape[-1], cos.shape[-1] // 2
+    xf = x.float()
+    rot, rest = xf[..., :dim], xf[..., dim:]
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.cat([rot * cos + rotated * sin, rest], -1).to(x.dtype)
+
+
+def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of each q and k head (fp32), then rotary; q and k [..., heads, head_dim]."""
+    return rotary(rms_norm(q, q_scale, eps), cos, sin), rotary(rms_norm(k, k_scale, eps), cos, sin)
+
+
+def gdn_decay(gate) -> torch.Tensor:
+    """Log decay of each token and value head from gate = (a, A_log, dt_bias): -exp(A_log) * softplus(a + dt_bias)."""
+    a, A_log, dt_bias = gate
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+
 def _conv(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + silu of x [B, T, C] continuing from init [B, C, k-1] (earlier inputs)."""
     full = torch.cat([init.to(x.dtype), x.transpose(1, 2)], -1)
@@ -71,7 +93,8 @@ def _gdr_parts(q, k, v, g, beta):
     return q, k, w, u, gc
 
 
-def gdr_prefill(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gdr_prefill(q, k, v, gate, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g = gdn_decay(gate)
     bounds = cu_seqlens.tolist()
     outs, finals = [], []
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -82,11 +105,12 @@ def gdr_prefill(q, k, v, g, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tenso
     return torch.cat(outs, 1).to(v.dtype), torch.cat(finals, 0)
 
 
-def gdr_branch(q, k, v, g, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
+def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
                qk_normed: bool = False) -> torch.Tensor:
-    """Rows start from bank entries `slots`; `gathered` copies them into a row buffer first."""
+    """Rows start from bank entries `slots`; `gathered` copies them into a row buffer first.
+    gate = (a, A_log, dt_bias), see `gdn_decay`."""
     assert not qk_normed
-    q, k, w, u, gc = _gdr_parts(q, k, v, g, beta)
+    q, k, w, u, gc = _gdr_parts(q, k, v, gdn_decay(gate), beta)
     if path == "gathered":
         h0 = bank.index_select(0, slots.long())
         h, v_new, _ = gdr_ref.state_scan(k, w, u, gc, initial_state=h0)
@@ -107,10 +131,11 @@ def _sdpa(q, k, v, mask):
     return out.transpose(1, 2)
 
 
-def attn_prefill(q, k, v, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+def attn_prefill(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Causal attention within each packed document, times sigmoid(gate)."""
     bounds = cu_seqlens.tolist()
     parts = [_sdpa(q[:, s:e], k[:, s:e], v[:, s:e], None) for s, e in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(parts, 1)
+    return torch.cat(parts, 1) * torch.sigmoid(gate)
 
 
 def branch_mask(kv_mask: torch.Tensor, t: int) -> torch.Tensor:
@@ -120,9 +145,10 @@ def branch_mask(kv_mask: torch.Tensor, t: int) -> torch.Tensor:
     return torch.cat([kv_mask[:, None, :].expand(r, t, p), causal.expand(r, t, t)], -1)
 
 
-def attn_branch(q, k, v, kv: torch.Tensor, ctx) -> torch.Tensor:
+def attn_branch(q, k, v, gate, kv: torch.Tensor, ctx) -> torch.Tensor:
     """Branch queries over the row's document K/V (gathered from the pool `kv` [2, tokens, Hkv, D]) and,
-    causally, the branch's own K/V."""
+    causally, the branch's own K/V; times sigmoid(gate) (gate [R, T, heads, head_dim] or None: no gate)."""
     pk, pv = kv[0][ctx.kv_index], kv[1][ctx.kv_index]
     keys, values = torch.cat([pk.to(k.dtype), k], 1), torch.cat([pv.to(v.dtype), v], 1)
-    return _sdpa(q, keys, values, branch_mask(ctx.kv_mask, q.shape[1]))
+    out = _sdpa(q, keys, values, branch_mask(ctx.kv_mask, q.shape[1]))
+    return out if gate is None else out * torch.sigmoid(gate)

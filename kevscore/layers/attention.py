@@ -6,13 +6,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kevscore.config import KevConfig
-from kevscore.layers.common import Context, PrefillContext, Rotary
+from kevscore.layers.common import Context, PrefillContext
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: KevConfig, ops, rotary: Rotary):
+    def __init__(self, cfg: KevConfig, ops):
         super().__init__()
-        self.ops, self.rotary = ops, rotary
+        self.ops = ops
         self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.splits = [2 * self.nh * self.d, self.nkv * self.d, self.nkv * self.d]
         self.eps = cfg.rms_norm_eps
@@ -22,21 +22,23 @@ class Attention(nn.Module):
         self.o_proj = p(cfg.hidden_size, self.nh * self.d)
         self.bank_kv: torch.Tensor | None = None  # [2, tokens, Hkv, D], a view of the bank's K/V pool
 
-    def forward(self, x: torch.Tensor, ctx: Context, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Context, cos: torch.Tensor, sin: torch.Tensor,
+                keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """keep: an index into the leading dims; only those positions' outputs are projected and returned."""
         shape = x.shape[:-1]
         qg, k, v = F.linear(x, self.qkv_proj).split(self.splits, -1)
         q, gate = qg.reshape(*shape, self.nh, 2 * self.d).chunk(2, -1)
-        q = self.rotary.apply(self.ops.rms_norm(q, self.q_scale, self.eps), cos, sin)
-        k = self.rotary.apply(self.ops.rms_norm(k.reshape(*shape, self.nkv, self.d), self.k_scale, self.eps), cos, sin)
+        q, k = self.ops.qk_norm_rotary(q, k.reshape(*shape, self.nkv, self.d), self.q_scale, self.k_scale,
+                                       cos, sin, self.eps)
         v = v.reshape(*shape, self.nkv, self.d)
         if isinstance(ctx, PrefillContext):
             self.bank_kv[0].index_copy_(0, ctx.kv_slots, k[0].to(self.bank_kv.dtype))
             self.bank_kv[1].index_copy_(0, ctx.kv_slots, v[0].to(self.bank_kv.dtype))
-            o = self.ops.attn_prefill(q, k, v, ctx.cu_seqlens, ctx.max_len)
+            o = self.ops.attn_prefill(q, k, v, gate, ctx.cu_seqlens, ctx.max_len)
         else:
-            o = self.ops.attn_branch(q, k, v, self.bank_kv, ctx)
-        o = o.reshape(*shape, -1) * torch.sigmoid(gate.reshape(*shape, -1))
-        return F.linear(o, self.o_proj)
+            o = self.ops.attn_branch(q, k, v, gate, self.bank_kv, ctx)
+        o = o.reshape(*shape, -1)
+        return F.linear(o if keep is None else o[keep], self.o_proj)
 
     def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:
         self.qkv_proj.copy_(torch.cat([w[f"{prefix}{n}_proj.weight"] for n in "qkv"]))

@@ -42,18 +42,11 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.dim = dim
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin [..., dim] of each position; the ops' `qk_norm_rotary` applies them."""
         freqs = positions[..., None].float() * self.inv_freq
         emb = torch.cat([freqs, freqs], -1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [..., heads, head_dim]; cos/sin [..., dim]."""
-        rot, rest = x[..., : self.dim], x[..., self.dim:]
-        half = self.dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return torch.cat([rot * cos + rotated * sin, rest], -1)
+        return emb.cos(), emb.sin()
 
 
 class MLP(nn.Module):

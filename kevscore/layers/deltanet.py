@@ -36,25 +36,30 @@ class DeltaNet(nn.Module):
         self.bank_state: torch.Tensor | None = None  # [E, HV, K, V] fp32, a view of the bank
         self.bank_conv: torch.Tensor | None = None   # [E, conv_dim, k - 1]
 
-    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Context, keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """keep: an index into the leading dims; only those positions' outputs are normed, projected, returned."""
         mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, -1)
         if isinstance(ctx, PrefillContext):
             self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx.cu_seqlens, self.width).to(self.bank_conv.dtype))
             mixed = self.ops.conv_prefill(mixed, self.conv_weight, ctx.cu_seqlens)
         shape = x.shape[:-1]
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        gate = (a, self.A_log, self.dt_bias)  # the ops compute the decay -exp(A_log) * softplus(a + dt_bias)
         if isinstance(ctx, PrefillContext):
             q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
             q, k = q.reshape(*shape, self.hk, self.dk), k.reshape(*shape, self.hk, self.dk)
-            o, final = self.ops.gdr_prefill(q, k, v.reshape(*shape, self.hv, self.dv), g, beta, ctx.cu_seqlens)
+            o, final = self.ops.gdr_prefill(q, k, v.reshape(*shape, self.hv, self.dv), gate, beta, ctx.cu_seqlens)
             self.bank_state.index_copy_(0, ctx.slots, final.to(self.bank_state.dtype))
         else:
             assert isinstance(ctx, BranchContext)
             q, k, v, normed = self.ops.branch_front(mixed, self.conv_weight, self.bank_conv, ctx.slots,
                                                     self.hk, self.dk, self.hv, self.dv)
-            o = self.ops.gdr_branch(q, k, v, g, beta, self.bank_state, ctx.slots, ctx.path, normed)
-        o = self.ops.gated_rms_norm(o, z.reshape(*shape, self.hv, self.dv), self.norm_weight, self.eps)
+            o = self.ops.gdr_branch(q, k, v, gate, beta, self.bank_state, ctx.slots, ctx.path, normed)
+        z = z.reshape(*shape, self.hv, self.dv)
+        if keep is not None:
+            o, z = o[keep], z[keep]
+            shape = o.shape[:-2]
+        o = self.ops.gated_rms_norm(o, z, self.norm_weight, self.eps)
         return F.linear(o.reshape(*shape, -1), self.out_proj)
 
     def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:

@@ -22,8 +22,12 @@ for t in (1, 17, 70):
     mask = steps[None] < plen[:, None]
     ctx = BranchContext(positions=None, slots=None, kv_index=torch.where(mask, start[:, None] + steps, 0),
                         kv_mask=mask, kv_start=None, kv_len=None, path="indexed")
-    ref = torch_ops.attn_branch(q, k, v, pool, ctx)
+    ref = torch_ops.attn_branch(q, k, v, None, pool, ctx)
     out = branch_attention(q, k, v, pool[0], pool[1], start, plen)
+    worst = max(worst, ((out - ref).norm() / ref.norm()).item())
+    gate = torch.randn(rows, t, nh, 2 * d, generator=gen)[..., d:]  # the gate half of the q|gate projection
+    ref = torch_ops.attn_branch(q, k, v, gate, pool, ctx)
+    out = branch_attention(q, k, v, pool[0], pool[1], start, plen, gate=gate, block_m=32)
     worst = max(worst, ((out - ref).norm() / ref.norm()).item())
 print(f"max relative error {worst:.3g}")
 assert worst < 1e-5, worst

@@ -1,0 +1,89 @@
+"""Row-tiled elementwise kernels for the fused GPU path: SwiGLU over the gate|up projection output, and
+the attention layer's per-head RMSNorm + partial rotary of q and k in one pass.
+
+`swiglu_rows` does the arithmetic of FLA 0.5.2's `swiglu_fwd` (fp32 `x * sigmoid(x) * y`, one rounding),
+tiled over rows and columns so that every load and store is a contiguous vector (FLA's kernel indexes the
+flattened tensor and divides by the row length per element). `qk_norm_rope` reads q straight out of the
+q|gate projection output (strided heads), normalizes each head in fp32, rotates its first `rotary_dim`
+channels NeoX-style with fp32 cos/sin and rounds once; it replaces the norm, the `.contiguous()` copy and the
+five-kernel torch rotary (slices, negation, two concatenations) of each tensor.
+Torch references: `torch_ops.swiglu`, `torch_ops.rms_norm` + `torch_ops.rotary`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _swiglu_kernel(x, o, n_rows, sx, N_IN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    i_c, i_r = tl.program_id(0), tl.program_id(1)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m = (o_r < n_rows)[:, None] & (o_c < N_IN)[None, :]
+    p_x = x + o_r[:, None].to(tl.int64) * sx + o_c[None, :]
+    b_g = tl.load(p_x, mask=m, other=0.0).to(tl.float32)
+    b_u = tl.load(p_x + N_IN, mask=m, other=0.0).to(tl.float32)
+    b_o = b_g * tl.sigmoid(b_g) * b_u
+    tl.store(o + o_r[:, None].to(tl.int64) * N_IN + o_c[None, :], b_o.to(o.dtype.element_ty), mask=m)
+
+
+def swiglu_rows(gate_up: torch.Tensor, block_rows: int = 4, block_cols: int = 1024, num_warps: int = 4) -> torch.Tensor:
+    """gate_up [..., 2I] (last dim contiguous, leading dims flattenable) -> silu(gate) * up [..., I], contiguous."""
+    inner = gate_up.shape[-1] // 2
+    x = gate_up.reshape(-1, 2 * inner)
+    assert x.stride(1) == 1
+    out = torch.empty(*gate_up.shape[:-1], inner, dtype=gate_up.dtype, device=gate_up.device)
+    n = x.shape[0]
+    bc = min(block_cols, triton.next_power_of_2(inner))
+    grid = (triton.cdiv(inner, bc), triton.cdiv(n, block_rows))
+    _swiglu_kernel[grid](x, out, n, x.stride(0), N_IN=inner, BR=block_rows, BC=bc, num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(x, sx_t, sx_h, w, cos, sin, o, n_tok, eps,
+                         H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < n_tok
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    half: tl.constexpr = ROT // 2
+    # the channel each output channel rotates with: d + half in the first half, d - half in the second
+    o_p = tl.where(o_d < half, o_d + half, tl.where(o_d < ROT, o_d - half, o_d))
+    m = m_t[:, None] & m_d[None, :]
+    p_x = x + o_t[:, None].to(tl.int64) * sx_t + i_h * sx_h
+    b_x = tl.load(p_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_p = tl.load(p_x + o_p[None, :], mask=m, other=0.0).to(tl.float32)
+    b_rstd = 1 / tl.sqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_y = b_x * b_rstd[:, None] * tl.load(w + o_d, mask=m_d, other=0.0)[None, :]
+    b_yp = b_p * b_rstd[:, None] * tl.load(w + o_p, mask=m_d, other=0.0)[None, :]
+    m_r = m_t[:, None] & (o_d < ROT)[None, :]
+    p_cs = o_t[:, None].to(tl.int64) * ROT + o_d[None, :]
+    b_cos = tl.load(cos + p_cs, mask=m_r, other=1.0)
+    b_sin = tl.load(sin + p_cs, mask=m_r, other=0.0)
+    sign = tl.where(o_d < half, -1.0, 1.0)
+    b_o = b_y * b_cos + sign[None, :] * b_yp * b_sin
+    tl.store(o + (o_t[:, None].to(tl.int64) * H + i_h) * D + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m)
+
+
+def qk_norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                 block_t: int = 16, num_warps: int = 4) -> torch.Tensor:
+    """x [..., H, D] (channels contiguous, heads and tokens at any stride; leading dims that do not flatten to one
+    token stride are copied first),
+    scale [D] fp32 (1 + the norm weight), cos/sin [..., rotary_dim] fp32 -> rotary(rms_norm(x)) packed
+    [..., H, D] in x's dtype."""
+    *lead, h, d = x.shape
+    rot = cos.shape[-1]
+    flat = x.flatten(0, -3) if lead else x[None]
+    assert flat.stride(2) == 1 and rot % 2 == 0 and rot <= d
+    cos, sin = cos.reshape(-1, rot).contiguous(), sin.reshape(-1, rot).contiguous()
+    n = flat.shape[0]
+    assert cos.shape[0] == n and scale.is_contiguous()
+    out = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, block_t), h)
+    _qk_norm_rope_kernel[grid](flat, flat.stride(0), flat.stride(1), scale, cos, sin, out, n, eps, H=h, D=d,
+                               ROT=rot, BD=triton.next_power_of_2(d), BT=block_t, num_warps=num_warps)
+    return out
