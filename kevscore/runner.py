@@ -21,15 +21,18 @@ SLOT, LAST, PLEN = 0, 1, 2  # metadata columns after the T token columns
 
 def fill_upload(buf: torch.Tensor, length: int, branches: Sequence[Sequence[int]], slots: Sequence[int],
                 prefix_lens: Sequence[int], pad_id: int) -> None:
-    """Write real rows into the front of host buffer `buf` [R, length + 3]; padding rows repeat row 0."""
-    buf[:, :length].fill_(pad_id)
+    """Write real rows into the front of host buffer `buf` [R, length + 3]; padding rows repeat row 0.
+    Filled through a numpy view: under CUDA graphs this runs while the GPU waits, so it is kept cheap."""
+    arr = buf.numpy()
+    n = len(branches)
+    arr[:n, :length] = pad_id
     for i, ids in enumerate(branches):
-        buf[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        buf[i, length + SLOT] = slots[i]
-        buf[i, length + LAST] = len(ids) - 1
-        buf[i, length + PLEN] = prefix_lens[i]
-    if len(branches) < buf.shape[0]:
-        buf[len(branches):] = buf[0]
+        arr[i, : len(ids)] = ids
+    arr[:n, length + SLOT] = slots
+    arr[:n, length + LAST] = [len(ids) - 1 for ids in branches]
+    arr[:n, length + PLEN] = prefix_lens
+    if n < arr.shape[0]:
+        arr[n:] = arr[0]
 
 
 def branch_inputs(buf: torch.Tensor, length: int, prefix: int, bank: StateBank, path: str):

@@ -330,3 +330,21 @@ def test_fla_gate_cumsum_close_to_torch_decay():
     ref = chunk_local_cumsum(torch_ops.gdn_decay(gate), chunk_size=64, scale=RCP_LN2)
     assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4)
 
+
+
+@pytest.mark.parametrize("hv, dv", [(32, 128), (4, 64)], ids=["kev4b", "demo"])
+def test_gated_norm_reads_the_gate_in_place_close_to_fla(hv, dv):
+    """Our gated output norm (gate read in place from the projection output) against FLA's rms_norm_gated on a
+    copy of it: within one bf16 rounding."""
+    from fla.modules.fused_norm_gate import rms_norm_gated
+
+    from kevscore.kernels import fla_ops
+
+    gen = torch.Generator(DEV).manual_seed(dv)
+    proj = (torch.randn(5, 70, 3 * hv * dv, device=DEV, generator=gen) * 2).to(torch.bfloat16)
+    z = proj[..., hv * dv: 2 * hv * dv].reshape(5, 70, hv, dv)
+    o = torch.randn(5, 70, hv, dv, device=DEV, generator=gen).to(torch.bfloat16)
+    w = (1 + torch.randn(dv, device=DEV, generator=gen) * 0.1).to(torch.bfloat16)
+    ours = fla_ops.gated_rms_norm(o, z, w, 1e-6)
+    ref = rms_norm_gated(o, z.contiguous(), w, None, activation="swish", eps=1e-6)
+    assert torch.allclose(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-3)

@@ -74,7 +74,7 @@ def _branch_attn_kernel(q, k, v, o, gate, pool_k, pool_v, kv_start, kv_len, T, q
 
 def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
                      pool_v: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor,
-                     gate: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64, num_warps: int = 8,
+                     gate: torch.Tensor | None = None, block_m: int = 128, block_n: int = 32, num_warps: int = 8,
                      num_stages: int = 3) -> torch.Tensor:
     """q [R, T, NH, D]; k, v [R, T, NKV, D] (token and row strides free, heads packed); gate: None or
     [R, T, NH, D] with channels contiguous (any other strides): the output is multiplied by sigmoid(gate);

@@ -7,7 +7,9 @@ flattened tensor and divides by the row length per element). `qk_norm_rope` read
 q|gate projection output (strided heads), normalizes each head in fp32, rotates its first `rotary_dim`
 channels NeoX-style with fp32 cos/sin and rounds once; it replaces the norm, the `.contiguous()` copy and the
 five-kernel torch rotary (slices, negation, two concatenations) of each tensor.
-Torch references: `torch_ops.swiglu`, `torch_ops.rms_norm` + `torch_ops.rotary`.
+`gated_rms_norm_heads` is DeltaNet's output norm reading its gate in place from the projection output.
+Launch defaults: `benchmarks/bench_kernels.py` on the H200 (benchmarks/NOTES.md 8).
+Torch references: `torch_ops.swiglu`, `torch_ops.rms_norm` + `torch_ops.rotary`, `torch_ops.gated_rms_norm`.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def _swiglu_kernel(x, o, n_rows, sx, N_IN: tl.constexpr, BR: tl.constexpr, BC: t
     tl.store(o + o_r[:, None].to(tl.int64) * N_IN + o_c[None, :], b_o.to(o.dtype.element_ty), mask=m)
 
 
-def swiglu_rows(gate_up: torch.Tensor, block_rows: int = 4, block_cols: int = 1024, num_warps: int = 4) -> torch.Tensor:
+def swiglu_rows(gate_up: torch.Tensor, block_rows: int = 2, block_cols: int = 1024, num_warps: int = 8) -> torch.Tensor:
     """gate_up [..., 2I] (last dim contiguous, leading dims flattenable) -> silu(gate) * up [..., I], contiguous."""
     inner = gate_up.shape[-1] // 2
     x = gate_up.reshape(-1, 2 * inner)
@@ -70,7 +72,7 @@ def _qk_norm_rope_kernel(x, sx_t, sx_h, w, cos, sin, o, n_tok, eps,
 
 
 def qk_norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-                 block_t: int = 16, num_warps: int = 4) -> torch.Tensor:
+                 block_t: int = 32, num_warps: int = 8) -> torch.Tensor:
     """x [..., H, D] (channels contiguous, heads and tokens at any stride; leading dims that do not flatten to one
     token stride are copied first),
     scale [D] fp32 (1 + the norm weight), cos/sin [..., rotary_dim] fp32 -> rotary(rms_norm(x)) packed
@@ -86,4 +88,37 @@ def qk_norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: t
     grid = (triton.cdiv(n, block_t), h)
     _qk_norm_rope_kernel[grid](flat, flat.stride(0), flat.stride(1), scale, cos, sin, out, n, eps, H=h, D=d,
                                ROT=rot, BD=triton.next_power_of_2(d), BT=block_t, num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _gated_norm_kernel(x, z, sz_t, w, o, n_tok, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                       BT: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m = (o_t < n_tok)[:, None] & m_d[None, :]
+    p_x = (o_t[:, None].to(tl.int64) * H + i_h) * D + o_d[None, :]
+    b_x = tl.load(x + p_x, mask=m, other=0.0).to(tl.float32)
+    b_z = tl.load(z + o_t[:, None].to(tl.int64) * sz_t + i_h * D + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    b_rstd = 1 / tl.sqrt(tl.sum(b_x * b_x, 1) / D + eps)
+    b_y = b_x * b_rstd[:, None] * tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+    b_y = b_y * b_z * tl.sigmoid(b_z)
+    tl.store(o + p_x, b_y.to(o.dtype.element_ty), mask=m)
+
+
+def gated_rms_norm_heads(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                         block_t: int = 16, num_warps: int = 4) -> torch.Tensor:
+    """DeltaNet's output norm, FLA `rms_norm_gated` arithmetic (swish): per head, w * x * rstd, then times
+    silu(gate). x [..., H, D] contiguous; gate [..., H, D] with heads packed and tokens at one stride (a
+    slice of the projection output, read in place: FLA's kernel would copy it) -> [..., H, D]."""
+    *lead, h, d = x.shape
+    assert x.is_contiguous() and gate.shape == x.shape and gate.stride(-1) == 1 and gate.stride(-2) == d
+    flat = gate.flatten(0, -3) if lead else gate[None]
+    n = flat.shape[0]
+    out = torch.empty_like(x)
+    grid = (triton.cdiv(n, block_t), h)
+    _gated_norm_kernel[grid](x, flat, flat.stride(0), weight, out, n, eps, H=h, D=d, BD=triton.next_power_of_2(d),
+                             BT=block_t, num_warps=num_warps)
     return out

@@ -1,9 +1,9 @@
-"""Run under TRITON_INTERPRET=1: the row-tiled SwiGLU and the fused q/k RMSNorm + rotary kernels against the
-torch ops on the CPU, with q read in place from a q|gate projection output (strided heads)."""
+"""Run under TRITON_INTERPRET=1: the row-tiled SwiGLU, the fused q/k RMSNorm + rotary and the gated output norm
+against the torch ops on the CPU, with q and the gate read in place from a projection output (strided)."""
 import torch
 
 from kevscore.kernels import torch_ops
-from kevscore.kernels.elementwise import qk_norm_rope, swiglu_rows
+from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, swiglu_rows
 from kevscore.layers.common import Rotary
 
 worst = 0.0
@@ -28,5 +28,15 @@ for rows, t, nh, d, rot in ((3, 5, 4, 64, 16), (1, 19, 2, 32, 32), (2, 1, 3, 48,
     worst = max(worst, (out - ref).abs().max().item())
     flat = qk_norm_rope(q[0], scale, cos[0], sin[0], 1e-6)  # no row dim: leading dims [T]
     worst = max(worst, (flat - ref[0]).abs().max().item())
+for rows, t, hv, dv in ((3, 5, 4, 32), (1, 19, 2, 48)):
+    gen = torch.Generator().manual_seed(t)
+    proj = torch.randn(rows, t, 3 * hv * dv + 5, generator=gen) * 2
+    z = proj[..., hv * dv: 2 * hv * dv].reshape(rows, t, hv, dv)  # the gate, a slice of the projection output
+    o = torch.randn(rows, t, hv, dv, generator=gen)
+    w = 1 + torch.randn(dv, generator=gen) * 0.1
+    ref = torch_ops.gated_rms_norm(o, z, w, 1e-6)
+    out = gated_rms_norm_heads(o, z, w, 1e-6, block_t=4)
+    worst = max(worst, (out - ref).abs().max().item())
+
 print(f"max abs error {worst:.3g}")
 assert worst < 1e-4, worst
