@@ -57,9 +57,17 @@ def main() -> None:
     gen = torch.Generator(DEV).manual_seed(0)
     rand = lambda *s: torch.randn(*s, device=DEV, generator=gen).to(torch.bfloat16)  # noqa: E731
     results: list[dict] = []
+    env = environment(torch.device(DEV))
+
+    def save(**extra) -> None:  # after every measurement, so a run cut short keeps what it measured
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"environment": env, "rows": r, "t": t, "results": results} | extra,
+                                            indent=1))
 
     def record(kernel: str, variant: str, ms: float | None, per_call: int, floor: float | None = None):
         results.append(dict(kernel=kernel, variant=variant, ms=ms, per_call=per_call, floor_ms=floor))
+        save()
         total = f"{ms * per_call:8.2f}" if ms is not None else "     n/a"
         print(f"{kernel:<14}{variant:<34}{(ms or 0) * 1000:>9.1f} us{total} ms/call"
               + (f"   floor {floor * 1000:.1f} us" if floor else ""))
@@ -141,10 +149,7 @@ def main() -> None:
     print("\nbest per kernel:")
     for kern, res in best.items():
         print(f"  {kern:<14}{res['variant']:<34}{res['ms'] * 1000:9.1f} us  {res['ms'] * res['per_call']:6.2f} ms/call")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"environment": environment(torch.device(DEV)), "rows": r, "t": t,
-                                         "results": results, "best": best}, indent=1))
+    save(best=best)
 
 
 def _torch_rotary(x, cos, sin):
