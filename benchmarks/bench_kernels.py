@@ -18,6 +18,7 @@ from triton.testing import do_bench
 from kevscore.measure import environment
 
 DEV = "cuda"
+KERNELS = ["swiglu", "conv", "qk norm+rope", "attention", "decay"]
 
 
 def timed(fn) -> float | None:
@@ -30,8 +31,9 @@ def timed(fn) -> float | None:
         return None
 
 
-def copy_ms(nbytes: int) -> float:
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=DEV)
+def copy_ms(traffic: int) -> float:
+    """The memory floor for a kernel that reads and writes `traffic` bytes in all: a copy of half of them."""
+    src = torch.empty(traffic // 4, dtype=torch.bfloat16, device=DEV)
     dst = torch.empty_like(src)
     return do_bench(lambda: dst.copy_(src), warmup=10, rep=50, return_mode="median")
 
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--t", type=int, default=64)
     ap.add_argument("--doc-len", type=int, default=1024)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", nargs="+", choices=KERNELS, default=KERNELS, help="kernels to measure (default: all)")
     args = ap.parse_args()
 
     from kevscore.config import SHAPES
@@ -74,73 +77,80 @@ def main() -> None:
 
     layers, attn_layers = cfg.num_layers, len(cfg.attn_layers)
     delta_layers = len(cfg.delta_layers)
-
-    # SwiGLU over the gate|up projection output
-    inner = cfg.intermediate_size
-    gate_up = rand(r, t, 2 * inner)
-    floor = copy_ms(n * 3 * inner * 2)  # read 2I, write I
-    record("swiglu", "fla swiglu_fwd", timed(lambda: fla_ops.swiglu_fla(gate_up)), layers, floor)
-    for br, bc, w in itertools.product((1, 2, 4, 8), (1024, 2048), (4, 8)):
-        record("swiglu", f"rows {br} cols {bc} warps {w}",
-               timed(lambda: swiglu_rows(gate_up, br, bc, w)), layers, floor)
-
-    # the fused branch conv (+ SiLU, split, l2norm of q and k)
-    hk, dk, hv, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     c = 2 * hk * dk + hv * dv
-    proj = rand(r, t, c + hv * dv + 2 * hv)
-    x = proj[..., :c]
-    w = rand(c, cfg.linear_conv_kernel_dim)
-    bank_conv = rand(16, c, cfg.linear_conv_kernel_dim - 1)
-    slots = torch.arange(r, device=DEV) % 16
-    floor = copy_ms(n * c * 2 * 2)
-    record("conv", "fla causal_conv1d (+gather)",
-           timed(lambda: fla_ops.conv_branch(x, w, bank_conv.index_select(0, slots))), delta_layers, floor)
-    for bt, wp in itertools.product((16, 32, 64), (2, 4, 8)):
-        record("conv", f"ours block_t {bt} warps {wp}", timed(
-            lambda: branch_conv(x, w, bank_conv, slots, hk, dk, hv, dv, block_t=bt, num_warps=wp)), delta_layers, floor)
+    proj = rand(r, t, c + hv * dv + 2 * hv)  # the DeltaNet projection output: q|k|v, z, b, a
 
-    # q/k RMSNorm + rotary
-    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qkv = rand(r, t, (2 * nh + 2 * nkv) * d)
-    q = qkv[..., : 2 * nh * d].reshape(r, t, nh, 2 * d)[..., :d]
-    k = qkv[..., 2 * nh * d: (2 * nh + nkv) * d].reshape(r, t, nkv, d)
-    scale = torch.ones(d, device=DEV)
-    cos, sin = Rotary(cfg.rotary_dim, cfg.rope_theta).to(DEV).cos_sin(torch.arange(n, device=DEV).view(r, t))
-    floor = copy_ms(n * (nh + nkv) * d * 2 * 2)
-    record("qk norm+rope", "torch rotary + fla rms_norm", timed(lambda: [
-        _torch_rotary(fla_ops.rms_norm(x_, s_, 1e-6), cos, sin) for x_, s_ in ((q, scale), (k, scale))]),
-        attn_layers, floor)
-    for bt, wp in itertools.product((8, 16, 32), (4, 8)):
-        record("qk norm+rope", f"ours block_t {bt} warps {wp}", timed(lambda: (
-            qk_norm_rope(q, scale, cos, sin, 1e-6, bt, wp), qk_norm_rope(k, scale, cos, sin, 1e-6, bt, wp))),
+    if "swiglu" in args.only:
+        # SwiGLU over the gate|up projection output
+        inner = cfg.intermediate_size
+        gate_up = rand(r, t, 2 * inner)
+        floor = copy_ms(n * 3 * inner * 2)  # read 2I, write I
+        record("swiglu", "fla swiglu_fwd", timed(lambda: fla_ops.swiglu_fla(gate_up)), layers, floor)
+        for br, bc, w in itertools.product((1, 2, 4, 8), (1024, 2048), (4, 8)):
+            record("swiglu", f"rows {br} cols {bc} warps {w}",
+                   timed(lambda: swiglu_rows(gate_up, br, bc, w)), layers, floor)
+
+    if "conv" in args.only:
+        # the fused branch conv (+ SiLU, split, l2norm of q and k)
+        x = proj[..., :c]
+        w = rand(c, cfg.linear_conv_kernel_dim)
+        bank_conv = rand(16, c, cfg.linear_conv_kernel_dim - 1)
+        slots = torch.arange(r, device=DEV) % 16
+        floor = copy_ms(n * c * 2 * 2)
+        record("conv", "fla causal_conv1d (+gather)",
+               timed(lambda: fla_ops.conv_branch(x, w, bank_conv.index_select(0, slots))), delta_layers, floor)
+        for split, bt, wp in itertools.product((True, False), (16, 32, 64), (2, 4, 8)):
+            record("conv", f"ours block_t {bt} warps {wp}" + ("" if split else " all-halo"), timed(
+                lambda: branch_conv(x, w, bank_conv, slots, hk, dk, hv, dv, block_t=bt, num_warps=wp, split_halo=split)),
+                delta_layers, floor)
+
+    if "qk norm+rope" in args.only:
+        # q/k RMSNorm + rotary
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = rand(r, t, (2 * nh + 2 * nkv) * d)
+        q = qkv[..., : 2 * nh * d].reshape(r, t, nh, 2 * d)[..., :d]
+        k = qkv[..., 2 * nh * d: (2 * nh + nkv) * d].reshape(r, t, nkv, d)
+        scale = torch.ones(d, device=DEV)
+        cos, sin = Rotary(cfg.rotary_dim, cfg.rope_theta).to(DEV).cos_sin(torch.arange(n, device=DEV).view(r, t))
+        floor = copy_ms(n * (nh + nkv) * d * 2 * 2)
+        record("qk norm+rope", "torch rotary + fla rms_norm", timed(lambda: [
+            _torch_rotary(fla_ops.rms_norm(x_, s_, 1e-6), cos, sin) for x_, s_ in ((q, scale), (k, scale))]),
             attn_layers, floor)
+        for bt, wp in itertools.product((8, 16, 32), (4, 8)):
+            record("qk norm+rope", f"ours block_t {bt} warps {wp}", timed(lambda: (
+                qk_norm_rope(q, scale, cos, sin, 1e-6, bt, wp), qk_norm_rope(k, scale, cos, sin, 1e-6, bt, wp))),
+                attn_layers, floor)
 
-    # branch attention over 16 documents in the pool, with the output gate
-    qa = rand(r, t, nh, d)
-    ka, va = rand(r, t, nkv, d), rand(r, t, nkv, d)
-    gate = rand(r, t, nh, 2 * d)[..., d:]
-    pool = rand(2, 16 * args.doc_len, nkv, d)
-    starts = (torch.arange(r, device=DEV) // 6) * args.doc_len
-    lens = torch.full((r,), args.doc_len, device=DEV)
-    flops = 4 * r * t * nh * (args.doc_len + t / 2) * d
-    configs = [(32, 64, 4, 3)] + list(itertools.product((64, 128), (32, 64), (4, 8), (2, 3)))
-    for bm, bn, wp, st in configs:
-        ms = timed(lambda: branch_attention(qa, ka, va, pool[0], pool[1], starts, lens, gate=gate,
-                                            block_m=bm, block_n=bn, num_warps=wp, num_stages=st))
-        record("attention", f"bm {bm} bn {bn} warps {wp} stages {st}", ms, attn_layers,
-               flops / 760e12 * 1000)
+    if "attention" in args.only:
+        # branch attention over 16 documents in the pool, with the output gate
+        qa = rand(r, t, nh, d)
+        ka, va = rand(r, t, nkv, d), rand(r, t, nkv, d)
+        gate = rand(r, t, nh, 2 * d)[..., d:]
+        pool = rand(2, 16 * args.doc_len, nkv, d)
+        starts = (torch.arange(r, device=DEV) // 6) * args.doc_len
+        lens = torch.full((r,), args.doc_len, device=DEV)
+        flops = 4 * r * t * nh * (args.doc_len + t / 2) * d
+        configs = [(32, 64, 4, 3)] + list(itertools.product((64, 128), (32, 64), (4, 8), (2, 3)))
+        for bm, bn, wp, st in configs:
+            ms = timed(lambda: branch_attention(qa, ka, va, pool[0], pool[1], starts, lens, gate=gate,
+                                                block_m=bm, block_n=bn, num_warps=wp, num_stages=st))
+            record("attention", f"bm {bm} bn {bn} warps {wp} stages {st}", ms, attn_layers,
+                   flops / 760e12 * 1000)
 
-    # the DeltaNet decay: FLA's fused gate + cumsum against torch's chain + FLA's cumsum
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
+    if "decay" in args.only:
+        # the DeltaNet decay: FLA's fused gate + cumsum against torch's chain + FLA's cumsum
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
 
-    from kevscore.kernels import torch_ops
+        from kevscore.kernels import torch_ops
 
-    a = proj[..., -hv:]
-    g_args = (a, torch.randn(hv, device=DEV), torch.randn(hv, device=DEV))
-    record("decay", "torch decay + fla cumsum", timed(lambda: chunk_local_cumsum(
-        torch_ops.gdn_decay(g_args), chunk_size=64, scale=RCP_LN2)), delta_layers)
-    record("decay", "fla gdn_gate_chunk_cumsum", timed(lambda: fla_ops.gate_cumsum(g_args)), delta_layers)
+        a = proj[..., -hv:]
+        g_args = (a, torch.randn(hv, device=DEV), torch.randn(hv, device=DEV))
+        record("decay", "torch decay + fla cumsum", timed(lambda: chunk_local_cumsum(
+            torch_ops.gdn_decay(g_args), chunk_size=64, scale=RCP_LN2)), delta_layers)
+        record("decay", "fla gdn_gate_chunk_cumsum", timed(lambda: fla_ops.gate_cumsum(g_args)), delta_layers)
 
     best = {}
     for res in results:

@@ -19,9 +19,33 @@ L2_EPS = 1e-6
 
 
 @triton.jit
+def _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+          EVEN: tl.constexpr, STATE: tl.constexpr):
+    """fp32 sum over the taps, oldest first as FLA accumulates them. STATE: the tile reaches back before the
+    branch's first token, so the document's last W-1 conv inputs are read from the bank entry too (a
+    per-element gather; tiles that cannot need it skip it)."""
+    b_y = tl.zeros([BT, BD], dtype=tl.float32)
+    for i_w in tl.static_range(-W + 1, 1):
+        o_x = o_t + i_w
+        m_x = (o_x >= 0) & (o_x < T)
+        if EVEN:  # whole heads: the mask is constant along channels, so loads stay vectorized
+            b_x = tl.load(p_x + o_x[:, None] * sx_t + o_c[None, :], mask=m_x[:, None], other=0.0).to(tl.float32)
+        else:
+            b_x = tl.load(p_x + o_x[:, None] * sx_t + o_c[None, :], mask=m_x[:, None] & m_d[None, :],
+                          other=0.0).to(tl.float32)
+        if STATE:  # x and the state never overlap, so adding them is exact
+            m_s = ((o_x < 0) & (o_x + W - 1 >= 0))[:, None] & m_d[None, :]
+            b_x += tl.load(p_conv + o_c[None, :] * (W - 1) + (o_x + W - 1)[:, None], mask=m_s, other=0.0).to(tl.float32)
+        b_w = tl.load(w + o_c * W + (i_w + W - 1), mask=m_d, other=0.0).to(tl.float32)
+        b_y += b_x * b_w[None, :]
+    return b_y
+
+
+@triton.jit
 def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T,
                         QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-                        C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr):
+                        C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr,
+                        EVEN: tl.constexpr, SPLIT_HALO: tl.constexpr):
     i_t, i_c, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # channel block: a q or k head (KD channels) for i_c < 2 * NQK, else a v head (VD channels)
     is_qk = i_c < 2 * NQK
@@ -35,17 +59,14 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
 
     slot = tl.load(slots + i_r * s_slot).to(tl.int64)
     p_x = x + i_r.to(tl.int64) * sx_r
-    b_y = tl.zeros([BT, BD], dtype=tl.float32)
-    for i_w in tl.static_range(-W + 1, 1):  # taps oldest first, as FLA accumulates them
-        o_x = o_t + i_w
-        b_x = tl.load(p_x + o_x[:, None] * sx_t + o_c[None, :], mask=((o_x >= 0) & (o_x < T))[:, None] & m_d[None, :],
-                      other=0.0).to(tl.float32)
-        # before the branch's first token: the document's last W-1 conv inputs, from the bank entry
-        m_s = ((o_x < 0) & (o_x + W - 1 >= 0))[:, None] & m_d[None, :]
-        b_x += tl.load(conv + slot * s_conv + o_c[None, :] * (W - 1) + (o_x + W - 1)[:, None], mask=m_s,
-                       other=0.0).to(tl.float32)
-        b_w = tl.load(w + o_c * W + (i_w + W - 1), mask=m_d, other=0.0).to(tl.float32)
-        b_y += b_x * b_w[None, :]
+    p_conv = conv + slot * s_conv
+    if SPLIT_HALO:  # only the first tile(s) of a branch reach back into the document
+        if i_t * BT >= W - 1:
+            b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, False)
+        else:
+            b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
+    else:
+        b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
     b_y = b_y * tl.sigmoid(b_y)
     b_y = b_y.to(q.dtype.element_ty).to(tl.float32)  # the conv output is rounded before the l2 norm reads it
     if is_qk:
@@ -65,7 +86,8 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
 
 
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
-                hk: int, dk: int, hv: int, dv: int, block_t: int = 32, num_warps: int = 4) -> tuple[torch.Tensor, ...]:
+                hk: int, dk: int, hv: int, dv: int, block_t: int = 32, num_warps: int = 4,
+                split_halo: bool = True) -> tuple[torch.Tensor, ...]:
     """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
     k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv]), all contiguous."""
@@ -80,5 +102,7 @@ def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, 
     grid = (triton.cdiv(t, block_t), 2 * hk + hv, r)
     _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, bank_conv, bank_conv.stride(0), slots,
                               slots.stride(0), q, k, v, t, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
-                              BT=block_t, BD=bd, EPS=L2_EPS, num_warps=num_warps)
+                              BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd,
+                              SPLIT_HALO=split_halo,
+                              num_warps=num_warps)
     return q, k, v
