@@ -101,10 +101,11 @@ def main() -> None:
         floor = copy_ms(n * c * 2 * 2)
         record("conv", "fla causal_conv1d (+gather)",
                timed(lambda: fla_ops.conv_branch(x, w, bank_conv.index_select(0, slots))), delta_layers, floor)
-        for split, bt, wp in itertools.product((True, False), (16, 32, 64), (2, 4, 8)):
-            record("conv", f"ours block_t {bt} warps {wp}" + ("" if split else " all-halo"), timed(
-                lambda: branch_conv(x, w, bank_conv, slots, hk, dk, hv, dv, block_t=bt, num_warps=wp, split_halo=split)),
-                delta_layers, floor)
+        record("conv", "ours before NOTES 10 (32, 4 warps)", timed(lambda: branch_conv(
+            x, w, bank_conv, slots, hk, dk, hv, dv, block_t=32, num_warps=4, split_halo=False)), delta_layers, floor)
+        for bt, wp, tiles in itertools.product((8, 16, 32), (1, 2, 4), (1, 2, 4)):
+            record("conv", f"ours block_t {bt} warps {wp} tiles {tiles}", timed(lambda: branch_conv(
+                x, w, bank_conv, slots, hk, dk, hv, dv, block_t=bt, num_warps=wp, tiles=tiles)), delta_layers, floor)
 
     if "qk norm+rope" in args.only:
         # q/k RMSNorm + rotary

@@ -45,8 +45,8 @@ def _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W: tl.constexpr, BT: tl.conste
 def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T,
                         QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
                         C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr,
-                        EVEN: tl.constexpr, SPLIT_HALO: tl.constexpr):
-    i_t, i_c, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                        EVEN: tl.constexpr, SPLIT_HALO: tl.constexpr, TILES: tl.constexpr):
+    i_g, i_c, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # channel block: a q or k head (KD channels) for i_c < 2 * NQK, else a v head (VD channels)
     is_qk = i_c < 2 * NQK
     c0 = tl.where(is_qk, i_c * KD, 2 * QK + (i_c - 2 * NQK) * VD)
@@ -54,40 +54,42 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
     o_d = tl.arange(0, BD)
     m_d = o_d < width
     o_c = c0 + o_d
-    o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < T
 
     slot = tl.load(slots + i_r * s_slot).to(tl.int64)
     p_x = x + i_r.to(tl.int64) * sx_r
     p_conv = conv + slot * s_conv
-    if SPLIT_HALO:  # only the first tile(s) of a branch reach back into the document
-        if i_t * BT >= W - 1:
-            b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, False)
+    for j in range(TILES):  # TILES consecutive time tiles of BT tokens per program
+        i_t = i_g * TILES + j
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        if SPLIT_HALO:  # only the first tile(s) of a branch reach back into the document
+            if i_t * BT >= W - 1:
+                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, False)
+            else:
+                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
         else:
             b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
-    else:
-        b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
-    b_y = b_y * tl.sigmoid(b_y)
-    b_y = b_y.to(q.dtype.element_ty).to(tl.float32)  # the conv output is rounded before the l2 norm reads it
-    if is_qk:
-        b_rstd = 1 / tl.sqrt(tl.sum(b_y * b_y, 1) + EPS)
-        b_y = b_y * b_rstd[:, None]
-        head = i_c % NQK
-        out = tl.where(i_c < NQK, 0, 1)
-        p_o = o_t[:, None] * QK + head * KD + o_d[None, :] + i_r.to(tl.int64) * T * QK
-        if out == 0:
-            tl.store(q + p_o, b_y.to(q.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+        b_y = b_y * tl.sigmoid(b_y)
+        b_y = b_y.to(q.dtype.element_ty).to(tl.float32)  # the conv output is rounded before the l2 norm reads it
+        if is_qk:
+            b_rstd = 1 / tl.sqrt(tl.sum(b_y * b_y, 1) + EPS)
+            b_y = b_y * b_rstd[:, None]
+            head = i_c % NQK
+            out = tl.where(i_c < NQK, 0, 1)
+            p_o = o_t[:, None] * QK + head * KD + o_d[None, :] + i_r.to(tl.int64) * T * QK
+            if out == 0:
+                tl.store(q + p_o, b_y.to(q.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+            else:
+                tl.store(k + p_o, b_y.to(k.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
         else:
-            tl.store(k + p_o, b_y.to(k.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
-    else:
-        nv = C - 2 * QK
-        p_o = o_t[:, None] * nv + (i_c - 2 * NQK) * VD + o_d[None, :] + i_r.to(tl.int64) * T * nv
-        tl.store(v + p_o, b_y.to(v.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+            nv = C - 2 * QK
+            p_o = o_t[:, None] * nv + (i_c - 2 * NQK) * VD + o_d[None, :] + i_r.to(tl.int64) * T * nv
+            tl.store(v + p_o, b_y.to(v.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
 
 
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
-                hk: int, dk: int, hv: int, dv: int, block_t: int = 32, num_warps: int = 4,
-                split_halo: bool = True) -> tuple[torch.Tensor, ...]:
+                hk: int, dk: int, hv: int, dv: int, block_t: int = 16, num_warps: int = 2,
+                split_halo: bool = True, tiles: int = 1) -> tuple[torch.Tensor, ...]:
     """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
     k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv]), all contiguous."""
@@ -99,10 +101,9 @@ def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, 
     k = torch.empty_like(q)
     v = torch.empty(r, t, hv, dv, dtype=x.dtype, device=x.device)
     bd = triton.next_power_of_2(max(dk, dv))
-    grid = (triton.cdiv(t, block_t), 2 * hk + hv, r)
+    grid = (triton.cdiv(t, block_t * tiles), 2 * hk + hv, r)
     _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, bank_conv, bank_conv.stride(0), slots,
                               slots.stride(0), q, k, v, t, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
                               BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd,
-                              SPLIT_HALO=split_halo,
-                              num_warps=num_warps)
+                              SPLIT_HALO=split_halo, TILES=tiles, num_warps=num_warps)
     return q, k, v

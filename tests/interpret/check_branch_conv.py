@@ -18,8 +18,9 @@ for (hk, dk, hv, dv), (rows, t) in [((2, 64, 4, 64), (3, 1)), ((2, 64, 4, 64), (
     slots = torch.randint(0, 6, (rows, 5))[:, 2]  # a strided column, as the upload buffer gives it
     q, k, v = branch_conv(x, w, bank, slots, hk, dk, hv, dv)
     # tiles that skip the bank read (split_halo) give the same bits as tiles that all read it
-    for bt in (2, 16):
-        other = branch_conv(x, w, bank, slots, hk, dk, hv, dv, block_t=bt, split_halo=bt == 16)
+    # and programs of several tiles, the same bits as one tile each
+    for bt, tiles in ((2, 1), (16, 1), (4, 3), (16, 2)):
+        other = branch_conv(x, w, bank, slots, hk, dk, hv, dv, block_t=bt, split_halo=bt == 16, tiles=tiles)
         assert all(torch.equal(a, b) for a, b in zip((q, k, v), other)), bt
     ref = torch_ops.conv_branch(x, w, bank.index_select(0, slots))
     rq, rk, rv = ref.split([hk * dk, hk * dk, hv * dv], -1)
