@@ -88,7 +88,7 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
 
 
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
-                hk: int, dk: int, hv: int, dv: int, block_t: int = 16, num_warps: int = 2,
+                hk: int, dk: int, hv: int, dv: int, block_t: int = 8, num_warps: int = 1,
                 split_halo: bool = True, tiles: int = 1) -> tuple[torch.Tensor, ...]:
     """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
