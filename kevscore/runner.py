@@ -98,9 +98,17 @@ class EagerRunner:
     def label_scores(self, hidden: torch.Tensor, label_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(label logits [n, L] fp32 padded with -inf, log-sum-exp over the vocabulary [n])."""
         head = self.model.lm_head
-        lse = torch.logsumexp(torch.nn.functional.linear(hidden.to(head.dtype), head).float(), -1)
         width = max(len(ids) for ids in label_ids)
-        idx = torch.tensor([ids + [ids[0]] * (width - len(ids)) for ids in label_ids], device=hidden.device)
+        # through pinned memory without waiting: a plain host tensor's copy would first wait for the GPU to
+        # finish the batch, and then each op below would launch onto an idle GPU
+        idx = _upload(torch.tensor([ids + [ids[0]] * (width - len(ids)) for ids in label_ids]), hidden.device)
+        pad = _upload(torch.tensor([[j >= len(ids) for j in range(width)] for ids in label_ids]), hidden.device)
+        lse = torch.logsumexp(torch.nn.functional.linear(hidden.to(head.dtype), head).float(), -1)
         logits = torch.einsum("nh,nlh->nl", hidden.float(), head[idx].float())
-        pad = torch.tensor([[j >= len(ids) for j in range(width)] for ids in label_ids], device=hidden.device)
         return logits.masked_fill(pad, float("-inf")), lse
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
