@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried FLA wheels, run the cuda tests, then the scoring benchmark.
 # Usage (repo root): bash benchmarks/device_run.sh [pytest args...]; logs go to $OUT (or ./device-out).
-# SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (6 takes ~45 s once Triton's cache is warm),
+# SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (14 took 457 s with Triton's cache cold, 2026-11-30),
 # BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with KEVSCORE_FUSED_CONV=0, FLA's conv),
 # KERNELS=1|name (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary).
@@ -18,7 +18,7 @@ if [ "${KERNELS:-0}" != 0 ]; then  # KERNELS=1: all of them; KERNELS=conv (or an
   sed -n '/best per kernel/,$p' "$OUT/kernels.log"
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n "${PYTEST_WORKERS:-2}" -p no:hypothesispytest --tb=line -rfEP "$@" 2>&1 \
+  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n "${PYTEST_WORKERS:-2}" --dist loadgroup -p no:hypothesispytest --tb=line -rfEP "$@" 2>&1 \
     | tee "$OUT/pytest_cuda.log" | grep -E "^(FAILED|ERROR|E |/)|max \||passed|failed|crashed" | tail -40
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

@@ -44,7 +44,9 @@ def fla_scan(k, w, u, gc, h0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [1, 17, 64, 129])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
-@pytest.mark.parametrize("dims", [(16, 32, 128, 128), (2, 4, 64, 64)], ids=["kev4b", "demo"])
+@pytest.mark.parametrize("dims", [  # one xdist worker per shape (--dist loadgroup): FLA's autotuner compiles once
+    pytest.param((16, 32, 128, 128), id="kev4b", marks=pytest.mark.xdist_group("scan-kev4b")),
+    pytest.param((2, 4, 64, 64), id="demo", marks=pytest.mark.xdist_group("scan-demo"))])
 def test_indexed_scan_bitwise_equals_fla(dims, rows, t, dtype):
     from kevscore.kernels.state_scan import state_scan_indexed
 
