@@ -1,0 +1,49 @@
+"""The benchmark scripts stay runnable: each parses its options and prints its usage on a CPU machine, and
+the ones that have a CPU mode run end to end on tiny inputs (their GPU runs happen on the device only)."""
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).parent.parent
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=cwd)
+
+
+def test_there_are_benchmark_scripts():
+    assert {"bench_score.py", "bench_kernels.py", "bench_bank.py"} <= {p.name for p in SCRIPTS}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_prints_its_usage(script):
+    res = run(script, "--help")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("usage:") and script.name in res.stdout
+
+
+def test_bank_benchmark_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "bank.json"
+    res = run(ROOT / "benchmarks" / "bench_bank.py", "--model", "demo", "--device", "cpu", "--docs", "3",
+              "--doc-len", "48", "--reps", "1", "--dir", tmp_path / "bank", "--json", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["bank_identical_after_load"] is True
+    assert report["total_bytes"] == 3 * report["entry_bytes"]
+    assert "prefill" in res.stdout and "load" in res.stdout
+
+
+def test_long_input_has_the_asked_rows_and_documents(tmp_path):
+    out = tmp_path / "long.parquet"
+    res = run(ROOT / "benchmarks" / "make_long_input.py", out, "--rows", "53", "--docs", "5")
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = pq.read_table(out)
+    per_doc = Counter(table.column("doc_id").to_pylist())
+    assert table.num_rows == 53 and len(per_doc) == 5
+    assert sorted(per_doc.values()) == [10, 10, 11, 11, 11]  # the first rows % docs documents get one more
