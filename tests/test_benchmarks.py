@@ -47,3 +47,28 @@ def test_long_input_has_the_asked_rows_and_documents(tmp_path):
     per_doc = Counter(table.column("doc_id").to_pylist())
     assert table.num_rows == 53 and len(per_doc) == 5
     assert sorted(per_doc.values()) == [10, 10, 11, 11, 11]  # the first rows % docs documents get one more
+
+
+@pytest.mark.parametrize("shape", ["kev-0.8b", "kev-4b"])
+def test_the_floor_counts_every_weight_matmul_of_the_model(shape):
+    """bench_score's floor FLOPs against the model's own projection weights (built on the meta device)."""
+    import importlib.util
+
+    import torch
+
+    from kevscore.config import SHAPES
+    from kevscore.kernels import torch_ops
+    from kevscore.model import KevModel
+
+    spec = importlib.util.spec_from_file_location("bench_score", ROOT / "benchmarks" / "bench_score.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = SHAPES[shape]
+    with torch.device("meta"):
+        model = KevModel(cfg, torch_ops)
+    projections = ("in_proj", "out_proj", "qkv_proj", "o_proj", "gate_up", "down")
+    per_token = sum(p.numel() for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] in projections)
+    assert per_token > 0.8 * sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size
+    tokens, rows = 96 * 64, 96
+    expected = 2 * (per_token * tokens + cfg.hidden_size * cfg.vocab_size * rows)
+    assert bench.matmul_flops(cfg, tokens, rows) == expected
