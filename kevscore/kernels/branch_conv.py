@@ -92,7 +92,9 @@ def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, 
                 split_halo: bool = True, tiles: int = 1) -> tuple[torch.Tensor, ...]:
     """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
-    k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv]), all contiguous."""
+    k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv]), all contiguous. Launch: tiles of `block_t` tokens x one head,
+    `tiles` consecutive tiles per program; `split_halo`: only tiles that reach before the branch read the
+    bank (the same bits either way). Defaults from `benchmarks/bench_kernels.py --only conv` (NOTES.md 10)."""
     r, t, c = x.shape
     width = weight.shape[1]
     assert x.stride(2) == 1 and weight.is_contiguous() and c == 2 * hk * dk + hv * dv
