@@ -4,7 +4,8 @@
 # SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (14 took 457 s with Triton's cache cold, 2026-11-30),
 # BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with KEVSCORE_FUSED_CONV=0, FLA's conv),
 # KERNELS=1|name (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
-# many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary).
+# many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
+# NCU=1 (Nsight Compute, --clock-control none, on the branch conv, attention and indexed scan; report in $OUT).
 # Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
 set -o pipefail
 OUT="${OUT:-device-out}"; mkdir -p "$OUT"
@@ -27,6 +28,18 @@ fi
 if [ "${AB_FUSED_CONV:-0}" = 1 ]; then  # the same benchmark with FLA's branch conv (NOTES.md 6)
   KEVSCORE_FUSED_CONV=0 python3 benchmarks/bench_score.py --model kev-4b --profile --hf-reps 0 \
     --json "$OUT/score-kev-4b-fla-conv.json" 2>&1 | tee "$OUT/bench-fla-conv.log" | tail -30
+fi
+if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on our three costliest kernels, at the benchmark's shapes: one run each
+  NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+  for kern in _branch_conv_kernel _branch_attn_kernel _indexed_scan_kernel; do
+    "$NCU_BIN" --clock-control none --set detailed --kernel-name "$kern" --launch-skip 2 --launch-count 1 -f \
+      -o "$OUT/$kern" python3 benchmarks/bench_score.py --model kev-4b --reps 1 --warmup 0 --hf-reps 0 \
+      > "$OUT/ncu$kern.log" 2>&1
+    echo "ncu $kern rc=$?"
+    "$NCU_BIN" --import "$OUT/$kern.ncu-rep" --page details > "$OUT/ncu$kern.txt" 2>&1
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Block Limit" \
+      "$OUT/ncu$kern.txt" | head -14
+  done
 fi
 if [ -n "${LONGJOB:-}" ]; then  # issue 7: a long job on the Kev-0.8B shape, summary = last JSON line
   python3 benchmarks/make_long_input.py /tmp/long.parquet --rows "$LONGJOB" --docs $((LONGJOB / 10)) || exit 1
