@@ -17,8 +17,7 @@ for (hk, dk, hv, dv), (rows, t) in [((2, 64, 4, 64), (3, 1)), ((2, 64, 4, 64), (
     bank = torch.randn(6, C, W - 1)
     slots = torch.randint(0, 6, (rows, 5))[:, 2]  # a strided column, as the upload buffer gives it
     q, k, v = branch_conv(x, w, bank, slots, hk, dk, hv, dv)
-    # tiles that skip the bank read (split_halo) give the same bits as tiles that all read it
-    # and programs of several tiles, the same bits as one tile each
+    # other tile sizes, programs of several tiles, and tiles that skip the bank read (split_halo): the same bits
     for bt, tiles in ((2, 1), (16, 1), (4, 3), (16, 2)):
         other = branch_conv(x, w, bank, slots, hk, dk, hv, dv, block_t=bt, split_halo=bt == 16, tiles=tiles)
         assert all(torch.equal(a, b) for a, b in zip((q, k, v), other)), bt
