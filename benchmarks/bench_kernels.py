@@ -18,7 +18,7 @@ from triton.testing import do_bench
 from kevscore.measure import environment
 
 DEV = "cuda"
-KERNELS = ["swiglu", "conv", "qk norm+rope", "attention", "decay"]
+KERNELS = ["swiglu", "conv", "qk norm+rope", "attention", "decay", "scan"]
 
 
 def timed(fn) -> float | None:
@@ -45,7 +45,10 @@ def main() -> None:
     ap.add_argument("--doc-len", type=int, default=1024)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", nargs="+", choices=KERNELS, default=KERNELS, help="kernels to measure (default: all)")
+    ap.add_argument("--defaults", action="store_true",
+                    help="only the first variant of each sweep, our kernels' defaults (for Nsight Compute)")
     args = ap.parse_args()
+    sweep = (lambda variants: list(variants)[:1]) if args.defaults else list
 
     from kevscore.config import SHAPES
     from kevscore.kernels import fla_ops
@@ -101,11 +104,11 @@ def main() -> None:
         floor = copy_ms(n * c * 2 * 2)
         record("conv", "fla causal_conv1d (+gather)",
                timed(lambda: fla_ops.conv_branch(x, w, bank_conv.index_select(0, slots))), delta_layers, floor)
-        record("conv", "ours before NOTES 10 (32, 4 warps)", timed(lambda: branch_conv(
-            x, w, bank_conv, slots, hk, dk, hv, dv, block_t=32, num_warps=4, split_halo=False)), delta_layers, floor)
-        for bt, wp, tiles in itertools.product((8, 16, 32), (1, 2, 4), (1, 2, 4)):
+        for bt, wp, tiles in sweep(itertools.product((8, 16, 32), (1, 2, 4), (1, 2, 4))):  # the default first
             record("conv", f"ours block_t {bt} warps {wp} tiles {tiles}", timed(lambda: branch_conv(
                 x, w, bank_conv, slots, hk, dk, hv, dv, block_t=bt, num_warps=wp, tiles=tiles)), delta_layers, floor)
+        record("conv", "ours before NOTES 10 (32, 4 warps)", timed(lambda: branch_conv(
+            x, w, bank_conv, slots, hk, dk, hv, dv, block_t=32, num_warps=4, split_halo=False)), delta_layers, floor)
 
     if "qk norm+rope" in args.only:
         # q/k RMSNorm + rotary
@@ -133,12 +136,12 @@ def main() -> None:
         starts = (torch.arange(r, device=DEV) // 6) * args.doc_len
         lens = torch.full((r,), args.doc_len, device=DEV)
         flops = 4 * r * t * nh * (args.doc_len + t / 2) * d
-        configs = [(32, 64, 4, 3)] + list(itertools.product((64, 128), (32, 64), (4, 8), (2, 3)))
-        for bm, bn, wp, st in configs:
-            ms = timed(lambda: branch_attention(qa, ka, va, pool[0], pool[1], starts, lens, gate=gate,
-                                                block_m=bm, block_n=bn, num_warps=wp, num_stages=st))
-            record("attention", f"bm {bm} bn {bn} warps {wp} stages {st}", ms, attn_layers,
-                   flops / 760e12 * 1000)
+        configs = [(128, 32, 8, 3), (64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)]
+        for (bm, bn, wp, st), lazy in sweep(itertools.product(configs, (False, True))):
+            ms = timed(lambda: branch_attention(qa, ka, va, pool[0], pool[1], starts, lens, gate=gate, block_m=bm,
+                                                block_n=bn, num_warps=wp, num_stages=st, lazy=lazy))
+            record("attention", f"bm {bm} bn {bn} warps {wp} stages {st}{' lazy' if lazy else ''}", ms,
+                   attn_layers, flops / 760e12 * 1000)
 
     if "decay" in args.only:
         # the DeltaNet decay: FLA's fused gate + cumsum against torch's chain + FLA's cumsum
@@ -152,6 +155,29 @@ def main() -> None:
         record("decay", "torch decay + fla cumsum", timed(lambda: chunk_local_cumsum(
             torch_ops.gdn_decay(g_args), chunk_size=64, scale=RCP_LN2)), delta_layers)
         record("decay", "fla gdn_gate_chunk_cumsum", timed(lambda: fla_ops.gate_cumsum(g_args)), delta_layers)
+
+    if "scan" in args.only:
+        # the state scan of a branch: ours reading the bank in place, FLA's on gathered states
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+
+        from kevscore.kernels.state_scan import state_scan_indexed
+
+        qs, ks = rand(r, t, hk, dk), rand(r, t, hk, dk)
+        g = -torch.nn.functional.softplus(torch.randn(r, t, hv, device=DEV, generator=gen))
+        beta = torch.rand(r, t, hv, device=DEV, generator=gen).to(torch.bfloat16)
+        gc = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2)
+        _, ks, w, u, gc = fla_ops.gdr_parts(qs, ks, rand(r, t, hv, dv), gc, beta)
+        bank = torch.randn(16, hv, dk, dv, device=DEV, generator=gen)
+        slots = torch.arange(r, device=DEV) % 16
+        nt = triton.cdiv(t, 64)
+        floor = copy_ms(r * hv * dk * dv * (4 + 2 * nt) + n * (hk * dk + hv * (dk + 2 * dv)) * 2)
+        record("scan", "fla (gather + scan)", timed(lambda: chunk_gated_delta_rule_fwd_h(
+            k=ks, w=w, u=u, g=gc, initial_state=bank.index_select(0, slots), chunk_size=64)), delta_layers, floor)
+        for final in sweep((False, True)):  # the default first
+            record("scan", "ours, last update run" if final else "ours, last update skipped", timed(
+                lambda: state_scan_indexed(ks, w, u, gc, bank, slots, final_update=final)), delta_layers, floor)
 
     best = {}
     for res in results:

@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton-cache}"
 python3 -c "import torch, triton, transformers, fla; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, transformers.__version__, fla.__version__)"
 if [ "${KERNELS:-0}" != 0 ]; then  # KERNELS=1: all of them; KERNELS=conv (or another name): that one
-  only=(); [ "$KERNELS" = 1 ] || only=(--only "$KERNELS")
+  only=(); [ "$KERNELS" = 1 ] || only=(--only $KERNELS)  # names separated by spaces
   python3 benchmarks/bench_kernels.py "${only[@]}" --json "$OUT/kernels-kev-4b.json" > "$OUT/kernels.log" 2>&1
   echo "kernels rc=$?"; grep -E "^conv" "$OUT/kernels.log"
   sed -n '/best per kernel/,$p' "$OUT/kernels.log"
@@ -29,16 +29,17 @@ if [ "${AB_FUSED_CONV:-0}" = 1 ]; then  # the same benchmark with FLA's branch c
   KEVSCORE_FUSED_CONV=0 python3 benchmarks/bench_score.py --model kev-4b --profile --hf-reps 0 \
     --json "$OUT/score-kev-4b-fla-conv.json" 2>&1 | tee "$OUT/bench-fla-conv.log" | tail -30
 fi
-if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on our three costliest kernels, at the benchmark's shapes: one run each
-  NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-  for kern in _branch_conv_kernel _branch_attn_kernel _indexed_scan_kernel; do
-    "$NCU_BIN" --clock-control none --set detailed --kernel-name "$kern" --launch-skip 2 --launch-count 1 -f \
-      -o "$OUT/$kern" python3 benchmarks/bench_score.py --model kev-4b --reps 1 --warmup 0 --hf-reps 0 \
-      > "$OUT/ncu$kern.log" 2>&1
+if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on our three costliest kernels at the benchmark's shapes: the first
+  # launch of each in bench_kernels.py --defaults
+  NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -1)
+  for pair in _branch_conv_kernel:conv _branch_attn_kernel:attention _indexed_scan_kernel:scan; do
+    kern=${pair%%:*}
+    timeout 240 "$NCU_BIN" --clock-control none --set detailed -k "regex:$kern" -c 1 -f -o "$OUT/$kern" \
+      python3 benchmarks/bench_kernels.py --defaults --only "${pair#*:}" > "$OUT/ncu$kern.log" 2>&1
     echo "ncu $kern rc=$?"
     "$NCU_BIN" --import "$OUT/$kern.ncu-rep" --page details > "$OUT/ncu$kern.txt" 2>&1
-    grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Block Limit" \
-      "$OUT/ncu$kern.txt" | head -14
+    grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Block Limit|Local" \
+      "$OUT/ncu$kern.txt" | head -24
   done
 fi
 if [ -n "${LONGJOB:-}" ]; then  # issue 7: a long job on the Kev-0.8B shape, summary = last JSON line

@@ -4,7 +4,8 @@ straight from the state bank at `bank + index[row * index_stride] * bank_stride`
 It replaces only the state-scan stage of FLA 0.5.2's chunk pipeline (`chunk_gated_delta_rule_fwd_h`)
 and does the same arithmetic in the same order, with the same launch configuration as FLA's autotuned
 kernel, so it gives bit-identical `h` and `v_new` to FLA's scan on gathered initial states. It never
-writes a final state, so rows sharing an entry cannot advance or overwrite it.
+writes a final state, so rows sharing an entry cannot advance or overwrite it, and it skips the update after
+the last chunk, whose only output would be that final state (for a branch of one chunk, the whole update).
 Torch reference with the same interface: `kevscore.kernels.gdr_ref.state_scan_indexed`.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ CHUNK = 64
 @triton.jit(do_not_specialize=["T"])
 def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_stride, T,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BT: tl.constexpr, BV: tl.constexpr):
+                         BT: tl.constexpr, BV: tl.constexpr, FINAL_UPDATE: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     bos = i_n * T
@@ -55,8 +56,11 @@ def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_s
         b_h4 = tl.zeros([64, BV], dtype=tl.float32)
         b_h4 += tl.load(h0 + o_k4[:, None] * V + o_v[None, :], mask=m_k4[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
+    # the update after the last chunk would only feed the final state, which is never written: skipped
+    n_update = NT if FINAL_UPDATE else NT - 1
     for i_t in range(NT):
-        p_h = h + i_t.to(tl.int64) * HV * K * V + o_v[None, :]
+        p_h = h + o_v[None, :]
+        h += HV * K * V  # the next chunk's state (64-bit pointer arithmetic)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         # publish the state entering this chunk, then predict the chunk's values from it
@@ -82,33 +86,34 @@ def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_s
         b_v = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0) - b_v
         tl.store(v_new + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv)
 
-        # decay the state to the chunk's end and the new values to their distance from it
-        last = min((i_t + 1) * BT, T) - 1
-        b_g_last = tl.load(g + (bos * HV + last * HV + i_h).to(tl.int64)).to(tl.float32)
-        b_g = tl.load(g + (bos * HV + i_h).to(tl.int64) + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-        b_v = b_v * tl.where(m_t, exp2(b_g_last - b_g), 0)[:, None]
-        b_g_last = exp2(b_g_last)
-        b_h1 *= b_g_last
-        if K > 64:
-            b_h2 *= b_g_last
-        if K > 128:
-            b_h3 *= b_g_last
-        if K > 192:
-            b_h4 *= b_g_last
-        b_v = b_v.to(k.dtype.element_ty)
+        if i_t < n_update:
+            # decay the state to the chunk's end and the new values to their distance from it
+            last = min((i_t + 1) * BT, T) - 1
+            b_g_last = tl.load(g + (bos * HV + last * HV + i_h).to(tl.int64)).to(tl.float32)
+            b_g = tl.load(g + (bos * HV + i_h).to(tl.int64) + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+            b_v = b_v * tl.where(m_t, exp2(b_g_last - b_g), 0)[:, None]
+            b_g_last = exp2(b_g_last)
+            b_h1 *= b_g_last
+            if K > 64:
+                b_h2 *= b_g_last
+            if K > 128:
+                b_h3 *= b_g_last
+            if K > 192:
+                b_h4 *= b_g_last
+            b_v = b_v.to(k.dtype.element_ty)
 
-        # add the chunk's keys times its corrected values
-        b_k = tl.load(k + o_k1[:, None] + o_t[None, :] * (H * K), mask=m_k1[:, None] & m_t[None, :], other=0.0)
-        b_h1 += tl.dot(b_k, b_v)
-        if K > 64:
-            b_k = tl.load(k + o_k2[:, None] + o_t[None, :] * (H * K), mask=m_k2[:, None] & m_t[None, :], other=0.0)
-            b_h2 += tl.dot(b_k, b_v)
-        if K > 128:
-            b_k = tl.load(k + o_k3[:, None] + o_t[None, :] * (H * K), mask=m_k3[:, None] & m_t[None, :], other=0.0)
-            b_h3 += tl.dot(b_k, b_v)
-        if K > 192:
-            b_k = tl.load(k + o_k4[:, None] + o_t[None, :] * (H * K), mask=m_k4[:, None] & m_t[None, :], other=0.0)
-            b_h4 += tl.dot(b_k, b_v)
+            # add the chunk's keys times its corrected values
+            b_k = tl.load(k + o_k1[:, None] + o_t[None, :] * (H * K), mask=m_k1[:, None] & m_t[None, :], other=0.0)
+            b_h1 += tl.dot(b_k, b_v)
+            if K > 64:
+                b_k = tl.load(k + o_k2[:, None] + o_t[None, :] * (H * K), mask=m_k2[:, None] & m_t[None, :], other=0.0)
+                b_h2 += tl.dot(b_k, b_v)
+            if K > 128:
+                b_k = tl.load(k + o_k3[:, None] + o_t[None, :] * (H * K), mask=m_k3[:, None] & m_t[None, :], other=0.0)
+                b_h3 += tl.dot(b_k, b_v)
+            if K > 192:
+                b_k = tl.load(k + o_k4[:, None] + o_t[None, :] * (H * K), mask=m_k4[:, None] & m_t[None, :], other=0.0)
+                b_h4 += tl.dot(b_k, b_v)
 
 
 _FLA_CONFIGS: dict[tuple, triton.Config] = {}
@@ -137,11 +142,13 @@ def fla_scan_config(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.
 
 def state_scan_indexed(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor, bank: torch.Tensor,
                        index: torch.Tensor, index_stride: int | None = None,
-                       config: triton.Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       config: triton.Config | None = None,
+                       final_update: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [R, NT, HV, K, V], v_new [R, T, HV, V]) with row r starting from `bank[index[r * index_stride]]`.
 
     k [R, T, H, K]; w [R, T, HV, K]; u [R, T, HV, V]; g [R, T, HV] chunk-local cumulative gate (log2);
     bank [E, HV, K, V] fp32 (any entry stride); index: int tensor read at `r * index_stride`.
+    final_update: also run the last chunk's state update, as FLA does (its result is dropped; benchmarks only).
     """
     r, t, h, kd = k.shape
     hv, vd = u.shape[2], u.shape[3]
@@ -155,5 +162,5 @@ def state_scan_indexed(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: tor
     grid = (triton.cdiv(vd, config.kwargs["BV"]), r * hv)
     _indexed_scan_kernel[grid](k, u, w, v_new, g, out_h, bank, index, stride, bank.stride(0), t,
                                H=h, HV=hv, K=kd, V=vd, BT=CHUNK, BV=config.kwargs["BV"],
-                               num_warps=config.num_warps, num_stages=config.num_stages)
+                               FINAL_UPDATE=final_update, num_warps=config.num_warps, num_stages=config.num_stages)
     return out_h, v_new
