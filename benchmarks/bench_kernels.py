@@ -104,9 +104,12 @@ def main() -> None:
         floor = copy_ms(n * c * 2 * 2)
         record("conv", "fla causal_conv1d (+gather)",
                timed(lambda: fla_ops.conv_branch(x, w, bank_conv.index_select(0, slots))), delta_layers, floor)
-        for bt, wp, tiles in sweep(itertools.product((8, 16, 32), (1, 2, 4), (1, 2, 4))):  # the default first
-            record("conv", f"ours block_t {bt} warps {wp} tiles {tiles}", timed(lambda: branch_conv(
-                x, w, bank_conv, slots, hk, dk, hv, dv, block_t=bt, num_warps=wp, tiles=tiles)), delta_layers, floor)
+        w_taps = w.t().contiguous().t()  # the same weights stored [W, C]: a tap's weights are contiguous
+        launches = ((8, 1, 1), (4, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (8, 1, 4), (8, 1, 8), (16, 2, 4))
+        for (bt, wp, tiles), taps_major in sweep(itertools.product(launches, (False, True))):  # the default first
+            record("conv", f"ours block_t {bt} warps {wp} tiles {tiles}{' w [W, C]' if taps_major else ''}",
+                   timed(lambda: branch_conv(x, w_taps if taps_major else w, bank_conv, slots, hk, dk, hv, dv,
+                                             block_t=bt, num_warps=wp, tiles=tiles)), delta_layers, floor)
         record("conv", "ours before NOTES 10 (32, 4 warps)", timed(lambda: branch_conv(
             x, w, bank_conv, slots, hk, dk, hv, dv, block_t=32, num_warps=4, split_halo=False)), delta_layers, floor)
 
@@ -129,6 +132,7 @@ def main() -> None:
 
     if "attention" in args.only:
         # branch attention over 16 documents in the pool, with the output gate
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qa = rand(r, t, nh, d)
         ka, va = rand(r, t, nkv, d), rand(r, t, nkv, d)
         gate = rand(r, t, nh, 2 * d)[..., d:]

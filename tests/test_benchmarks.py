@@ -72,3 +72,19 @@ def test_the_floor_counts_every_weight_matmul_of_the_model(shape):
     tokens, rows = 96 * 64, 96
     expected = 2 * (per_token * tokens + cfg.hidden_size * cfg.vocab_size * rows)
     assert bench.matmul_flops(cfg, tokens, rows) == expected
+
+
+def test_kernels_compile_for_the_h200(tmp_path):
+    """benchmarks/sm90_build.py compiles every kernel variant for sm_90a without a GPU (Triton's own ptxas):
+    a kernel that does not compile fails here, not on the device; every variant fits in 255 registers."""
+    out = tmp_path / "sm90.json"
+    res = run(ROOT / "benchmarks" / "sm90_build.py", "--json", out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    names = {r["variant"] for r in rows}
+    assert any(n.startswith("scan") for n in names) and any(n.startswith("attention") for n in names)
+    assert any(n.startswith("conv") for n in names)
+    assert all(0 < r["registers"] <= 255 and r["shared"] >= 0 for r in rows)
+    # the defaults the runner launches spill nothing
+    defaults = {"scan BV 32 final_update False", "conv block_t 8 warps 1 tiles 1"}
+    assert all(r["spill_bytes"] == 0 for r in rows if r["variant"] in defaults)

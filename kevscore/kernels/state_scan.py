@@ -91,7 +91,7 @@ def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_s
             last = min((i_t + 1) * BT, T) - 1
             b_g_last = tl.load(g + (bos * HV + last * HV + i_h).to(tl.int64)).to(tl.float32)
             b_g = tl.load(g + (bos * HV + i_h).to(tl.int64) + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-            b_v = b_v * tl.where(m_t, exp2(b_g_last - b_g), 0)[:, None]
+            b_vd = b_v * tl.where(m_t, exp2(b_g_last - b_g), 0)[:, None]
             b_g_last = exp2(b_g_last)
             b_h1 *= b_g_last
             if K > 64:
@@ -100,20 +100,20 @@ def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_s
                 b_h3 *= b_g_last
             if K > 192:
                 b_h4 *= b_g_last
-            b_v = b_v.to(k.dtype.element_ty)
+            b_vd = b_vd.to(k.dtype.element_ty)  # a new name: b_v stays fp32 outside this branch
 
             # add the chunk's keys times its corrected values
             b_k = tl.load(k + o_k1[:, None] + o_t[None, :] * (H * K), mask=m_k1[:, None] & m_t[None, :], other=0.0)
-            b_h1 += tl.dot(b_k, b_v)
+            b_h1 += tl.dot(b_k, b_vd)
             if K > 64:
                 b_k = tl.load(k + o_k2[:, None] + o_t[None, :] * (H * K), mask=m_k2[:, None] & m_t[None, :], other=0.0)
-                b_h2 += tl.dot(b_k, b_v)
+                b_h2 += tl.dot(b_k, b_vd)
             if K > 128:
                 b_k = tl.load(k + o_k3[:, None] + o_t[None, :] * (H * K), mask=m_k3[:, None] & m_t[None, :], other=0.0)
-                b_h3 += tl.dot(b_k, b_v)
+                b_h3 += tl.dot(b_k, b_vd)
             if K > 192:
                 b_k = tl.load(k + o_k4[:, None] + o_t[None, :] * (H * K), mask=m_k4[:, None] & m_t[None, :], other=0.0)
-                b_h4 += tl.dot(b_k, b_v)
+                b_h4 += tl.dot(b_k, b_vd)
 
 
 _FLA_CONFIGS: dict[tuple, triton.Config] = {}

@@ -1,0 +1,108 @@
+"""Compile our Triton kernels for the H200 (sm_90a) on any machine, GPU or not, and report each variant's
+registers, spills and shared memory from ptxas: a compile error or a register-bound launch configuration
+shows up here before it costs device time. Prints a table and writes JSON.
+
+    python benchmarks/sm90_build.py [--json out.json]
+
+Shapes: the Kev-4B scoring call (96 rows x 64 tokens); pointers and row strides are marked 16-aligned,
+as Triton specializes them at launch.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _kernel(fn):
+    while not hasattr(fn, "arg_names"):
+        fn = fn.fn
+    return fn
+
+
+def build(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: int, aligned=()) -> dict:
+    """Compile `fn` with argument types (Triton signature strings), constexprs and 16-aligned arguments;
+    returns ptxas' registers, spill bytes and the kernel's shared memory."""
+    fn = _kernel(fn)
+    names = fn.arg_names
+    sig = {n: types.get(n, "constexpr") for n in names}
+    missing = [n for n in names if n not in types and n not in consts]
+    assert not missing, f"{fn.__name__}: no type for {missing}"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        out = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
+    return {"registers": regs, "spill_bytes": spill, "shared": compiled.metadata.shared}
+
+
+def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
+    """(name, kernel, types, constexprs, warps, stages, aligned) for our kernels at their defaults and the
+    variants under study."""
+    from kevscore.kernels.branch_attn import LOG2E, _branch_attn_kernel  # noqa: F401
+    from kevscore.kernels.branch_conv import L2_EPS, _branch_conv_kernel
+    from kevscore.kernels.state_scan import _indexed_scan_kernel
+
+    out = []
+    scan_t = {n: "*bf16" for n in ("k", "v", "w", "v_new", "h")} | {"g": "*fp32", "bank": "*fp32", "index": "*i64",
+                                                                     "index_stride": "i32", "bank_stride": "i64", "T": "i32"}
+    for final in (False, True):
+        out.append((f"scan BV 32 final_update {final}", _indexed_scan_kernel, scan_t,
+                    dict(H=16, HV=32, K=128, V=128, BT=64, BV=32, FINAL_UPDATE=final), 4, 2,
+                    ("k", "v", "w", "v_new", "h", "bank", "index", "g")))
+    attn_t = {n: "*bf16" for n in ("q", "k", "v", "o", "gate", "pool_k", "pool_v")}
+    attn_t |= {"kv_start": "*i64", "kv_len": "*i64", "T": "i32", "qk_scale": "fp32"}
+    strides = ("sq_r", "sq_t", "sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "sp_t",
+               "s_start", "s_len")
+    attn_t |= {s: "i32" for s in strides}
+    for bm, bn, wp, st in ((128, 32, 8, 3), (64, 32, 4, 2), (128, 64, 8, 2)):
+        for lazy in (False, True):
+            out.append((f"attention bm {bm} bn {bn} warps {wp} stages {st}{' lazy' if lazy else ''}",
+                        _branch_attn_kernel, attn_t,
+                        dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True, LAZY=lazy), wp, st,
+                        tuple(attn_t)[:7] + strides[:-2]))
+    conv_t = {n: "*bf16" for n in ("x", "w", "conv", "q", "k", "v")} | {"slots": "*i64", "T": "i32"}
+    conv_t |= {s: "i32" for s in ("sx_r", "sx_t", "sw_c", "sw_t", "s_conv", "s_slot")}
+    for (bt, wp, tiles), taps_major in itertools.product(((8, 1, 1), (8, 1, 8), (16, 2, 1), (32, 4, 1)), (False, True)):
+        out.append((f"conv block_t {bt} warps {wp} tiles {tiles}{' w [W, C]' if taps_major else ''}",
+                    _branch_conv_kernel, conv_t | ({"sw_c": "constexpr"} if taps_major else {"sw_t": "constexpr"}),
+                    dict(QK=2048, NQK=16, KD=128, VD=128, C=8192, W=4, BT=bt, BD=128, EPS=L2_EPS, EVEN=True,
+                         SPLIT_HALO=True, TILES=tiles) | ({"sw_c": 1} if taps_major else {"sw_t": 1}), wp, 1,
+                    ("x", "w", "conv", "q", "k", "v", "sx_r", "sx_t", "sw_t" if taps_major else "sw_c")))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", help="variants whose name starts with this")
+    args = ap.parse_args()
+    rows = []
+    for name, fn, types, consts, wp, st, aligned in variants():
+        if args.only and not name.startswith(args.only):
+            continue
+        res = build(fn, types, consts, wp, st, aligned)
+        rows.append({"variant": name} | res)
+        print(f"{name:<44}{res['registers']:>5} regs {res['spill_bytes']:>7} B spilled {res['shared']:>8} B shared")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
