@@ -104,12 +104,10 @@ def main() -> None:
         floor = copy_ms(n * c * 2 * 2)
         record("conv", "fla causal_conv1d (+gather)",
                timed(lambda: fla_ops.conv_branch(x, w, bank_conv.index_select(0, slots))), delta_layers, floor)
-        w_taps = w.t().contiguous().t()  # the same weights stored [W, C]: a tap's weights are contiguous
         launches = ((8, 1, 1), (4, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (8, 1, 4), (8, 1, 8), (16, 2, 4))
-        for (bt, wp, tiles), taps_major in sweep(itertools.product(launches, (False, True))):  # the default first
-            record("conv", f"ours block_t {bt} warps {wp} tiles {tiles}{' w [W, C]' if taps_major else ''}",
-                   timed(lambda: branch_conv(x, w_taps if taps_major else w, bank_conv, slots, hk, dk, hv, dv,
-                                             block_t=bt, num_warps=wp, tiles=tiles)), delta_layers, floor)
+        for bt, wp, tiles in sweep(launches):  # the default first
+            record("conv", f"ours block_t {bt} warps {wp} tiles {tiles}", timed(lambda: branch_conv(
+                x, w, bank_conv, slots, hk, dk, hv, dv, block_t=bt, num_warps=wp, tiles=tiles)), delta_layers, floor)
         record("conv", "ours before NOTES 10 (32, 4 warps)", timed(lambda: branch_conv(
             x, w, bank_conv, slots, hk, dk, hv, dv, block_t=32, num_warps=4, split_halo=False)), delta_layers, floor)
 
@@ -140,12 +138,11 @@ def main() -> None:
         starts = (torch.arange(r, device=DEV) // 6) * args.doc_len
         lens = torch.full((r,), args.doc_len, device=DEV)
         flops = 4 * r * t * nh * (args.doc_len + t / 2) * d
-        configs = [(128, 32, 8, 3), (64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)]
-        for (bm, bn, wp, st), lazy in sweep(itertools.product(configs, (False, True))):
+        configs = [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3)]
+        for bm, bn, wp, st in sweep(configs):  # the default first
             ms = timed(lambda: branch_attention(qa, ka, va, pool[0], pool[1], starts, lens, gate=gate, block_m=bm,
-                                                block_n=bn, num_warps=wp, num_stages=st, lazy=lazy))
-            record("attention", f"bm {bm} bn {bn} warps {wp} stages {st}{' lazy' if lazy else ''}", ms,
-                   attn_layers, flops / 760e12 * 1000)
+                                                block_n=bn, num_warps=wp, num_stages=st))
+            record("attention", f"bm {bm} bn {bn} warps {wp} stages {st}", ms, attn_layers, flops / 760e12 * 1000)
 
     if "decay" in args.only:
         # the DeltaNet decay: FLA's fused gate + cumsum against torch's chain + FLA's cumsum

@@ -10,7 +10,6 @@ as Triton specializes them at launch.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import re
 import subprocess
@@ -55,7 +54,7 @@ def build(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: i
 def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     """(name, kernel, types, constexprs, warps, stages, aligned) for our kernels at their defaults and the
     variants under study."""
-    from kevscore.kernels.branch_attn import LOG2E, _branch_attn_kernel  # noqa: F401
+    from kevscore.kernels.branch_attn import _branch_attn_kernel
     from kevscore.kernels.branch_conv import L2_EPS, _branch_conv_kernel
     from kevscore.kernels.state_scan import _indexed_scan_kernel
 
@@ -71,20 +70,15 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     strides = ("sq_r", "sq_t", "sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "sp_t",
                "s_start", "s_len")
     attn_t |= {s: "i32" for s in strides}
-    for bm, bn, wp, st in ((128, 32, 8, 3), (64, 32, 4, 2), (128, 64, 8, 2)):
-        for lazy in (False, True):
-            out.append((f"attention bm {bm} bn {bn} warps {wp} stages {st}{' lazy' if lazy else ''}",
-                        _branch_attn_kernel, attn_t,
-                        dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True, LAZY=lazy), wp, st,
-                        tuple(attn_t)[:7] + strides[:-2]))
+    for bm, bn, wp, st in ((128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)):
+        out.append((f"attention bm {bm} bn {bn} warps {wp} stages {st}", _branch_attn_kernel, attn_t,
+                    dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True), wp, st, tuple(attn_t)[:7] + strides[:-2]))
     conv_t = {n: "*bf16" for n in ("x", "w", "conv", "q", "k", "v")} | {"slots": "*i64", "T": "i32"}
-    conv_t |= {s: "i32" for s in ("sx_r", "sx_t", "sw_c", "sw_t", "s_conv", "s_slot")}
-    for (bt, wp, tiles), taps_major in itertools.product(((8, 1, 1), (8, 1, 8), (16, 2, 1), (32, 4, 1)), (False, True)):
-        out.append((f"conv block_t {bt} warps {wp} tiles {tiles}{' w [W, C]' if taps_major else ''}",
-                    _branch_conv_kernel, conv_t | ({"sw_c": "constexpr"} if taps_major else {"sw_t": "constexpr"}),
+    conv_t |= {s: "i32" for s in ("sx_r", "sx_t", "s_conv", "s_slot")}
+    for bt, wp, tiles in ((8, 1, 1), (4, 1, 1), (16, 2, 1), (8, 1, 8)):
+        out.append((f"conv block_t {bt} warps {wp} tiles {tiles}", _branch_conv_kernel, conv_t,
                     dict(QK=2048, NQK=16, KD=128, VD=128, C=8192, W=4, BT=bt, BD=128, EPS=L2_EPS, EVEN=True,
-                         SPLIT_HALO=True, TILES=tiles) | ({"sw_c": 1} if taps_major else {"sw_t": 1}), wp, 1,
-                    ("x", "w", "conv", "q", "k", "v", "sx_r", "sx_t", "sw_t" if taps_major else "sw_c")))
+                         SPLIT_HALO=True, TILES=tiles), wp, 1, ("x", "w", "conv", "q", "k", "v", "sx_r", "sx_t")))
     return out
 
 

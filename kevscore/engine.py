@@ -224,8 +224,10 @@ class Engine:
                             prefix=ladder(max(prefix_len[r] for r in part)))
                 self._score_batch(enc, sub, slot_of, prefix_len, path, scores, progress)
             return
-        probs = torch.softmax(logits.double(), -1).cpu()
-        mass = torch.exp(torch.logsumexp(logits.double(), -1) - lse.double()).cpu()
+        host = torch.cat([logits, lse[:, None]], 1).cpu().double()  # one read back, then float64 on the host
+        logits, lse = host[:, :-1], host[:, -1]
+        probs = torch.softmax(logits, -1)
+        mass = torch.exp(torch.logsumexp(logits, -1) - lse)
         for i, r in enumerate(batch.rows):
             scores.probs[r] = probs[i, : len(enc.label_ids[r])].tolist()
             scores.label_mass[r] = float(mass[i])

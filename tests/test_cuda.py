@@ -62,6 +62,29 @@ def test_indexed_scan_bitwise_equals_fla(dims, rows, t, dtype):
     assert torch.equal(bank, snapshot)
 
 
+@pytest.mark.parametrize("dims", [(16, 32, 128, 128), (2, 4, 64, 64)], ids=["kev4b", "demo"])
+def test_wy_repr_with_a_reused_buffer_equals_fla(dims):
+    """fla_ops.wy_repr keeps one zeroed A buffer per shape across calls; w and u stay FLA's to the bit, call
+    after call with new inputs, at two shapes (their buffers must not mix)."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from kevscore.kernels import fla_ops
+
+    h, hv, dk, dv = dims
+    for seed, (rows, t) in enumerate([(3, 64), (5, 129), (3, 64), (5, 129), (1, 17)]):
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        k = torch.nn.functional.normalize(torch.randn(rows, t, h, dk, generator=gen, device=DEV), dim=-1).bfloat16()
+        v = torch.randn(rows, t, hv, dv, generator=gen, device=DEV).bfloat16()
+        g = -torch.nn.functional.softplus(torch.randn(rows, t, hv, generator=gen, device=DEV))
+        gc = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2)
+        beta = torch.rand(rows, t, hv, generator=gen, device=DEV).bfloat16()
+        w, u = fla_ops.wy_repr(k, v, gc, beta)
+        w_ref, u_ref, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=64)
+        assert torch.equal(w, w_ref) and torch.equal(u, u_ref), (rows, t)
+
+
 def test_indexed_scan_matches_torch_reference():
     from kevscore.kernels import gdr_ref
     from kevscore.kernels.state_scan import state_scan_indexed

@@ -15,23 +15,10 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale, LAZY: tl.constexpr):
-    """One K/V tile of the online softmax. LAZY: the running max moves (and acc and l are rescaled) only when
-    some row's max grew by more than 2^8 since the last move, so most tiles skip the [BM, D] rescale; the
-    exponentials stay below 2^8, and l and acc always share one max, so the quotient is the same softmax."""
+def _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale):
     s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(b_m, tl.max(s, 1))
-    if LAZY:
-        if tl.max(m_new - b_m, 0) > 8.0:  # the first tile always moves it (b_m starts at -inf)
-            alpha = tl.math.exp2(b_m - m_new)
-            b_l = b_l * alpha
-            acc = acc * alpha[:, None]
-            b_m = m_new
-        p = tl.math.exp2(s - b_m[:, None])
-        b_l = b_l + tl.sum(p, 1)
-        acc = tl.dot(p.to(b_v.dtype), b_v, acc)
-        return b_m, b_l, acc
     alpha = tl.math.exp2(b_m - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     b_l = b_l * alpha + tl.sum(p, 1)
@@ -43,7 +30,7 @@ def _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale, LAZY: tl.conste
 def _branch_attn_kernel(q, k, v, o, gate, pool_k, pool_v, kv_start, kv_len, T, qk_scale,
                         sq_r, sq_t, sk_r, sk_t, sv_r, sv_t, so_r, so_t, sg_r, sg_t, sg_h, sp_t, s_start, s_len,
                         NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        HAS_GATE: tl.constexpr, LAZY: tl.constexpr):
+                        HAS_GATE: tl.constexpr):
     i_m, i_rh = tl.program_id(0), tl.program_id(1)
     i_r, i_kv = i_rh // NKV, i_rh % NKV
     o_m = i_m * BM + tl.arange(0, BM)
@@ -64,7 +51,7 @@ def _branch_attn_kernel(q, k, v, o, gate, pool_k, pool_v, kv_start, kv_len, T, q
         p_kv = (start + o_n)[:, None] * sp_t + i_kv * D + o_d[None, :]
         b_k = tl.load(pool_k + p_kv, mask=m_n[:, None], other=0.0)
         b_v = tl.load(pool_v + p_kv, mask=m_n[:, None], other=0.0)
-        b_m, b_l, acc = _online_block(b_q, b_k, b_v, m_n[None, :], b_m, b_l, acc, qk_scale, LAZY)
+        b_m, b_l, acc = _online_block(b_q, b_k, b_v, m_n[None, :], b_m, b_l, acc, qk_scale)
 
     t_hi = tl.minimum((i_m * BM + BM - 1) // G + 1, T)
     for n0 in range(0, t_hi, BN):  # the branch itself, causally
@@ -75,7 +62,7 @@ def _branch_attn_kernel(q, k, v, o, gate, pool_k, pool_v, kv_start, kv_len, T, q
         b_v = tl.load(v + i_r.to(tl.int64) * sv_r + o_n[:, None] * sv_t + i_kv * D + o_d[None, :],
                       mask=m_n[:, None], other=0.0)
         valid = (o_n[None, :] <= t_m[:, None]) & m_n[None, :]
-        b_m, b_l, acc = _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale, LAZY)
+        b_m, b_l, acc = _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale)
 
     out = acc / b_l[:, None]
     if HAS_GATE:  # the layer's output gate, read in place from the q|gate projection
@@ -87,13 +74,13 @@ def _branch_attn_kernel(q, k, v, o, gate, pool_k, pool_v, kv_start, kv_len, T, q
 
 def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: torch.Tensor,
                      pool_v: torch.Tensor, kv_start: torch.Tensor, kv_len: torch.Tensor,
-                     gate: torch.Tensor | None = None, block_m: int = 128, block_n: int = 32, num_warps: int = 8,
-                     num_stages: int = 3, lazy: bool = False) -> torch.Tensor:
+                     gate: torch.Tensor | None = None, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
+                     num_stages: int = 2) -> torch.Tensor:
     """q [R, T, NH, D]; k, v [R, T, NKV, D] (token and row strides free, heads packed); gate: None or
     [R, T, NH, D] with channels contiguous (any other strides): the output is multiplied by sigmoid(gate);
     pool_k, pool_v [tokens, NKV, D]; row r's document is pool[kv_start[r] : kv_start[r] + kv_len[r]];
     kv_start and kv_len are 1-D with any stride (the runner passes columns of its upload buffer).
-    lazy: rescale the running sums only when a row's max grew by more than 2^8 (`_online_block`)."""
+    Launch defaults from `benchmarks/bench_kernels.py --only attention` (NOTES.md 12)."""
     r, t, nh, d = q.shape
     nkv = k.shape[2]
     for x in (q, k, v):
@@ -109,5 +96,5 @@ def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: 
                               d ** -0.5 * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
                               v.stride(1), o.stride(0), o.stride(1), *sg, pool_k.stride(0), kv_start.stride(0),
                               kv_len.stride(0), NKV=nkv, G=g, D=d, BM=block_m, BN=block_n, HAS_GATE=gate is not None,
-                              LAZY=lazy, num_warps=num_warps, num_stages=num_stages)
+                              num_warps=num_warps, num_stages=num_stages)
     return o

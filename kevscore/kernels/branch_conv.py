@@ -19,41 +19,30 @@ L2_EPS = 1e-6
 
 
 @triton.jit
-def _tap(b_y, p_x, sx_t, p_conv, b_w, i_w, o_t, o_c, m_d, T, W: tl.constexpr, EVEN: tl.constexpr,
-         STATE: tl.constexpr):
-    """b_y + the tap i_w (-W+1 .. 0) of every output: x[t + i_w] times its fp32 weight. STATE: the tile reaches
-    back before the branch's first token, so the document's last W-1 conv inputs are read from the bank entry
-    too (a per-element gather; tiles that cannot need it skip it)."""
-    o_x = o_t + i_w
-    m_x = (o_x >= 0) & (o_x < T)
-    if EVEN:  # whole heads: the mask is constant along channels, so loads stay vectorized
-        b_x = tl.load(p_x + o_x[:, None] * sx_t + o_c[None, :], mask=m_x[:, None], other=0.0).to(tl.float32)
-    else:
-        b_x = tl.load(p_x + o_x[:, None] * sx_t + o_c[None, :], mask=m_x[:, None] & m_d[None, :],
-                      other=0.0).to(tl.float32)
-    if STATE:  # x and the state never overlap, so adding them is exact
-        m_s = ((o_x < 0) & (o_x + W - 1 >= 0))[:, None] & m_d[None, :]
-        b_x += tl.load(p_conv + o_c[None, :] * (W - 1) + (o_x + W - 1)[:, None], mask=m_s, other=0.0).to(tl.float32)
-    return b_y + b_x * b_w[None, :]
-
-
-@triton.jit
-def _taps(p_x, sx_t, p_conv, w0, w1, w2, w3, o_t, o_c, m_d, T, W: tl.constexpr, BT: tl.constexpr,
-          BD: tl.constexpr, EVEN: tl.constexpr, STATE: tl.constexpr):
-    """fp32 sum over the taps, oldest first as FLA accumulates them (W <= 4; w0 is the oldest tap's weight)."""
+def _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+          EVEN: tl.constexpr, STATE: tl.constexpr):
+    """fp32 sum over the taps, oldest first as FLA accumulates them. STATE: the tile reaches back before the
+    branch's first token, so the document's last W-1 conv inputs are read from the bank entry too (a
+    per-element gather; tiles that cannot need it skip it)."""
     b_y = tl.zeros([BT, BD], dtype=tl.float32)
-    b_y = _tap(b_y, p_x, sx_t, p_conv, w0, -W + 1, o_t, o_c, m_d, T, W, EVEN, STATE)
-    if W > 1:
-        b_y = _tap(b_y, p_x, sx_t, p_conv, w1, -W + 2, o_t, o_c, m_d, T, W, EVEN, STATE)
-    if W > 2:
-        b_y = _tap(b_y, p_x, sx_t, p_conv, w2, -W + 3, o_t, o_c, m_d, T, W, EVEN, STATE)
-    if W > 3:
-        b_y = _tap(b_y, p_x, sx_t, p_conv, w3, -W + 4, o_t, o_c, m_d, T, W, EVEN, STATE)
+    for i_w in tl.static_range(-W + 1, 1):
+        o_x = o_t + i_w
+        m_x = (o_x >= 0) & (o_x < T)
+        if EVEN:  # whole heads: the mask is constant along channels, so loads stay vectorized
+            b_x = tl.load(p_x + o_x[:, None] * sx_t + o_c[None, :], mask=m_x[:, None], other=0.0).to(tl.float32)
+        else:
+            b_x = tl.load(p_x + o_x[:, None] * sx_t + o_c[None, :], mask=m_x[:, None] & m_d[None, :],
+                          other=0.0).to(tl.float32)
+        if STATE:  # x and the state never overlap, so adding them is exact
+            m_s = ((o_x < 0) & (o_x + W - 1 >= 0))[:, None] & m_d[None, :]
+            b_x += tl.load(p_conv + o_c[None, :] * (W - 1) + (o_x + W - 1)[:, None], mask=m_s, other=0.0).to(tl.float32)
+        b_w = tl.load(w + o_c * W + (i_w + W - 1), mask=m_d, other=0.0).to(tl.float32)
+        b_y += b_x * b_w[None, :]
     return b_y
 
 
 @triton.jit
-def _branch_conv_kernel(x, sx_r, sx_t, w, sw_c, sw_t, conv, s_conv, slots, s_slot, q, k, v, T,
+def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T,
                         QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
                         C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr,
                         EVEN: tl.constexpr, SPLIT_HALO: tl.constexpr, TILES: tl.constexpr):
@@ -69,22 +58,17 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, sw_c, sw_t, conv, s_conv, slots, s_slo
     slot = tl.load(slots + i_r * s_slot).to(tl.int64)
     p_x = x + i_r.to(tl.int64) * sx_r
     p_conv = conv + slot * s_conv
-    # the taps' weights, oldest first, loaded once for all of the program's tiles
-    w0 = tl.load(w + o_c * sw_c, mask=m_d, other=0.0).to(tl.float32)
-    w1 = tl.load(w + o_c * sw_c + sw_t, mask=m_d & (W > 1), other=0.0).to(tl.float32)
-    w2 = tl.load(w + o_c * sw_c + 2 * sw_t, mask=m_d & (W > 2), other=0.0).to(tl.float32)
-    w3 = tl.load(w + o_c * sw_c + 3 * sw_t, mask=m_d & (W > 3), other=0.0).to(tl.float32)
     for j in range(TILES):  # TILES consecutive time tiles of BT tokens per program
         i_t = i_g * TILES + j
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         if SPLIT_HALO:  # only the first tile(s) of a branch reach back into the document
             if i_t * BT >= W - 1:
-                b_y = _taps(p_x, sx_t, p_conv, w0, w1, w2, w3, o_t, o_c, m_d, T, W, BT, BD, EVEN, False)
+                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, False)
             else:
-                b_y = _taps(p_x, sx_t, p_conv, w0, w1, w2, w3, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
+                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
         else:
-            b_y = _taps(p_x, sx_t, p_conv, w0, w1, w2, w3, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
+            b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
         b_y = b_y * tl.sigmoid(b_y)
         b_y = b_y.to(q.dtype.element_ty).to(tl.float32)  # the conv output is rounded before the l2 norm reads it
         if is_qk:
@@ -106,22 +90,21 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, sw_c, sw_t, conv, s_conv, slots, s_slo
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
                 hk: int, dk: int, hv: int, dv: int, block_t: int = 8, num_warps: int = 1,
                 split_halo: bool = True, tiles: int = 1) -> tuple[torch.Tensor, ...]:
-    """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W] with W <= 4 and any strides (a
-    transposed view of a contiguous [W, C] tensor gives vector loads), bank_conv [E, C, W-1] (the
+    """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
     k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv]), all contiguous. Launch: tiles of `block_t` tokens x one head,
     `tiles` consecutive tiles per program; `split_halo`: only tiles that reach before the branch read the
     bank (the same bits either way). Defaults from `benchmarks/bench_kernels.py --only conv` (NOTES.md 10)."""
     r, t, c = x.shape
     width = weight.shape[1]
-    assert x.stride(2) == 1 and weight.shape == (c, width) and width <= 4 and c == 2 * hk * dk + hv * dv
+    assert x.stride(2) == 1 and weight.is_contiguous() and c == 2 * hk * dk + hv * dv
     assert bank_conv.stride()[1:] == (width - 1, 1)
     q = torch.empty(r, t, hk, dk, dtype=x.dtype, device=x.device)
     k = torch.empty_like(q)
     v = torch.empty(r, t, hv, dv, dtype=x.dtype, device=x.device)
     bd = triton.next_power_of_2(max(dk, dv))
     grid = (triton.cdiv(t, block_t * tiles), 2 * hk + hv, r)
-    _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, *weight.stride(), bank_conv, bank_conv.stride(0), slots,
+    _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, bank_conv, bank_conv.stride(0), slots,
                               slots.stride(0), q, k, v, t, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
                               BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd,
                               SPLIT_HALO=split_halo, TILES=tiles, num_warps=num_warps)

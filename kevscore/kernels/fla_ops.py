@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # always FLA's own Triton kernels
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from fla.modules.activations import swiglu_fwd  # noqa: E402
 from fla.modules.conv.causal_conv1d import causal_conv1d  # noqa: E402
@@ -21,7 +22,8 @@ from fla.modules.l2norm import l2norm_fwd  # noqa: E402
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h  # noqa: E402
 from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
-from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra  # noqa: E402
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel  # noqa: E402
+from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd  # noqa: E402
 from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum  # noqa: E402
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
@@ -109,13 +111,36 @@ def gate_cumsum(gate) -> torch.Tensor:
     return gdn_gate_chunk_cumsum(a, A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
 
 
+_ZERO_A: dict[tuple, torch.Tensor] = {}
+
+
+def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, u): FLA 0.5.2's `chunk_gated_delta_rule_fwd_intra` for 64-token chunks of equal-length rows, its two
+    kernels called as it calls them, except for the buffer A of the solved (I + A)^-1 blocks. FLA zero-fills a
+    new one per call, because its kernel writes only the blocks on and below the diagonal; here one buffer per
+    shape is zeroed once, outside any graph capture, and reused: the kernel writes the same blocks every time,
+    so the others stay zero. That drops a 25 MB fill (and a graph node) per DeltaNet layer. Same bits.
+    The buffers live as long as the process (captured graphs hold their addresses): one per (rows, length)
+    bucket, 4 KB per token at the Kev-4B shape, as much as one of the layer's [tokens, 2048] activations."""
+    b, t, h, kd = k.shape
+    hv = beta.shape[2]
+    key = (b, t, hv, k.dtype, k.device)
+    a = _ZERO_A.get(key)
+    if a is None:
+        a = torch.zeros(b, t, hv, CHUNK, device=k.device, dtype=k.dtype)
+        if not torch.cuda.is_current_stream_capturing():  # (memory of a capture's pool is not kept)
+            _ZERO_A[key] = a
+    chunk_gated_delta_rule_fwd_kkt_solve_kernel[(triton.cdiv(t, CHUNK), b * hv)](
+        k=k, g=gc, beta=beta, A=a, cu_seqlens=None, chunk_indices=None, T=t, H=h, HV=hv, K=kd, BT=CHUNK, BC=16)
+    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=gc, cu_seqlens=None, chunk_indices=None)
+
+
 def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
     """FLA's forward up to the state scan, given the gate cumsum: l2norm (unless done), WY representation."""
     if not qk_normed:
         q, _ = l2norm_fwd(q.contiguous())
         k, _ = l2norm_fwd(k.contiguous())
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v.contiguous(), g=gc, beta=beta.contiguous(),
-                                               chunk_size=CHUNK)
+    w, u = wy_repr(k.contiguous(), v.contiguous(), gc, beta.contiguous())
     return q, k, w, u, gc
 
 

