@@ -75,7 +75,7 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
                     dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True), wp, st, tuple(attn_t)[:7] + strides[:-2]))
     conv_t = {n: "*bf16" for n in ("x", "w", "conv", "q", "k", "v")} | {"slots": "*i64", "T": "i32"}
     conv_t |= {s: "i32" for s in ("sx_r", "sx_t", "s_conv", "s_slot")}
-    for bt, wp, tiles in ((8, 1, 1), (4, 1, 1), (16, 2, 1), (8, 1, 8)):
+    for bt, wp, tiles in ((4, 1, 1), (8, 1, 1), (16, 2, 1), (8, 1, 8)):
         out.append((f"conv block_t {bt} warps {wp} tiles {tiles}", _branch_conv_kernel, conv_t,
                     dict(QK=2048, NQK=16, KD=128, VD=128, C=8192, W=4, BT=bt, BD=128, EPS=L2_EPS, EVEN=True,
                          SPLIT_HALO=True, TILES=tiles), wp, 1, ("x", "w", "conv", "q", "k", "v", "sx_r", "sx_t")))

@@ -88,13 +88,13 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
 
 
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
-                hk: int, dk: int, hv: int, dv: int, block_t: int = 8, num_warps: int = 1,
+                hk: int, dk: int, hv: int, dv: int, block_t: int = 4, num_warps: int = 1,
                 split_halo: bool = True, tiles: int = 1) -> tuple[torch.Tensor, ...]:
     """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
     k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv]), all contiguous. Launch: tiles of `block_t` tokens x one head,
     `tiles` consecutive tiles per program; `split_halo`: only tiles that reach before the branch read the
-    bank (the same bits either way). Defaults from `benchmarks/bench_kernels.py --only conv` (NOTES.md 10)."""
+    bank (the same bits either way). Defaults from `benchmarks/bench_kernels.py --only conv` (NOTES.md 10, 12)."""
     r, t, c = x.shape
     width = weight.shape[1]
     assert x.stride(2) == 1 and weight.is_contiguous() and c == 2 * hk * dk + hv * dv
