@@ -18,6 +18,38 @@ from fla.ops.utils.op import exp2
 CHUNK = 64
 
 
+@triton.jit
+def _publish_and_predict(p_h, w, v, v_new, b_h1, b_h2, b_h3, b_h4, i_t, T, o_v, m_v, o_k1, o_k2, o_k3, o_k4,
+                         m_k1, m_k2, m_k3, m_k4, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BT: tl.constexpr):
+    """Store the state entering chunk i_t at p_h, then its values corrected by that state: v_new = v - w @ h.
+    Returns them in fp32, with the chunk's token offsets and mask."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    tl.store(p_h + o_k1[:, None] * V, b_h1.to(p_h.dtype.element_ty), mask=m_k1[:, None] & m_v[None, :])
+    if K > 64:
+        tl.store(p_h + o_k2[:, None] * V, b_h2.to(p_h.dtype.element_ty), mask=m_k2[:, None] & m_v[None, :])
+    if K > 128:
+        tl.store(p_h + o_k3[:, None] * V, b_h3.to(p_h.dtype.element_ty), mask=m_k3[:, None] & m_v[None, :])
+    if K > 192:
+        tl.store(p_h + o_k4[:, None] * V, b_h4.to(p_h.dtype.element_ty), mask=m_k4[:, None] & m_v[None, :])
+    b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.0)
+    b_v = tl.dot(b_w, b_h1.to(b_w.dtype))
+    if K > 64:
+        b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0.0)
+        b_v += tl.dot(b_w, b_h2.to(b_w.dtype))
+    if K > 128:
+        b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :], other=0.0)
+        b_v += tl.dot(b_w, b_h3.to(b_w.dtype))
+    if K > 192:
+        b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :], other=0.0)
+        b_v += tl.dot(b_w, b_h4.to(b_w.dtype))
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_v = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0) - b_v
+    tl.store(v_new + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv)
+    return b_v, o_t, m_t
+
+
 @triton.jit(do_not_specialize=["T"])
 def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_stride, T,
                          H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -43,77 +75,57 @@ def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_s
     o_k2, o_k3, o_k4 = 64 + o_k1, 128 + o_k1, 192 + o_k1
     m_k1, m_k2, m_k3, m_k4 = o_k1 < K, o_k2 < K, o_k3 < K, o_k4 < K
 
-    # state blocks of 64 key rows each, accumulated from zero as FLA does
+    # state blocks of 64 key rows each, accumulated from zero as FLA does (blocks past K stay unused zeros)
     b_h1 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h2 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h3 = tl.zeros([64, BV], dtype=tl.float32)
+    b_h4 = tl.zeros([64, BV], dtype=tl.float32)
     b_h1 += tl.load(h0 + o_k1[:, None] * V + o_v[None, :], mask=m_k1[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     if K > 64:
-        b_h2 = tl.zeros([64, BV], dtype=tl.float32)
         b_h2 += tl.load(h0 + o_k2[:, None] * V + o_v[None, :], mask=m_k2[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     if K > 128:
-        b_h3 = tl.zeros([64, BV], dtype=tl.float32)
         b_h3 += tl.load(h0 + o_k3[:, None] * V + o_v[None, :], mask=m_k3[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     if K > 192:
-        b_h4 = tl.zeros([64, BV], dtype=tl.float32)
         b_h4 += tl.load(h0 + o_k4[:, None] * V + o_v[None, :], mask=m_k4[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
-    # the update after the last chunk would only feed the final state, which is never written: skipped
-    n_update = NT if FINAL_UPDATE else NT - 1
-    for i_t in range(NT):
-        p_h = h + o_v[None, :]
+    # every chunk but the last: publish, predict, update. The update after the last chunk would only feed
+    # the final state, which is never written, so the last chunk is peeled off below without it (a loop
+    # rather than a branch around the dots: Triton 3.6 cannot compile the latter for fp32 on 2 warps)
+    for i_t in range(NT if FINAL_UPDATE else NT - 1):
+        b_v, o_t, m_t = _publish_and_predict(h + o_v[None, :], w, v, v_new, b_h1, b_h2, b_h3, b_h4, i_t, T, o_v,
+                                             m_v, o_k1, o_k2, o_k3, o_k4, m_k1, m_k2, m_k3, m_k4, HV, K, V, BT)
         h += HV * K * V  # the next chunk's state (64-bit pointer arithmetic)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        # publish the state entering this chunk, then predict the chunk's values from it
-        tl.store(p_h + o_k1[:, None] * V, b_h1.to(h.dtype.element_ty), mask=m_k1[:, None] & m_v[None, :])
-        if K > 64:
-            tl.store(p_h + o_k2[:, None] * V, b_h2.to(h.dtype.element_ty), mask=m_k2[:, None] & m_v[None, :])
-        if K > 128:
-            tl.store(p_h + o_k3[:, None] * V, b_h3.to(h.dtype.element_ty), mask=m_k3[:, None] & m_v[None, :])
-        if K > 192:
-            tl.store(p_h + o_k4[:, None] * V, b_h4.to(h.dtype.element_ty), mask=m_k4[:, None] & m_v[None, :])
-        b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.0)
-        b_v = tl.dot(b_w, b_h1.to(b_w.dtype))
-        if K > 64:
-            b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0.0)
-            b_v += tl.dot(b_w, b_h2.to(b_w.dtype))
-        if K > 128:
-            b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :], other=0.0)
-            b_v += tl.dot(b_w, b_h3.to(b_w.dtype))
-        if K > 192:
-            b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :], other=0.0)
-            b_v += tl.dot(b_w, b_h4.to(b_w.dtype))
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_v = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0) - b_v
-        tl.store(v_new + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv)
 
-        if i_t < n_update:
-            # decay the state to the chunk's end and the new values to their distance from it
-            last = min((i_t + 1) * BT, T) - 1
-            b_g_last = tl.load(g + (bos * HV + last * HV + i_h).to(tl.int64)).to(tl.float32)
-            b_g = tl.load(g + (bos * HV + i_h).to(tl.int64) + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-            b_vd = b_v * tl.where(m_t, exp2(b_g_last - b_g), 0)[:, None]
-            b_g_last = exp2(b_g_last)
-            b_h1 *= b_g_last
-            if K > 64:
-                b_h2 *= b_g_last
-            if K > 128:
-                b_h3 *= b_g_last
-            if K > 192:
-                b_h4 *= b_g_last
-            b_vd = b_vd.to(k.dtype.element_ty)  # a new name: b_v stays fp32 outside this branch
+        # decay the state to the chunk's end and the new values to their distance from it
+        last = min((i_t + 1) * BT, T) - 1
+        b_g_last = tl.load(g + (bos * HV + last * HV + i_h).to(tl.int64)).to(tl.float32)
+        b_g = tl.load(g + (bos * HV + i_h).to(tl.int64) + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_v = b_v * tl.where(m_t, exp2(b_g_last - b_g), 0)[:, None]
+        b_g_last = exp2(b_g_last)
+        b_h1 *= b_g_last
+        if K > 64:
+            b_h2 *= b_g_last
+        if K > 128:
+            b_h3 *= b_g_last
+        if K > 192:
+            b_h4 *= b_g_last
+        b_v = b_v.to(k.dtype.element_ty)
 
-            # add the chunk's keys times its corrected values
-            b_k = tl.load(k + o_k1[:, None] + o_t[None, :] * (H * K), mask=m_k1[:, None] & m_t[None, :], other=0.0)
-            b_h1 += tl.dot(b_k, b_vd)
-            if K > 64:
-                b_k = tl.load(k + o_k2[:, None] + o_t[None, :] * (H * K), mask=m_k2[:, None] & m_t[None, :], other=0.0)
-                b_h2 += tl.dot(b_k, b_vd)
-            if K > 128:
-                b_k = tl.load(k + o_k3[:, None] + o_t[None, :] * (H * K), mask=m_k3[:, None] & m_t[None, :], other=0.0)
-                b_h3 += tl.dot(b_k, b_vd)
-            if K > 192:
-                b_k = tl.load(k + o_k4[:, None] + o_t[None, :] * (H * K), mask=m_k4[:, None] & m_t[None, :], other=0.0)
-                b_h4 += tl.dot(b_k, b_vd)
+        # add the chunk's keys times its corrected values
+        b_k = tl.load(k + o_k1[:, None] + o_t[None, :] * (H * K), mask=m_k1[:, None] & m_t[None, :], other=0.0)
+        b_h1 += tl.dot(b_k, b_v)
+        if K > 64:
+            b_k = tl.load(k + o_k2[:, None] + o_t[None, :] * (H * K), mask=m_k2[:, None] & m_t[None, :], other=0.0)
+            b_h2 += tl.dot(b_k, b_v)
+        if K > 128:
+            b_k = tl.load(k + o_k3[:, None] + o_t[None, :] * (H * K), mask=m_k3[:, None] & m_t[None, :], other=0.0)
+            b_h3 += tl.dot(b_k, b_v)
+        if K > 192:
+            b_k = tl.load(k + o_k4[:, None] + o_t[None, :] * (H * K), mask=m_k4[:, None] & m_t[None, :], other=0.0)
+            b_h4 += tl.dot(b_k, b_v)
+    if not FINAL_UPDATE:  # the last chunk: publish and predict only
+        _publish_and_predict(h + o_v[None, :], w, v, v_new, b_h1, b_h2, b_h3, b_h4, NT - 1, T, o_v, m_v,
+                             o_k1, o_k2, o_k3, o_k4, m_k1, m_k2, m_k3, m_k4, HV, K, V, BT)
 
 
 _FLA_CONFIGS: dict[tuple, triton.Config] = {}
