@@ -8,6 +8,7 @@ name and element index).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import heapq
 import json
@@ -352,27 +353,30 @@ def _complete(path: Path) -> bool:
 
 
 def demo_checkpoint_dir(cache_root: Path | None = None) -> Path:
-    """The demo checkpoint in the cache ($KEVSCORE_CACHE or ~/.cache/kevscore), built atomically on first use."""
+    """The demo checkpoint in the cache ($KEVSCORE_CACHE or ~/.cache/kevscore), built atomically on first use.
+
+    Builders serialize on a flock and re-check under it, so a complete directory is never moved while another
+    process reads it (parallel test workers all ask for it at once); only an incomplete one is replaced."""
     root = Path(cache_root or os.environ.get("KEVSCORE_CACHE") or Path.home() / ".cache" / "kevscore")
     target = root / DEMO_NAME
     if _complete(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.", dir=root))
+    fd = os.open(root / f".{DEMO_NAME}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        build_demo_checkpoint(tmp)
-        if target.exists():  # incomplete: move it aside first, so the rename below stays atomic
-            stale = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.stale.", dir=root))
-            try:
-                os.rename(target, stale / "old")
-            except OSError:
-                pass  # another process moved or replaced it
-            shutil.rmtree(stale, ignore_errors=True)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if _complete(target):  # built by another process while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.", dir=root))
         try:
+            build_demo_checkpoint(tmp)
+            if target.exists():  # incomplete (a build killed mid-way, by hand): move it aside, then rename
+                stale = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.stale.", dir=root))
+                os.rename(target, stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
             os.rename(tmp, target)
-        except OSError:
-            if not _complete(target):  # someone else's directory, but not a finished one
-                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
     return target

@@ -131,7 +131,29 @@ def test_cache_dir_builds_once_and_repairs(tmp_path: Path, monkeypatch: pytest.M
     (first / "tokenizer.json").unlink()
     assert demo_checkpoint_dir(tmp_path) == first
     assert {p.name for p in first.iterdir()} == FILES
-    assert [p.name for p in tmp_path.iterdir()] == [DEMO_NAME]  # no temporary directories left behind
+    lock = f".{DEMO_NAME}.lock"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [lock, DEMO_NAME]  # no temporary directories left behind
     monkeypatch.setenv("KEVSCORE_CACHE", str(tmp_path))
     assert demo_checkpoint_dir() == first
-    assert os.listdir(tmp_path) == [DEMO_NAME]
+    assert sorted(os.listdir(tmp_path)) == [lock, DEMO_NAME]
+
+
+def _build_and_read(root: str, barrier) -> tuple[int, int, int]:
+    barrier.wait()
+    ckpt = demo_checkpoint_dir(Path(root))
+    sizes = sum(len((ckpt / name).read_bytes()) for name in sorted(FILES))  # raises if a file vanished
+    stat = (ckpt / "model.safetensors").stat()
+    return stat.st_ino, stat.st_mtime_ns, sizes  # which build this process read
+
+
+def test_cache_dir_built_once_by_concurrent_processes(tmp_path: Path) -> None:
+    """Parallel test workers ask for the checkpoint at the same moment: one builds it, the others wait and read
+    that same directory; none moves a complete one away from under a reader."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(4)
+        with ctx.Pool(4) as pool:
+            got = pool.starmap(_build_and_read, [(str(tmp_path), barrier)] * 4)
+    assert len(set(got)) == 1, got
