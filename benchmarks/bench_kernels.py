@@ -105,9 +105,13 @@ def main() -> None:
         record("conv", "fla causal_conv1d (+gather)",
                timed(lambda: fla_ops.conv_branch(x, w, bank_conv.index_select(0, slots))), delta_layers, floor)
         launches = ((4, 1, 1), (8, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (8, 1, 4), (8, 1, 8), (16, 2, 4))
+        b = proj[..., c + cfg.value_dim: c + cfg.value_dim + hv]  # the layer's b columns
         for bt, wp, tiles in sweep(launches):  # the default first
             record("conv", f"ours block_t {bt} warps {wp} tiles {tiles}", timed(lambda: branch_conv(
-                x, w, bank_conv, slots, hk, dk, hv, dv, block_t=bt, num_warps=wp, tiles=tiles)), delta_layers, floor)
+                x, w, bank_conv, slots, hk, dk, hv, dv, b=b, block_t=bt, num_warps=wp, tiles=tiles)), delta_layers,
+                floor)
+        record("conv", "ours default without beta", timed(lambda: branch_conv(
+            x, w, bank_conv, slots, hk, dk, hv, dv)), delta_layers, floor)
         record("conv", "ours before NOTES 10 (32, 4 warps)", timed(lambda: branch_conv(
             x, w, bank_conv, slots, hk, dk, hv, dv, block_t=32, num_warps=4, split_halo=False)), delta_layers, floor)
 

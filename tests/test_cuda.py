@@ -281,10 +281,16 @@ def test_fused_branch_conv_matches_fla_conv_and_l2norm(dims, t):
     bank = torch.randn(7, c, 3, generator=gen, device=DEV).to(torch.bfloat16)
     upload = torch.randint(0, 7, (rows, 9), device=DEV)
     slots = upload[:, 3]
-    q, k, v = branch_conv(x, w, bank, slots, hk, dk, hv, dv)
-    # tiles past the first skip the bank read: the same bits as every tile reading it
-    every = branch_conv(x, w, bank, slots, hk, dk, hv, dv, split_halo=False)
+    b = proj[..., c + 5: c + 5 + hv]  # the layer's b columns, also a strided slice
+    q, k, v, beta = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b)
+    # tiles past the first skip the bank read: the same bits as every tile reading it; the beta programs
+    # change nothing else
+    *every, _ = branch_conv(x, w, bank, slots, hk, dk, hv, dv, split_halo=False)
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), every))
+    # beta: Triton's exp is an approximation where torch's is exact to the float, so one bf16 rounding apart at most
+    ref_beta = torch.sigmoid(b)
+    assert beta.is_contiguous() and torch.allclose(beta.float(), ref_beta.float(), rtol=2 ** -7, atol=0)
+    print(f"beta: {(beta != ref_beta).sum().item()} of {beta.numel()} differ from torch's sigmoid by one rounding")
     y = fla_ops.conv_branch(x, w, bank.index_select(0, slots))
     rq, rk, rv = y.split([hk * dk, hk * dk, hv * dv], -1)
     rq = l2norm_fwd(rq.reshape(rows, t, hk, dk).contiguous())[0]

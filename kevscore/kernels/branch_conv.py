@@ -1,12 +1,14 @@
 """Fused DeltaNet branch front end: causal conv from the bank's conv state, SiLU, the q/k/v split and the
-l2 normalization of q and k, in one pass.
+l2 normalization of q and k, in one pass; optionally also beta = sigmoid(b) of the same projection output.
 
 It reads the projection output in place (a strided slice), each row's conv state straight from the bank
 by its slot (no gather, no padding copy), and writes q and k (l2-normalized per head) and v, each
 contiguous, as the chunk pipeline wants them. Per element it does the arithmetic of FLA 0.5.2's
 `causal_conv1d` (fp32 taps in the same order, SiLU, round to the activation dtype) followed by FLA's
 `l2norm_fwd` (fp32, eps 1e-6, round); it replaces those two kernels and the `.contiguous()` copies
-between them. On by default; `KEVSCORE_FUSED_CONV=0` runs FLA's conv instead (benchmarks/NOTES.md 6).
+between them. The write strength beta (fp32 sigmoid, one rounding; within a rounding of torch's, whose
+exp is more exact than Triton's) comes from one more program per tile, which replaces a torch kernel and
+a graph node per layer. On by default; `KEVSCORE_FUSED_CONV=0` runs FLA's conv instead (benchmarks/NOTES.md 6).
 Torch reference: `torch_ops.conv_branch` + split + `F.normalize`.
 """
 from __future__ import annotations
@@ -42,11 +44,24 @@ def _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W: tl.constexpr, BT: tl.conste
 
 
 @triton.jit
-def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T,
-                        QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-                        C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr,
-                        EVEN: tl.constexpr, SPLIT_HALO: tl.constexpr, TILES: tl.constexpr):
-    i_g, i_c, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _beta_tiles(b, sb_r, sb_t, beta, i_g, i_r, T, HB: tl.constexpr, BH: tl.constexpr, BT: tl.constexpr,
+                TILES: tl.constexpr):
+    """beta = sigmoid(b) for the program's tiles: b [R, T, HB] at any row and token stride -> beta contiguous."""
+    o_h = tl.arange(0, BH)
+    for j in range(TILES):
+        o_t = (i_g * TILES + j) * BT + tl.arange(0, BT)
+        m = (o_t < T)[:, None] & (o_h < HB)[None, :]
+        b_b = tl.load(b + i_r.to(tl.int64) * sb_r + o_t[:, None] * sb_t + o_h[None, :], mask=m, other=0.0)
+        b_b = tl.sigmoid(b_b.to(tl.float32))
+        tl.store(beta + (i_r.to(tl.int64) * T + o_t[:, None]) * HB + o_h[None, :], b_b.to(beta.dtype.element_ty),
+                 mask=m)
+
+
+@triton.jit
+def _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, i_g, i_c, i_r,
+                QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, C: tl.constexpr,
+                W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr, EVEN: tl.constexpr,
+                SPLIT_HALO: tl.constexpr, TILES: tl.constexpr):
     # channel block: a q or k head (KD channels) for i_c < 2 * NQK, else a v head (VD channels)
     is_qk = i_c < 2 * NQK
     c0 = tl.where(is_qk, i_c * KD, 2 * QK + (i_c - 2 * NQK) * VD)
@@ -87,14 +102,30 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
             tl.store(v + p_o, b_y.to(v.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
 
 
+@triton.jit
+def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, b, sb_r, sb_t, beta,
+                        QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
+                        C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr,
+                        EVEN: tl.constexpr, SPLIT_HALO: tl.constexpr, TILES: tl.constexpr, NCB: tl.constexpr,
+                        HB: tl.constexpr, BH: tl.constexpr):
+    i_g, i_c, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if i_c == NCB:  # past the NCB channel blocks (only launched with HB > 0): the tiles' beta
+        _beta_tiles(b, sb_r, sb_t, beta, i_g, i_r, T, HB, BH, BT, TILES)
+    else:
+        _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, i_g, i_c, i_r, QK, NQK, KD, VD, C,
+                    W, BT, BD, EPS, EVEN, SPLIT_HALO, TILES)
+
+
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
-                hk: int, dk: int, hv: int, dv: int, block_t: int = 4, num_warps: int = 1,
-                split_halo: bool = True, tiles: int = 1) -> tuple[torch.Tensor, ...]:
+                hk: int, dk: int, hv: int, dv: int, b: torch.Tensor | None = None, block_t: int = 4,
+                num_warps: int = 1, split_halo: bool = True, tiles: int = 1) -> tuple[torch.Tensor, ...]:
     """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
-    k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv]), all contiguous. Launch: tiles of `block_t` tokens x one head,
-    `tiles` consecutive tiles per program; `split_halo`: only tiles that reach before the branch read the
-    bank (the same bits either way). Defaults from `benchmarks/bench_kernels.py --only conv` (NOTES.md 10, 12)."""
+    k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv], beta), all contiguous; beta = sigmoid(b) [R, T, H] for
+    b [R, T, H] (channel stride 1, any row and token strides), None without b. Launch: tiles of `block_t`
+    tokens x one head, `tiles` consecutive tiles per program; `split_halo`: only tiles that reach before the
+    branch read the bank (the same bits either way). Defaults from `benchmarks/bench_kernels.py --only conv`
+    (NOTES.md 10, 12)."""
     r, t, c = x.shape
     width = weight.shape[1]
     assert x.stride(2) == 1 and weight.is_contiguous() and c == 2 * hk * dk + hv * dv
@@ -102,10 +133,19 @@ def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, 
     q = torch.empty(r, t, hk, dk, dtype=x.dtype, device=x.device)
     k = torch.empty_like(q)
     v = torch.empty(r, t, hv, dv, dtype=x.dtype, device=x.device)
+    blocks = 2 * hk + hv
+    if b is None:
+        beta, hb, b = None, 0, q  # (b and beta: placeholders no program reads or writes)
+    else:
+        assert b.shape[:2] == (r, t) and b.stride(2) == 1
+        beta = torch.empty(r, t, b.shape[2], dtype=b.dtype, device=b.device)
+        hb = b.shape[2]
     bd = triton.next_power_of_2(max(dk, dv))
-    grid = (triton.cdiv(t, block_t * tiles), 2 * hk + hv, r)
+    grid = (triton.cdiv(t, block_t * tiles), blocks + (hb > 0), r)
     _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, bank_conv, bank_conv.stride(0), slots,
-                              slots.stride(0), q, k, v, t, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
+                              slots.stride(0), q, k, v, t, b, b.stride(0), b.stride(1), q if beta is None else beta,
+                              QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
                               BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd,
-                              SPLIT_HALO=split_halo, TILES=tiles, num_warps=num_warps)
-    return q, k, v
+                              SPLIT_HALO=split_halo, TILES=tiles, NCB=blocks, HB=hb,
+                              BH=triton.next_power_of_2(max(hb, 1)), num_warps=num_warps)
+    return q, k, v, beta

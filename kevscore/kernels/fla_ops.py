@@ -78,16 +78,18 @@ def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> to
 
 
 def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
-                 hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """(q, k, v, whether q and k are already l2-normalized) of the branch conv. By default one kernel reads
-    the conv states from the bank in place and normalizes q and k (`kernels/branch_conv.py`); with
-    KEVSCORE_FUSED_CONV=0, FLA's conv on gathered states, then the split (FLA l2-normalizes later)."""
+                 hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, beta = sigmoid(b), whether q and k are already l2-normalized) of the branch conv. By default
+    one kernel reads the conv states from the bank in place, normalizes q and k and computes beta
+    (`kernels/branch_conv.py`); with KEVSCORE_FUSED_CONV=0, FLA's conv on gathered states, then the split
+    (FLA l2-normalizes later) and torch's sigmoid."""
     if FUSED_CONV:
-        return (*branch_conv(x, weight, bank_conv, slots, hk, dk, hv, dv), True)
+        return (*branch_conv(x, weight, bank_conv, slots, hk, dk, hv, dv, b=b), True)
     y = conv_branch(x, weight, bank_conv.index_select(0, slots.long()))
     q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
     shape = y.shape[:-1]
-    return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), False
+    return (q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(),
+            False)
 
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -70,13 +70,13 @@ def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> to
 
 
 def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
-                 hk: int, dk: int, hv: int, dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
-    """The branch conv from the rows' conv states, split into q, k [R, T, hk, dk] and v [R, T, hv, dv];
-    False: q and k are not l2-normalized yet (gdr_branch does it)."""
+                 hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The branch conv from the rows' conv states, split into q, k [R, T, hk, dk] and v [R, T, hv, dv], and
+    beta = sigmoid(b); False: q and k are not l2-normalized yet (gdr_branch does it)."""
     y = conv_branch(x, weight, bank_conv.index_select(0, slots.long()))
     q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
     shape = y.shape[:-1]
-    return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), False
+    return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(), False
 
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -43,17 +43,18 @@ class DeltaNet(nn.Module):
             self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx.cu_seqlens, self.width).to(self.bank_conv.dtype))
             mixed = self.ops.conv_prefill(mixed, self.conv_weight, ctx.cu_seqlens)
         shape = x.shape[:-1]
-        beta = b.sigmoid()
         gate = (a, self.A_log, self.dt_bias)  # the ops compute the decay -exp(A_log) * softplus(a + dt_bias)
         if isinstance(ctx, PrefillContext):
+            beta = b.sigmoid()
             q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
             q, k = q.reshape(*shape, self.hk, self.dk), k.reshape(*shape, self.hk, self.dk)
             o, final = self.ops.gdr_prefill(q, k, v.reshape(*shape, self.hv, self.dv), gate, beta, ctx.cu_seqlens)
             self.bank_state.index_copy_(0, ctx.slots, final.to(self.bank_state.dtype))
         else:
             assert isinstance(ctx, BranchContext)
-            q, k, v, normed = self.ops.branch_front(mixed, self.conv_weight, self.bank_conv, ctx.slots,
-                                                    self.hk, self.dk, self.hv, self.dv)
+            # the conv, the q/k/v split and beta = sigmoid(b), in one kernel on the GPU
+            q, k, v, beta, normed = self.ops.branch_front(mixed, self.conv_weight, self.bank_conv, ctx.slots,
+                                                          self.hk, self.dk, self.hv, self.dv, b)
             o = self.ops.gdr_branch(q, k, v, gate, beta, self.bank_state, ctx.slots, ctx.path, normed)
         z = z.reshape(*shape, self.hv, self.dv)
         if keep is not None:

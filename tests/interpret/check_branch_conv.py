@@ -1,4 +1,5 @@
-"""Run under TRITON_INTERPRET=1: the fused branch conv kernel against the torch ops on the CPU."""
+"""Run under TRITON_INTERPRET=1: the fused branch conv kernel (and its beta programs) against the torch ops
+on the CPU."""
 import torch
 import torch.nn.functional as F
 
@@ -12,15 +13,21 @@ worst = 0.0
 for (hk, dk, hv, dv), (rows, t) in [((2, 64, 4, 64), (3, 1)), ((2, 64, 4, 64), (2, 5)), ((2, 64, 4, 64), (3, 37)),
                                     ((2, 64, 4, 32), (3, 37))]:
     C = 2 * hk * dk + hv * dv
-    x = torch.randn(rows, t, C + 100)[..., :C]  # a strided slice, as the projection output gives it
+    proj = torch.randn(rows, t, C + 100)
+    x, b = proj[..., :C], proj[..., C + 7: C + 7 + hv]  # strided slices, as the projection output gives them
     w = torch.randn(C, W) * 0.5
     bank = torch.randn(6, C, W - 1)
     slots = torch.randint(0, 6, (rows, 5))[:, 2]  # a strided column, as the upload buffer gives it
-    q, k, v = branch_conv(x, w, bank, slots, hk, dk, hv, dv)
-    # other tile sizes, programs of several tiles, and tiles that skip the bank read (split_halo): the same bits
+    q, k, v, beta = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b)
+    assert beta.is_contiguous() and (beta - torch.sigmoid(b)).abs().max() < 1e-6
+    # other tile sizes, programs of several tiles, and tiles that skip the bank read (split_halo), with and
+    # without the beta programs: the same bits
     for bt, tiles in ((2, 1), (16, 1), (4, 3), (16, 2)):
-        other = branch_conv(x, w, bank, slots, hk, dk, hv, dv, block_t=bt, split_halo=bt == 16, tiles=tiles)
-        assert all(torch.equal(a, b) for a, b in zip((q, k, v), other)), bt
+        *other, other_beta = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b, block_t=bt, split_halo=bt == 16,
+                                         tiles=tiles)
+        assert all(torch.equal(a, c) for a, c in zip((q, k, v, beta), (*other, other_beta))), bt
+    *plain, none = branch_conv(x, w, bank, slots, hk, dk, hv, dv)
+    assert none is None and all(torch.equal(a, c) for a, c in zip((q, k, v), plain))
     ref = torch_ops.conv_branch(x, w, bank.index_select(0, slots))
     rq, rk, rv = ref.split([hk * dk, hk * dk, hv * dv], -1)
     expect = (F.normalize(rq.reshape(rows, t, hk, dk), dim=-1), F.normalize(rk.reshape(rows, t, hk, dk), dim=-1),
