@@ -23,9 +23,23 @@ def _publish_and_predict(p_h, w, v, v_new, b_h1, b_h2, b_h3, b_h4, i_t, T, o_v, 
                          m_k1, m_k2, m_k3, m_k4, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr):
     """Store the state entering chunk i_t at p_h, then its values corrected by that state: v_new = v - w @ h.
-    Returns them in fp32, with the chunk's token offsets and mask."""
+    Returns them in fp32, with the chunk's token offsets and mask.
+
+    The chunk's w is loaded before h is stored: Triton does not move a load above a store to another pointer
+    (they might alias), and after the store it would wait for the state load behind it; issued first, both
+    are in flight together. v is loaded after the store, under the dots: loaded first too, it would take the
+    kernel to 132 registers and 3 programs per SM (NOTES.md 13). The arithmetic is unchanged."""
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_w = w + o_t[:, None] * (HV * K)
+    b_w1 = tl.load(p_w + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.0)
+    if K > 64:
+        b_w2 = tl.load(p_w + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0.0)
+    if K > 128:
+        b_w3 = tl.load(p_w + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :], other=0.0)
+    if K > 192:
+        b_w4 = tl.load(p_w + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :], other=0.0)
     tl.store(p_h + o_k1[:, None] * V, b_h1.to(p_h.dtype.element_ty), mask=m_k1[:, None] & m_v[None, :])
     if K > 64:
         tl.store(p_h + o_k2[:, None] * V, b_h2.to(p_h.dtype.element_ty), mask=m_k2[:, None] & m_v[None, :])
@@ -33,19 +47,15 @@ def _publish_and_predict(p_h, w, v, v_new, b_h1, b_h2, b_h3, b_h4, i_t, T, o_v, 
         tl.store(p_h + o_k3[:, None] * V, b_h3.to(p_h.dtype.element_ty), mask=m_k3[:, None] & m_v[None, :])
     if K > 192:
         tl.store(p_h + o_k4[:, None] * V, b_h4.to(p_h.dtype.element_ty), mask=m_k4[:, None] & m_v[None, :])
-    b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k1[None, :], mask=m_t[:, None] & m_k1[None, :], other=0.0)
-    b_v = tl.dot(b_w, b_h1.to(b_w.dtype))
+    b_u = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
+    b_v = tl.dot(b_w1, b_h1.to(b_w1.dtype))
     if K > 64:
-        b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k2[None, :], mask=m_t[:, None] & m_k2[None, :], other=0.0)
-        b_v += tl.dot(b_w, b_h2.to(b_w.dtype))
+        b_v += tl.dot(b_w2, b_h2.to(b_w2.dtype))
     if K > 128:
-        b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k3[None, :], mask=m_t[:, None] & m_k3[None, :], other=0.0)
-        b_v += tl.dot(b_w, b_h3.to(b_w.dtype))
+        b_v += tl.dot(b_w3, b_h3.to(b_w3.dtype))
     if K > 192:
-        b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k4[None, :], mask=m_t[:, None] & m_k4[None, :], other=0.0)
-        b_v += tl.dot(b_w, b_h4.to(b_w.dtype))
-    m_tv = m_t[:, None] & m_v[None, :]
-    b_v = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0) - b_v
+        b_v += tl.dot(b_w4, b_h4.to(b_w4.dtype))
+    b_v = b_u - b_v
     tl.store(v_new + o_t[:, None] * (HV * V) + o_v[None, :], b_v.to(v_new.dtype.element_ty), mask=m_tv)
     return b_v, o_t, m_t
 
