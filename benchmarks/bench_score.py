@@ -79,17 +79,25 @@ def profile(fn, reps: int = 3) -> dict[str, dict]:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    events = [(evt.key, getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0), evt.count)
+              for evt in prof.key_averages()]
+    return summarize(events, reps)
+
+
+def summarize(events: list[tuple[str, float, int]], reps: int) -> dict[str, dict]:
+    """(kernel name, total us, launches) over `reps` calls -> per-call groups, top kernels and totals. Names
+    are shortened to 90 characters for the table; kernels whose short names collide (torch's templated
+    elementwise kernels) are added together, not overwritten."""
     groups: dict[str, float] = {}
     kernels: dict[str, float] = {}
     calls: dict[str, float] = {}
-    for evt in prof.key_averages():
-        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+    for key, total, count in events:
         if total <= 0:
             continue
-        name = next((g for g, keys in KERNEL_GROUPS if any(k in evt.key for k in keys)), "elementwise / other")
+        name = next((g for g, keys in KERNEL_GROUPS if any(k in key for k in keys)), "elementwise / other")
         groups[name] = groups.get(name, 0.0) + total / 1000 / reps
-        kernels[evt.key[:90]] = total / 1000 / reps
-        calls[evt.key[:90]] = evt.count / reps
+        kernels[key[:90]] = kernels.get(key[:90], 0.0) + total / 1000 / reps
+        calls[key[:90]] = calls.get(key[:90], 0.0) + count / reps
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
     return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "top_kernels": top,
             "top_kernel_launches": {k: calls[k] for k in top}, "launches_per_call": sum(calls.values()),

@@ -93,3 +93,21 @@ def test_kernels_compile_for_the_h200(tmp_path):
     # state store to 132 registers (NOTES.md 13)
     scan = next(r for r in rows if r["variant"] == "scan BV 32 final_update False")
     assert scan["shared"] * 4 <= 228 * 1024 and scan["registers"] * 128 * 4 <= 65536, scan
+
+
+def test_profile_summary_adds_kernels_whose_short_names_collide():
+    """torch's templated elementwise kernels share their first 90 characters: the summary adds them (an
+    earlier version overwrote one with the other and undercounted launches, NOTES.md 13)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_score", ROOT / "benchmarks" / "bench_score.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    prefix = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native:"
+    events = [(prefix + ":sigmoid_kernel", 300.0, 72), (prefix + ":copy_kernel", 600.0, 72),
+              ("nvjet_sm90_tst_192x192", 30000.0, 93), ("_indexed_scan_kernel", 9000.0, 72), ("idle", 0.0, 5)]
+    out = bench.summarize(events, reps=3)
+    assert out["launches_per_call"] == (72 + 72 + 93 + 72) / 3
+    assert abs(out["kernel_ms_per_call"] - 39.9 / 3) < 1e-9
+    assert out["top_kernel_launches"][prefix[:90]] == 48
+    assert abs(out["groups"]["matmul"] - 10.0) < 1e-9 and abs(out["groups"]["state scan (ours)"] - 3.0) < 1e-9
