@@ -101,9 +101,8 @@ def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_s
     # every chunk but the last: publish, predict, update. The update after the last chunk would only feed
     # the final state, which is never written, so the last chunk is peeled off below without it (a loop
     # rather than a branch around the dots: Triton 3.6 cannot compile the latter for fp32 on 2 warps).
-    # Not software-pipelined: a pipelined loop's staging buffers took this kernel from 16 to 82 KB of shared
-    # memory, halving the programs per SM (162 vs 125 us per launch at 64 tokens, where the loop never runs;
-    # NOTES.md 13). Load timing only: the arithmetic and so the bits are the same.
+    # Not software-pipelined: at 64 tokens the loop never runs, and its staging buffers took the kernel from
+    # 28 to 82 KB of shared memory (NOTES.md 13). Load timing only: the arithmetic and the bits are the same.
     for i_t in tl.range(0, NT if FINAL_UPDATE else NT - 1, num_stages=1):
         b_v, o_t, m_t = _publish_and_predict(h + o_v[None, :], w, v, v_new, b_h1, b_h2, b_h3, b_h4, i_t, T, o_v,
                                              m_v, o_k1, o_k2, o_k3, o_k4, m_k1, m_k2, m_k3, m_k4, HV, K, V, BT)
