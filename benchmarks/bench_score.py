@@ -96,8 +96,9 @@ def summarize(events: list[tuple[str, float, int]], reps: int) -> dict[str, dict
             continue
         name = next((g for g, keys in KERNEL_GROUPS if any(k in key for k in keys)), "elementwise / other")
         groups[name] = groups.get(name, 0.0) + total / 1000 / reps
-        kernels[key[:90]] = kernels.get(key[:90], 0.0) + total / 1000 / reps
-        calls[key[:90]] = calls.get(key[:90], 0.0) + count / reps
+        short = key[:90]
+        kernels[short] = kernels.get(short, 0.0) + total / 1000 / reps
+        calls[short] = calls.get(short, 0.0) + count / reps
     top = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:25])
     return {"groups": dict(sorted(groups.items(), key=lambda kv: -kv[1])), "top_kernels": top,
             "top_kernel_launches": {k: calls[k] for k in top}, "launches_per_call": sum(calls.values()),

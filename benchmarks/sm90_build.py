@@ -59,19 +59,18 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     from kevscore.kernels.state_scan import _indexed_scan_kernel
 
     out = []
+    scan_aligned = ("k", "v", "w", "v_new", "h", "bank", "index", "g")
     scan_t = {n: "*bf16" for n in ("k", "v", "w", "v_new", "h")} | {"g": "*fp32", "bank": "*fp32", "index": "*i64",
                                                                      "index_stride": "i32", "bank_stride": "i64", "T": "i32"}
     for final in (False, True):
         out.append((f"scan BV 32 final_update {final}", _indexed_scan_kernel, scan_t,
-                    dict(H=16, HV=32, K=128, V=128, BT=64, BV=32, FINAL_UPDATE=final), 4, 2,
-                    ("k", "v", "w", "v_new", "h", "bank", "index", "g")))
+                    dict(H=16, HV=32, K=128, V=128, BT=64, BV=32, FINAL_UPDATE=final), 4, 2, scan_aligned))
     # fp32 inputs on 2 warps (the cuda tests' demo shape): the mma path where a branch around the dots broke
     # Triton 3.6 (NOTES.md 12)
     scan_f32 = scan_t | {n: "*fp32" for n in ("k", "v", "w", "v_new", "h")}
     for bv, stages in ((32, 1), (64, 3)):
         out.append((f"scan fp32 K 64 BV {bv} warps 2 stages {stages}", _indexed_scan_kernel, scan_f32,
-                    dict(H=2, HV=4, K=64, V=64, BT=64, BV=bv, FINAL_UPDATE=False), 2, stages,
-                    ("k", "v", "w", "v_new", "h", "bank", "index", "g")))
+                    dict(H=2, HV=4, K=64, V=64, BT=64, BV=bv, FINAL_UPDATE=False), 2, stages, scan_aligned))
     attn_t = {n: "*bf16" for n in ("q", "k", "v", "o", "gate", "pool_k", "pool_v")}
     attn_t |= {"kv_start": "*i64", "kv_len": "*i64", "T": "i32", "qk_scale": "fp32"}
     strides = ("sq_r", "sq_t", "sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "sp_t",

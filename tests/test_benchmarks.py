@@ -17,6 +17,16 @@ def run(*args, cwd=ROOT):
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
+def bench_score():
+    """benchmarks/bench_score.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_score", ROOT / "benchmarks" / "bench_score.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_there_are_benchmark_scripts():
     assert {"bench_score.py", "bench_kernels.py", "bench_bank.py"} <= {p.name for p in SCRIPTS}
 
@@ -52,17 +62,13 @@ def test_long_input_has_the_asked_rows_and_documents(tmp_path):
 @pytest.mark.parametrize("shape", ["kev-0.8b", "kev-4b"])
 def test_the_floor_counts_every_weight_matmul_of_the_model(shape):
     """bench_score's floor FLOPs against the model's own projection weights (built on the meta device)."""
-    import importlib.util
-
     import torch
 
     from kevscore.config import SHAPES
     from kevscore.kernels import torch_ops
     from kevscore.model import KevModel
 
-    spec = importlib.util.spec_from_file_location("bench_score", ROOT / "benchmarks" / "bench_score.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_score()
     cfg = SHAPES[shape]
     with torch.device("meta"):
         model = KevModel(cfg, torch_ops)
@@ -98,11 +104,7 @@ def test_kernels_compile_for_the_h200(tmp_path):
 def test_profile_summary_adds_kernels_whose_short_names_collide():
     """torch's templated elementwise kernels share their first 90 characters: the summary adds them (an
     earlier version overwrote one with the other and undercounted launches, NOTES.md 13)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_score", ROOT / "benchmarks" / "bench_score.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_score()
     prefix = "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native:"
     events = [(prefix + ":sigmoid_kernel", 300.0, 72), (prefix + ":copy_kernel", 600.0, 72),
               ("nvjet_sm90_tst_192x192", 30000.0, 93), ("_indexed_scan_kernel", 9000.0, 72), ("idle", 0.0, 5)]

@@ -134,16 +134,16 @@ def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, 
     k = torch.empty_like(q)
     v = torch.empty(r, t, hv, dv, dtype=x.dtype, device=x.device)
     blocks = 2 * hk + hv
-    if b is None:
-        beta, hb, b = None, 0, q  # (b and beta: placeholders no program reads or writes)
-    else:
+    beta = None
+    if b is not None:
         assert b.shape[:2] == (r, t) and b.stride(2) == 1
         beta = torch.empty(r, t, b.shape[2], dtype=b.dtype, device=b.device)
-        hb = b.shape[2]
+    hb = 0 if b is None else b.shape[2]
+    b_arg, beta_arg = (q, q) if b is None else (b, beta)  # without b: placeholders no program touches
     bd = triton.next_power_of_2(max(dk, dv))
     grid = (triton.cdiv(t, block_t * tiles), blocks + (hb > 0), r)
     _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, bank_conv, bank_conv.stride(0), slots,
-                              slots.stride(0), q, k, v, t, b, b.stride(0), b.stride(1), q if beta is None else beta,
+                              slots.stride(0), q, k, v, t, b_arg, b_arg.stride(0), b_arg.stride(1), beta_arg,
                               QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
                               BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd,
                               SPLIT_HALO=split_halo, TILES=tiles, NCB=blocks, HB=hb,
