@@ -18,7 +18,7 @@ from triton.testing import do_bench
 from kevscore.measure import environment
 
 DEV = "cuda"
-KERNELS = ["swiglu", "conv", "qk norm+rope", "attention", "decay", "scan"]
+KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan"]
 
 
 def timed(fn) -> float | None:
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=96)
     ap.add_argument("--t", type=int, default=64)
     ap.add_argument("--doc-len", type=int, default=1024)
+    ap.add_argument("--prefill-tokens", type=int, default=65536, help="tokens of the prefill conv's packed documents")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", nargs="+", choices=KERNELS, default=KERNELS, help="kernels to measure (default: all)")
     ap.add_argument("--defaults", action="store_true",
@@ -114,6 +115,26 @@ def main() -> None:
             x, w, bank_conv, slots, hk, dk, hv, dv)), delta_layers, floor)
         record("conv", "ours before NOTES 10 (32, 4 warps)", timed(lambda: branch_conv(
             x, w, bank_conv, slots, hk, dk, hv, dv, block_t=32, num_warps=4, split_halo=False)), delta_layers, floor)
+
+    if "prefill conv" in args.only:
+        # the packed conv of prefill: --prefill-tokens tokens of 1,700-token documents, against FLA's varlen
+        # conv + split copies (what prefill ran before) and the memory floor
+        from kevscore.kernels.branch_conv import packed_conv
+
+        m = args.prefill_tokens
+        big = rand(1, m, c + hv * dv + 2 * hv)
+        x, b = big[..., :c], big[..., c + cfg.value_dim: c + cfg.value_dim + hv]
+        w = rand(c, cfg.linear_conv_kernel_dim)
+        lens = [1700] * (m // 1700) + ([m % 1700] if m % 1700 else [])
+        cu = torch.tensor([0, *lens], device=DEV).cumsum(0)
+        pos = torch.cat([torch.arange(n_, device=DEV) for n_ in lens])
+        floor = copy_ms(m * c * 2 * 2)
+        record("prefill conv", "fla causal_conv1d + copies", timed(lambda: [
+            t_.contiguous() for t_ in fla_ops.conv_prefill(x, w, cu).split([hk * dk, hk * dk, hv * dv], -1)]),
+            delta_layers, floor)
+        for bt, wp, tiles in sweep(((4, 1, 1), (8, 1, 1), (8, 2, 1), (16, 2, 1), (16, 4, 1), (32, 4, 1), (8, 1, 4))):
+            record("prefill conv", f"ours block_t {bt} warps {wp} tiles {tiles}", timed(lambda: packed_conv(
+                x, w, pos, hk, dk, hv, dv, b=b, block_t=bt, num_warps=wp, tiles=tiles)), delta_layers, floor)
 
     if "qk norm+rope" in args.only:
         # q/k RMSNorm + rotary

@@ -35,16 +35,28 @@ class MatmulRate:
         return [2 * self.n**3 / ms / 1e9 for ms in events_ms(lambda: self.a @ self.b, reps=reps, warmup=warmup)]
 
 
-def matmul_flops(cfg: KevConfig, tokens: int, rows: int) -> float:
-    """Weight-matmul FLOPs of one scoring call: every branch token through every projection, the LM
-    head at each row's last position only."""
-    h, nd, na = cfg.hidden_size, len(cfg.delta_layers), len(cfg.attn_layers)
-    delta = h * (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads) + cfg.value_dim * h
+def token_flops(cfg: KevConfig) -> tuple[int, int]:
+    """Weight-matmul FLOPs per token: (through every layer, of the last layer's output projection and MLP)."""
+    h = cfg.hidden_size
+    delta = h * (cfg.conv_dim + cfg.value_dim + 2 * cfg.linear_num_value_heads)
     attn = h * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    attn += cfg.num_attention_heads * cfg.head_dim * h
+    out = {"linear_attention": cfg.value_dim * h, "full_attention": cfg.num_attention_heads * cfg.head_dim * h}
     mlp = 3 * h * cfg.intermediate_size
-    per_token = nd * delta + na * attn + cfg.num_layers * mlp
-    return 2 * (per_token * tokens + h * cfg.vocab_size * rows)
+    total = sum((delta if kind == "linear_attention" else attn) + out[kind] + mlp for kind in cfg.layer_types)
+    return 2 * total, 2 * (out[cfg.layer_types[-1]] + mlp)
+
+
+def matmul_flops(cfg: KevConfig, tokens: int, rows: int) -> float:
+    """Weight-matmul FLOPs of scoring `rows` rows of `tokens` branch tokens in all: every token through every
+    projection except the last layer's output projection and MLP, which (like the LM head) run at each
+    row's last position only, as `KevModel.branch` does."""
+    every, last_only = token_flops(cfg)
+    return every * tokens - last_only * (tokens - rows) + 2 * cfg.hidden_size * cfg.vocab_size * rows
+
+
+def prefill_flops(cfg: KevConfig, tokens: int) -> float:
+    """Weight-matmul FLOPs of prefilling `tokens` document tokens: every projection, no LM head."""
+    return token_flops(cfg)[0] * tokens
 
 
 def workload(cfg: KevConfig, docs: int, doc_len: int, questions: int, q_len: int, seed: int) -> Encoded:

@@ -79,13 +79,15 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     for bm, bn, wp, st in ((128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)):
         out.append((f"attention bm {bm} bn {bn} warps {wp} stages {st}", _branch_attn_kernel, attn_t,
                     dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True), wp, st, tuple(attn_t)[:7] + strides[:-2]))
-    conv_t = {n: "*bf16" for n in ("x", "w", "conv", "q", "k", "v", "b", "beta")} | {"slots": "*i64", "T": "i32"}
+    conv_t = {n: "*bf16" for n in ("x", "w", "conv", "q", "k", "v", "b", "beta")} | {"slots": "*i64", "T": "i32",
+                                                                                   "pos": "*i64"}
     conv_t |= {s: "i32" for s in ("sx_r", "sx_t", "s_conv", "s_slot", "sb_r", "sb_t")}
-    for bt, wp, tiles in ((4, 1, 1), (8, 1, 1), (16, 2, 1), (8, 1, 8)):
-        out.append((f"conv block_t {bt} warps {wp} tiles {tiles}", _branch_conv_kernel, conv_t,
+    for bt, wp, tiles, packed in ((4, 1, 1, False), (8, 1, 1, False), (16, 2, 1, False), (8, 1, 8, False),
+                                  (4, 1, 1, True), (16, 4, 1, True)):
+        out.append((f"conv{' packed' * packed} block_t {bt} warps {wp} tiles {tiles}", _branch_conv_kernel, conv_t,
                     dict(QK=2048, NQK=16, KD=128, VD=128, C=8192, W=4, BT=bt, BD=128, EPS=L2_EPS, EVEN=True,
-                         SPLIT_HALO=True, TILES=tiles, NCB=64, HB=32, BH=32), wp, 1,
-                    ("x", "w", "conv", "q", "k", "v", "b", "beta", "sx_r", "sx_t", "sb_r", "sb_t")))
+                         SPLIT_HALO=not packed, TILES=tiles, NCB=64, HB=32, BH=32, PACKED=packed), wp, 1,
+                    ("x", "w", "conv", "q", "k", "v", "b", "beta", "pos", "sx_r", "sx_t", "sb_r", "sb_t")))
     return out
 
 

@@ -15,7 +15,8 @@ from kevscore.backend import pad_id
 from kevscore.bank import BankLayout, StateBank
 from kevscore.checkpoint import Checkpoint
 from kevscore.model import KevModel
-from kevscore.plan import Batch
+from kevscore.config import KevConfig
+from kevscore.plan import Batch, prefill_group_tokens
 from kevscore.runner import EagerRunner, fill_upload
 
 BANK_SHARE = 0.6  # of the free GPU memory after loading the model
@@ -87,4 +88,17 @@ def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[i
     free, _ = torch.cuda.mem_get_info(device)
     layout = BankLayout.plan(ckpt.config, torch.bfloat16, doc_tokens, int(free * BANK_SHARE), capacity)
     bank = StateBank(ckpt.config, layout, device, torch.bfloat16)
-    return GraphRunner(model, bank, pad_id(ckpt.tokenizer), eager)
+    runner = GraphRunner(model, bank, pad_id(ckpt.tokenizer), eager)
+    free, _ = torch.cuda.mem_get_info(device)
+    runner.prefill_tokens = prefill_group_tokens(free, prefill_bytes_per_token(ckpt.config))
+    return runner
+
+
+def prefill_bytes_per_token(cfg: KevConfig) -> int:
+    """Activation bytes one document token holds at the peak of a prefill layer (bf16): the projection
+    outputs, q/k/v, the chunk pipeline's w, u, v_new, o, its (I + A)^-1 blocks and its share of the chunk
+    states, the MLP's gate|up and SwiGLU outputs and the residual stream, with room for the allocator."""
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    elements = (cfg.conv_dim + cfg.value_dim + 2 * hv) + cfg.conv_dim + 4 * hv * dv + hv * 64 \
+        + hv * cfg.linear_key_head_dim * dv // 64 + 3 * cfg.intermediate_size + 6 * cfg.hidden_size
+    return 2 * elements * 3 // 2

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,10 @@ class Progress:
     def warn(self, message: str) -> None:
         """A problem the run recovers from (e.g. a corrupt on-disk bank entry), on one line."""
         print(f"warning: {message}", file=sys.stderr)
+
+    def phase(self, name: str) -> AbstractContextManager:
+        """Wraps the launches of one prefill or scoring phase (benchmarks time the GPU between phases)."""
+        return nullcontext()
 
 
 @dataclass(slots=True)
@@ -126,11 +131,12 @@ class Engine:
         progress = progress or Progress()
         t0 = time.perf_counter()
         try:
-            for group in self._prefill_groups(enc, docs):
-                self._prefill_group(enc, group, slot_of, stats, progress)
-                progress.advance("prefill", len(group))
-                faults.point("prefill")
-                self._between()
+            with progress.phase("prefill"):
+                for group in self._prefill_groups(enc, docs):
+                    self._prefill_group(enc, group, slot_of, stats, progress)
+                    progress.advance("prefill", len(group))
+                    faults.point("prefill")
+                    self._between()
         finally:
             _sync(self.runner.device)
             stats.prefill_s += time.perf_counter() - t0
@@ -180,10 +186,11 @@ class Engine:
         prefix_len = {r: len(enc.prefixes[other[enc.row_prefix[r]]]) for r in rows}
         t0 = time.perf_counter()
         try:
-            for batch in plan_batches(rows, branch_len, prefix_len, self.max_rows, self.max_tokens):
-                self._score_batch(enc, batch, slot_of, prefix_len, path, scores, progress)
-                faults.point("score")
-                self._between()
+            with progress.phase("score"):
+                for batch in plan_batches(rows, branch_len, prefix_len, self.max_rows, self.max_tokens):
+                    self._score_batch(enc, batch, slot_of, prefix_len, path, scores, progress)
+                    faults.point("score")
+                    self._between()
         finally:
             _sync(self.runner.device)
             scores.stats.score_s += time.perf_counter() - t0

@@ -146,7 +146,7 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
             result.stats.rows = parts.manifest["merged"]["rows"]
         else:
             engine = Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
-                            prefill_tokens=1 if opts.batch_invariant else 8192, store=store,
+                            prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, store=store,
                             skip_failed=opts.skip_invalid)
             with StopSignals(progress.warn) as stop:
                 engine.stop = stop

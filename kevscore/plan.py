@@ -17,6 +17,14 @@ def ladder(n: int, start: int = 16) -> int:
     return size
 
 
+def prefill_group_tokens(free_bytes: int, bytes_per_token: int, most: int = 65536, least: int = 2048) -> int:
+    """Document tokens per prefill group: enough for the GEMMs to run at their rate and for each group's
+    launches to hide behind the GPU work of the one before, as many as half the free memory holds, between
+    `least` and `most` (a multiple of 64, the chunk of the gated delta rule)."""
+    fits = free_bytes // 2 // max(1, bytes_per_token)
+    return max(least, min(most, fits // 64 * 64))
+
+
 def row_bucket(n: int, max_rows: int) -> int:
     """Row counts are padded to 1, 2, 4, 8, 12, 16, 24, 32, 48, ... capped at max_rows."""
     return n if n <= 2 else min(ladder(n, start=4) if n > 4 else 4, max_rows)

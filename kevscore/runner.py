@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from kevscore.bank import StateBank
+from kevscore.kernels.gdr_ref import CHUNK
 from kevscore.layers.common import BranchContext, PrefillContext
 from kevscore.model import KevModel
 from kevscore.plan import Batch
@@ -49,19 +50,34 @@ def branch_inputs(buf: torch.Tensor, length: int, prefix: int, bank: StateBank, 
     return buf[:, :length], ctx, buf[:, length + LAST]
 
 
-def prefill_inputs(docs: Sequence[Sequence[int]], slots: Sequence[int], bank: StateBank, device):
-    lens = [len(d) for d in docs]
-    cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0)
-    ids = torch.cat([torch.as_tensor(d, dtype=torch.long) for d in docs])
-    positions = torch.cat([torch.arange(n) for n in lens])
-    kv_slots = torch.cat([bank.entry_start(s) + torch.arange(n) for s, n in zip(slots, lens)])
-    ctx = PrefillContext(cu_seqlens=cu.to(device, torch.int32), slots=torch.tensor(slots, device=device),
-                         kv_slots=kv_slots.to(device), positions=positions.to(device), max_len=max(lens))
-    return ids.to(device)[None], ctx
+def prefill_inputs(docs: Sequence[Sequence[int]], slots: Sequence[int], bank: StateBank, device, conv_width: int):
+    """(ids [1, N], context) of documents packed in one sequence. Every index is computed here on the host
+    and uploaded from pinned memory without waiting, so the layers never synchronize with the GPU."""
+    lens = torch.tensor([len(d) for d in docs], dtype=torch.int64)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    starts = cu[:-1]
+    chunks = (lens + CHUNK - 1) // CHUNK
+    doc_of_chunk = torch.repeat_interleave(torch.arange(len(docs)), chunks)
+    chunk_in_doc = torch.arange(int(chunks.sum())) - torch.repeat_interleave(chunks.cumsum(0) - chunks, chunks)
+    tail = cu[1:, None] - conv_width + torch.arange(conv_width)
+    doc_of_token = torch.repeat_interleave(torch.arange(len(docs)), lens)
+    positions = torch.arange(int(cu[-1])) - starts[doc_of_token]
+    entry_start = torch.tensor([bank.entry_start(s) for s in slots], dtype=torch.int64)
+    host = {"ids": torch.cat([torch.as_tensor(d, dtype=torch.int64) for d in docs]),
+            "cu_seqlens": cu.to(torch.int32), "cu_seqlens_long": cu,
+            "chunk_indices": torch.stack([doc_of_chunk, chunk_in_doc], 1),
+            "tail_index": tail.clamp(min=0), "tail_valid": tail >= starts[:, None],
+            "slots": torch.tensor(list(slots), dtype=torch.int64),
+            "kv_slots": entry_start[doc_of_token] + positions, "positions": positions}
+    dev = {name: _upload(t, torch.device(device)) for name, t in host.items()}
+    ids = dev.pop("ids")
+    return ids[None], PrefillContext(**dev, max_len=int(lens.max()))
 
 
 class EagerRunner:
     """Runs the model eagerly (the CPU path, and the GPU path under --eager)."""
+
+    prefill_tokens = 8192  # document tokens per prefill group (the GPU runner sizes its own from memory)
 
     def __init__(self, model: KevModel, bank: StateBank, pad_id: int):
         self.model, self.bank, self.pad_id = model, bank, pad_id
@@ -76,7 +92,8 @@ class EagerRunner:
             self.bank.conv[:, s].zero_()
         real = [(d, s) for d, s in zip(docs, slots) if d]
         if real:
-            ids, ctx = prefill_inputs([d for d, _ in real], [s for _, s in real], self.bank, self.device)
+            ids, ctx = prefill_inputs([d for d, _ in real], [s for _, s in real], self.bank, self.device,
+                                      self.model.cfg.linear_conv_kernel_dim - 1)
             self.model.prefill(ids, ctx)
         self.prefilled += len(docs)
 

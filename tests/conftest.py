@@ -32,6 +32,13 @@ def cpu_engine(ckpt, entries=None, tokens=None, max_rows=64, max_tokens=8192, do
     return Engine(runner, max_rows=max_rows, max_tokens=max_tokens)
 
 
+def gpu_engine(ckpt, docs, eager=False, max_rows=64, max_tokens=8192, entries=None, prefill_tokens=4096):
+    from kevscore.cuda_runner import build_cuda_runner
+
+    runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(d) for d in docs], entries, eager)
+    return Engine(runner, max_rows=max_rows, max_tokens=max_tokens, prefill_tokens=prefill_tokens)
+
+
 def synthetic(doc_lens, branch_lens, vocab=1000, seed=0, labels=(361, 383)) -> Encoded:
     """Every document gets one row per branch length, with random token ids."""
     rng = random.Random(seed)

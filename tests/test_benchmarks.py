@@ -60,8 +60,10 @@ def test_long_input_has_the_asked_rows_and_documents(tmp_path):
 
 
 @pytest.mark.parametrize("shape", ["kev-0.8b", "kev-4b"])
-def test_the_floor_counts_every_weight_matmul_of_the_model(shape):
-    """bench_score's floor FLOPs against the model's own projection weights (built on the meta device)."""
+def test_the_floor_counts_the_weight_matmuls_the_model_runs(shape):
+    """bench_score's floor FLOPs against the model's own projection weights (built on the meta device): every
+    branch token through every projection, except the last layer's output projection and MLP, which run at
+    each row's last position only, like the LM head; prefill runs every projection on every token."""
     import torch
 
     from kevscore.config import SHAPES
@@ -73,11 +75,20 @@ def test_the_floor_counts_every_weight_matmul_of_the_model(shape):
     with torch.device("meta"):
         model = KevModel(cfg, torch_ops)
     projections = ("in_proj", "out_proj", "qkv_proj", "o_proj", "gate_up", "down")
-    per_token = sum(p.numel() for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] in projections)
+
+    def weights(module, names=projections):
+        return sum(p.numel() for name, p in module.named_parameters() if name.rsplit(".", 1)[-1] in names)
+
+    per_token = weights(model)
     assert per_token > 0.8 * sum(p.numel() for p in model.parameters()) - cfg.vocab_size * cfg.hidden_size
+    last = model.layers[-1]
+    last_only = weights(last.mlp) + weights(last.mixer, ("out_proj", "o_proj"))
     tokens, rows = 96 * 64, 96
-    expected = 2 * (per_token * tokens + cfg.hidden_size * cfg.vocab_size * rows)
+    expected = 2 * (per_token * tokens - last_only * (tokens - rows) + cfg.hidden_size * cfg.vocab_size * rows)
     assert bench.matmul_flops(cfg, tokens, rows) == expected
+    assert bench.prefill_flops(cfg, 1000) == 2 * per_token * 1000
+    # at the W1 shape the last layer's tail is about 2% of the call's FLOPs
+    assert 0.01 < 1 - expected / (2 * (per_token * tokens + cfg.hidden_size * cfg.vocab_size * rows)) < 0.04
 
 
 def test_kernels_compile_for_the_h200(tmp_path):

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from conftest import synthetic
+from conftest import gpu_engine, synthetic
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -117,14 +117,6 @@ def test_indices_changed_between_graph_replays():
         ref_h, ref_v = fla_scan(k, w, u, gc, bank.index_select(0, index))
         assert torch.equal(out_h, ref_h) and torch.equal(out_v, ref_v)
     assert torch.equal(bank, snapshot)
-
-
-def gpu_engine(ckpt, docs, eager=False, max_rows=64, max_tokens=8192, entries=None):
-    from kevscore.cuda_runner import build_cuda_runner
-    from kevscore.engine import Engine
-
-    runner = build_cuda_runner(ckpt, torch.device(DEV), [len(d) for d in docs], entries, eager)
-    return Engine(runner, max_rows=max_rows, max_tokens=max_tokens, prefill_tokens=4096)
 
 
 CASES = {

@@ -21,15 +21,18 @@ L2_EPS = 1e-6
 
 
 @triton.jit
-def _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-          EVEN: tl.constexpr, STATE: tl.constexpr):
+def _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, b_pos, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+          EVEN: tl.constexpr, STATE: tl.constexpr, PACKED: tl.constexpr):
     """fp32 sum over the taps, oldest first as FLA accumulates them. STATE: the tile reaches back before the
     branch's first token, so the document's last W-1 conv inputs are read from the bank entry too (a
-    per-element gather; tiles that cannot need it skip it)."""
+    per-element gather; tiles that cannot need it skip it). PACKED: documents packed in one row, b_pos the
+    tokens' positions within their documents; taps before a document's first token are zero."""
     b_y = tl.zeros([BT, BD], dtype=tl.float32)
     for i_w in tl.static_range(-W + 1, 1):
         o_x = o_t + i_w
         m_x = (o_x >= 0) & (o_x < T)
+        if PACKED:
+            m_x = m_x & (b_pos + i_w >= 0)
         if EVEN:  # whole heads: the mask is constant along channels, so loads stay vectorized
             b_x = tl.load(p_x + o_x[:, None] * sx_t + o_c[None, :], mask=m_x[:, None], other=0.0).to(tl.float32)
         else:
@@ -58,10 +61,10 @@ def _beta_tiles(b, sb_r, sb_t, beta, i_g, i_r, T, HB: tl.constexpr, BH: tl.const
 
 
 @triton.jit
-def _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, i_g, i_c, i_r,
+def _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, pos, i_g, i_c, i_r,
                 QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, C: tl.constexpr,
                 W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr, EVEN: tl.constexpr,
-                SPLIT_HALO: tl.constexpr, TILES: tl.constexpr):
+                SPLIT_HALO: tl.constexpr, TILES: tl.constexpr, PACKED: tl.constexpr):
     # channel block: a q or k head (KD channels) for i_c < 2 * NQK, else a v head (VD channels)
     is_qk = i_c < 2 * NQK
     c0 = tl.where(is_qk, i_c * KD, 2 * QK + (i_c - 2 * NQK) * VD)
@@ -70,20 +73,26 @@ def _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, i_g, 
     m_d = o_d < width
     o_c = c0 + o_d
 
-    slot = tl.load(slots + i_r * s_slot).to(tl.int64)
     p_x = x + i_r.to(tl.int64) * sx_r
-    p_conv = conv + slot * s_conv
+    if not PACKED:
+        slot = tl.load(slots + i_r * s_slot).to(tl.int64)
+        p_conv = conv + slot * s_conv
+    else:  # documents start from a zero state: no bank read
+        p_conv = conv
     for j in range(TILES):  # TILES consecutive time tiles of BT tokens per program
         i_t = i_g * TILES + j
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
-        if SPLIT_HALO:  # only the first tile(s) of a branch reach back into the document
+        if PACKED:
+            b_pos = tl.load(pos + o_t, mask=m_t, other=0)
+            b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, b_pos, W, BT, BD, EVEN, False, True)
+        elif SPLIT_HALO:  # only the first tile(s) of a branch reach back into the document
             if i_t * BT >= W - 1:
-                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, False)
+                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, o_t, W, BT, BD, EVEN, False, False)
             else:
-                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
+                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, o_t, W, BT, BD, EVEN, True, False)
         else:
-            b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, W, BT, BD, EVEN, True)
+            b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, o_t, W, BT, BD, EVEN, True, False)
         b_y = b_y * tl.sigmoid(b_y)
         b_y = b_y.to(q.dtype.element_ty).to(tl.float32)  # the conv output is rounded before the l2 norm reads it
         if is_qk:
@@ -103,17 +112,17 @@ def _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, i_g, 
 
 
 @triton.jit
-def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, b, sb_r, sb_t, beta,
+def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, pos, b, sb_r, sb_t, beta,
                         QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
                         C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr,
                         EVEN: tl.constexpr, SPLIT_HALO: tl.constexpr, TILES: tl.constexpr, NCB: tl.constexpr,
-                        HB: tl.constexpr, BH: tl.constexpr):
+                        HB: tl.constexpr, BH: tl.constexpr, PACKED: tl.constexpr):
     i_g, i_c, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_c == NCB:  # past the NCB channel blocks (only launched with HB > 0): the tiles' beta
         _beta_tiles(b, sb_r, sb_t, beta, i_g, i_r, T, HB, BH, BT, TILES)
     else:
-        _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, i_g, i_c, i_r, QK, NQK, KD, VD, C,
-                    W, BT, BD, EPS, EVEN, SPLIT_HALO, TILES)
+        _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, pos, i_g, i_c, i_r, QK, NQK, KD, VD,
+                    C, W, BT, BD, EPS, EVEN, SPLIT_HALO, TILES, PACKED)
 
 
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
@@ -126,10 +135,23 @@ def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, 
     tokens x one head, `tiles` consecutive tiles per program; `split_halo`: only tiles that reach before the
     branch read the bank (the same bits either way). Defaults from `benchmarks/bench_kernels.py --only conv`
     (NOTES.md 10, 12)."""
+    assert bank_conv.stride()[1:] == (weight.shape[1] - 1, 1)
+    return _launch(x, weight, bank_conv, slots, None, hk, dk, hv, dv, b, block_t, num_warps, split_halo, tiles)
+
+
+def packed_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, hk: int, dk: int, hv: int,
+                dv: int, b: torch.Tensor | None = None, block_t: int = 4, num_warps: int = 1,
+                tiles: int = 1) -> tuple[torch.Tensor, ...]:
+    """The same front end for documents packed in one row x [1, N, C], each starting from a zero conv state:
+    `positions` [N] (contiguous) gives each token's position within its document. Prefill's front end."""
+    assert positions.is_contiguous() and x.shape[0] == 1
+    return _launch(x, weight, weight, positions, positions, hk, dk, hv, dv, b, block_t, num_warps, False, tiles)
+
+
+def _launch(x, weight, conv, slots, positions, hk, dk, hv, dv, b, block_t, num_warps, split_halo, tiles):
     r, t, c = x.shape
     width = weight.shape[1]
     assert x.stride(2) == 1 and weight.is_contiguous() and c == 2 * hk * dk + hv * dv
-    assert bank_conv.stride()[1:] == (width - 1, 1)
     q = torch.empty(r, t, hk, dk, dtype=x.dtype, device=x.device)
     k = torch.empty_like(q)
     v = torch.empty(r, t, hv, dv, dtype=x.dtype, device=x.device)
@@ -140,12 +162,13 @@ def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, 
         beta = torch.empty(r, t, b.shape[2], dtype=b.dtype, device=b.device)
     hb = 0 if b is None else b.shape[2]
     b_arg, beta_arg = (q, q) if b is None else (b, beta)  # without b: placeholders no program touches
+    packed = positions is not None
     bd = triton.next_power_of_2(max(dk, dv))
     grid = (triton.cdiv(t, block_t * tiles), blocks + (hb > 0), r)
-    _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, bank_conv, bank_conv.stride(0), slots,
-                              slots.stride(0), q, k, v, t, b_arg, b_arg.stride(0), b_arg.stride(1), beta_arg,
-                              QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
+    _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, conv, conv.stride(0), slots,
+                              slots.stride(0), q, k, v, t, positions if packed else slots, b_arg, b_arg.stride(0),
+                              b_arg.stride(1), beta_arg, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
                               BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd,
                               SPLIT_HALO=split_halo, TILES=tiles, NCB=blocks, HB=hb,
-                              BH=triton.next_power_of_2(max(hb, 1)), num_warps=num_warps)
+                              BH=triton.next_power_of_2(max(hb, 1)), num_warps=num_warps, PACKED=packed)
     return q, k, v, beta

@@ -1,9 +1,12 @@
 """The GPU backend of the layer ops: flash-linear-attention's Triton kernels (pinned fla-core 0.5.2),
-our indexed state scan, and torch SDPA for attention. Same functions as `kevscore.kernels.torch_ops`.
+our kernels (fused conv front end, indexed state scan, branch attention, norms), and flash attention over
+packed documents for prefill. Same functions as `kevscore.kernels.torch_ops`.
 
-The branch gated delta rule runs FLA's forward stage by stage (gate cumsum, WY representation, state
-scan, output). The two paths differ only in the state scan: `gathered` copies the rows' states out of
-the bank and runs FLA's scan on that buffer; `indexed` runs our scan, which reads the bank in place.
+The gated delta rule runs FLA's forward stage by stage (gate cumsum, WY representation, state scan,
+output). For branches, the two paths differ only in the state scan: `gathered` copies the rows' states
+out of the bank and runs FLA's scan on that buffer; `indexed` runs our scan, which reads the bank in
+place. Prefill passes FLA the chunk indices computed on the host (`runner.prefill_inputs`), so no stage
+synchronizes with the GPU to derive them.
 """
 from __future__ import annotations
 
@@ -22,18 +25,22 @@ from fla.modules.l2norm import l2norm_fwd  # noqa: E402
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h  # noqa: E402
 from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
-from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel  # noqa: E402
+from fla.ops.gated_delta_rule.chunk_fwd import (  # noqa: E402
+    chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_kkt_solve_kernel)
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd  # noqa: E402
 from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum  # noqa: E402
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
-from kevscore.kernels.branch_conv import branch_conv  # noqa: E402
+from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, swiglu_rows  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
 
 NAME = "fla"
 FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch_conv.py; 0: FLA's conv (A/B)
+# prefill through FLA's whole ops (its conv, `chunk_gated_delta_rule`, padded SDPA) instead: A/B and oracle
+FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"
+PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,13 +104,36 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
     return y
 
 
-def gdr_prefill(q, k, v, gate, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate = (a, A_log, dt_bias): FLA computes the decay -exp(A_log) * softplus(a + dt_bias) in its kernel."""
+def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
+                  b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, beta = sigmoid(b), whether q and k are l2-normalized) of packed documents: one kernel reads
+    the projection output in place and writes them contiguous (`branch_conv.packed_conv`)."""
+    if FLA_PREFILL:
+        y = conv_prefill(x, weight, ctx.cu_seqlens)
+        q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
+        shape = y.shape[:-1]
+        return (q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(),
+                False)
+    return (*packed_conv(x, weight, ctx.positions, hk, dk, hv, dv, b=b, **PREFILL_CONV), True)
+
+
+def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed documents from zero states: (output, final states [D, HV, K, V] fp32). gate = (a, A_log,
+    dt_bias): FLA computes the decay -exp(A_log) * softplus(a + dt_bias) in its gate kernel."""
     a, A_log, dt_bias = gate
-    o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
+    cu, chunks = ctx.cu_seqlens_long, ctx.chunk_indices
+    if not qk_normed:  # FLA's whole op (FLA_PREFILL)
+        return chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
                                       beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                      use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                                      cu_seqlens=cu_seqlens.long())
+                                      use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
+    gc = gdn_gate_chunk_cumsum(a, A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias, cu_seqlens=cu,
+                               chunk_indices=chunks)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_size=CHUNK,
+                                               chunk_indices=chunks)
+    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
+                                                   cu_seqlens=cu, chunk_indices=chunks)
+    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_size=CHUNK,
+                    chunk_indices=chunks)
     return o, final
 
 
@@ -163,7 +193,17 @@ def _sdpa_causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
 
 
-def attn_prefill(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
+    """Causal attention within each packed document, times sigmoid(gate): flash attention over the packed
+    tokens (`cu_seqlens`, query heads sharing their KV head), no padding and no copies of q, k or v."""
+    if FLA_PREFILL:
+        return _attn_prefill_padded(q, k, v, gate, ctx.cu_seqlens, ctx.max_len)
+    out = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], ctx.cu_seqlens, ctx.cu_seqlens, ctx.max_len,
+                                                  ctx.max_len, 0.0, True, False)[0]
+    return out[None] * torch.sigmoid(gate)
+
+
+def _attn_prefill_padded(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
     """Packed documents -> right-padded [D, L] batch -> causal SDPA -> packed again, times sigmoid(gate)."""
     starts, lens = cu_seqlens[:-1].long(), cu_seqlens[1:].long() - cu_seqlens[:-1].long()
     steps = torch.arange(max_len, device=q.device)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from fla.ops.utils.op import exp2
 
-CHUNK = 64
+from kevscore.kernels.gdr_ref import CHUNK
 
 
 @triton.jit

@@ -86,6 +86,16 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
     return torch.cat(parts, 1)
 
 
+def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
+                  b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The conv of packed documents (each from zeros), split into q, k [1, N, hk, dk] and v [1, N, hv, dv],
+    and beta = sigmoid(b); False: q and k are not l2-normalized yet (gdr_prefill does it)."""
+    y = conv_prefill(x, weight, ctx.cu_seqlens)
+    q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
+    shape = y.shape[:-1]
+    return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(), False
+
+
 def _gdr_parts(q, k, v, g, beta):
     q, k = gdr_ref.l2norm(q), gdr_ref.l2norm(k)
     gc = gdr_ref.chunk_cumsum(g)
@@ -93,9 +103,11 @@ def _gdr_parts(q, k, v, g, beta):
     return q, k, w, u, gc
 
 
-def gdr_prefill(q, k, v, gate, beta, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed document from a zero state: (output [1, N, hv, dv], final states [D, hv, dk, dv] fp32)."""
+    assert not qk_normed
     g = gdn_decay(gate)
-    bounds = cu_seqlens.tolist()
+    bounds = ctx.cu_seqlens.tolist()
     outs, finals = [], []
     for s, e in zip(bounds[:-1], bounds[1:]):
         o, final = gdr_ref.chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
@@ -131,9 +143,9 @@ def _sdpa(q, k, v, mask):
     return out.transpose(1, 2)
 
 
-def attn_prefill(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     """Causal attention within each packed document, times sigmoid(gate)."""
-    bounds = cu_seqlens.tolist()
+    bounds = ctx.cu_seqlens.tolist()
     parts = [_sdpa(q[:, s:e], k[:, s:e], v[:, s:e], None) for s, e in zip(bounds[:-1], bounds[1:])]
     return torch.cat(parts, 1) * torch.sigmoid(gate)
 

@@ -34,7 +34,7 @@ class Attention(nn.Module):
         if isinstance(ctx, PrefillContext):
             self.bank_kv[0].index_copy_(0, ctx.kv_slots, k[0].to(self.bank_kv.dtype))
             self.bank_kv[1].index_copy_(0, ctx.kv_slots, v[0].to(self.bank_kv.dtype))
-            o = self.ops.attn_prefill(q, k, v, gate, ctx.cu_seqlens, ctx.max_len)
+            o = self.ops.attn_prefill(q, k, v, gate, ctx)
         else:
             o = self.ops.attn_branch(q, k, v, gate, self.bank_kv, ctx)
         o = o.reshape(*shape, -1)

@@ -10,12 +10,17 @@ from torch import nn
 
 @dataclass(slots=True)
 class PrefillContext:
-    """Documents packed into one sequence of N tokens; writes each document's bank entry."""
-    cu_seqlens: torch.Tensor   # [D + 1] int32 document boundaries
-    slots: torch.Tensor        # [D] bank entry of each document
-    kv_slots: torch.Tensor     # [N] token slot in the bank's K/V pool of each token
-    positions: torch.Tensor    # [N]
-    max_len: int
+    """Documents packed into one sequence of N tokens; writes each document's bank entry. Everything is
+    computed on the host once per group and uploaded without a sync, so no layer waits on the GPU."""
+    cu_seqlens: torch.Tensor     # [D + 1] int32 document boundaries
+    cu_seqlens_long: torch.Tensor  # [D + 1] int64, the same boundaries (FLA's kernels take int64)
+    chunk_indices: torch.Tensor  # [chunks, 2] int64 (document, chunk within it) of every 64-token chunk
+    tail_index: torch.Tensor     # [D, k - 1] int64 token of each document's last k - 1 conv inputs (clamped)
+    tail_valid: torch.Tensor     # [D, k - 1] bool: that token belongs to the document (short documents)
+    slots: torch.Tensor          # [D] bank entry of each document
+    kv_slots: torch.Tensor       # [N] token slot in the bank's K/V pool of each token
+    positions: torch.Tensor      # [N] position of each token within its document
+    max_len: int                 # the longest document's length
 
 
 @dataclass(slots=True)

@@ -9,13 +9,10 @@ from kevscore.config import KevConfig
 from kevscore.layers.common import BranchContext, Context, PrefillContext
 
 
-def conv_tail(x: torch.Tensor, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
-    """The last `width` inputs of each packed document, zero where a document is shorter: [D, C, width]."""
-    ends = cu_seqlens[1:].long()
-    idx = ends[:, None] - width + torch.arange(width, device=x.device)
-    valid = idx >= cu_seqlens[:-1].long()[:, None]
-    tail = x[0].index_select(0, idx.clamp(min=0).flatten()).view(*idx.shape, -1)
-    return (tail * valid[..., None]).transpose(1, 2)
+def conv_tail(x: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
+    """The last k - 1 inputs of each packed document, zero where a document is shorter: [D, C, k - 1]."""
+    tail = x[0][ctx.tail_index]  # [D, k - 1, C]
+    return (tail * ctx.tail_valid[..., None]).transpose(1, 2)
 
 
 class DeltaNet(nn.Module):
@@ -26,7 +23,6 @@ class DeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.splits = [cfg.conv_dim, cfg.value_dim, self.hv, self.hv]
         self.eps = cfg.rms_norm_eps
-        self.width = cfg.linear_conv_kernel_dim - 1
         p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)  # noqa: E731
         self.in_proj = p(sum(self.splits), cfg.hidden_size)  # qkv | z | b | a
         self.conv_weight = p(cfg.conv_dim, cfg.linear_conv_kernel_dim)
@@ -39,20 +35,17 @@ class DeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Context, keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """keep: an index into the leading dims; only those positions' outputs are normed, projected, returned."""
         mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, -1)
-        if isinstance(ctx, PrefillContext):
-            self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx.cu_seqlens, self.width).to(self.bank_conv.dtype))
-            mixed = self.ops.conv_prefill(mixed, self.conv_weight, ctx.cu_seqlens)
         shape = x.shape[:-1]
         gate = (a, self.A_log, self.dt_bias)  # the ops compute the decay -exp(A_log) * softplus(a + dt_bias)
+        # the fronts: the conv, the q/k/v split and beta = sigmoid(b), in one kernel on the GPU
         if isinstance(ctx, PrefillContext):
-            beta = b.sigmoid()
-            q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
-            q, k = q.reshape(*shape, self.hk, self.dk), k.reshape(*shape, self.hk, self.dk)
-            o, final = self.ops.gdr_prefill(q, k, v.reshape(*shape, self.hv, self.dv), gate, beta, ctx.cu_seqlens)
+            self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx).to(self.bank_conv.dtype))
+            q, k, v, beta, normed = self.ops.prefill_front(mixed, self.conv_weight, ctx, self.hk, self.dk,
+                                                           self.hv, self.dv, b)
+            o, final = self.ops.gdr_prefill(q, k, v, gate, beta, ctx, normed)
             self.bank_state.index_copy_(0, ctx.slots, final.to(self.bank_state.dtype))
         else:
             assert isinstance(ctx, BranchContext)
-            # the conv, the q/k/v split and beta = sigmoid(b), in one kernel on the GPU
             q, k, v, beta, normed = self.ops.branch_front(mixed, self.conv_weight, self.bank_conv, ctx.slots,
                                                           self.hk, self.dk, self.hv, self.dv, b)
             o = self.ops.gdr_branch(q, k, v, gate, beta, self.bank_state, ctx.slots, ctx.path, normed)

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from kevscore.kernels import torch_ops
-from kevscore.kernels.branch_conv import branch_conv
+from kevscore.kernels.branch_conv import branch_conv, packed_conv
 
 torch.manual_seed(0)
 W = 4
@@ -34,6 +34,25 @@ for (hk, dk, hv, dv), (rows, t) in [((2, 64, 4, 64), (3, 1)), ((2, 64, 4, 64), (
               rv.reshape(rows, t, hv, dv))
     for ours, ref_ in zip((q, k, v), expect):
         assert ours.is_contiguous()
+        worst = max(worst, (ours - ref_).abs().max().item())
+# packed documents (prefill): each document from a zero state, boundaries from the tokens' positions
+for (hk, dk, hv, dv), lens in [((2, 64, 4, 64), (1, 2, 7, 37)), ((2, 64, 4, 32), (5, 3, 40))]:
+    C, n = 2 * hk * dk + hv * dv, sum(lens)
+    proj = torch.randn(1, n, C + 100)
+    x, b = proj[..., :C], proj[..., C + 7: C + 7 + hv]
+    w = torch.randn(C, W) * 0.5
+    positions = torch.cat([torch.arange(m) for m in lens])
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    q, k, v, beta = packed_conv(x, w, positions, hk, dk, hv, dv, b=b)
+    for bt, tiles in ((2, 1), (16, 2)):
+        other = packed_conv(x, w, positions, hk, dk, hv, dv, b=b, block_t=bt, tiles=tiles)
+        assert all(torch.equal(a, c) for a, c in zip((q, k, v, beta), other)), bt
+    assert (beta - torch.sigmoid(b)).abs().max() < 1e-6
+    ref = torch_ops.conv_prefill(x, w, cu)
+    rq, rk, rv = ref.split([hk * dk, hk * dk, hv * dv], -1)
+    expect = (F.normalize(rq.reshape(1, n, hk, dk), dim=-1), F.normalize(rk.reshape(1, n, hk, dk), dim=-1),
+              rv.reshape(1, n, hv, dv))
+    for ours, ref_ in zip((q, k, v), expect):
         worst = max(worst, (ours - ref_).abs().max().item())
 print(f"max abs diff {worst:.3g}")
 assert worst < 1e-5, worst

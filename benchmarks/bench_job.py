@@ -1,0 +1,307 @@
+"""A whole `kevscore run` job, phase by phase, against its matmul floor and against transformers (naive and
+prefix-cached) on a sample of the same rows; and document prefill alone against the matmul roof. Prints a
+table and writes JSON.
+
+    python benchmarks/bench_job.py --model kev-4b --json benchmarks/results/job-kev-4b-h200.json
+
+The job (defaults: the shape of issue 17's table): `make_long_input.py --rows 6000 --docs 1000 --doc-words
+1000 --question-words 40`, ~1,700-token documents with 6 questions of ~85 tokens each, run through
+`kevscore.job.run_job` (the code behind `kevscore run`, Parquet in and out) in a child process per start:
+`cold` with empty Triton and FLA caches (a user's first job), then `warm` on the caches the cold run left.
+The GPU's idle time between phases comes from CUDA events recorded around each prefill and scoring phase.
+The floor is the job's weight-matmul FLOPs at the bf16 rate measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+HERE = Path(__file__).parent
+STARTS = ("cold", "warm")
+
+
+def job_floor_s(cfg, prefix_tokens: int, branch_tokens: int, rows: int, tflops: float) -> dict[str, float]:
+    """Seconds of weight-matmul work at `tflops`: prefill of every document token, scoring of every question."""
+    bench = _bench_score()
+    prefill = bench.prefill_flops(cfg, prefix_tokens) / tflops / 1e12
+    score = bench.matmul_flops(cfg, branch_tokens, rows) / tflops / 1e12
+    return {"prefill": prefill, "score": score, "job": prefill + score}
+
+
+def idle_between(phases: list[tuple[str, float, float]]) -> float:
+    """Seconds the GPU had nothing queued between consecutive phases, from (name, start, end) times in
+    seconds on one stream's clock; overlapping phases count no idle time."""
+    ordered = sorted(phases, key=lambda p: p[1])
+    return sum(max(0.0, nxt[1] - cur[2]) for cur, nxt in zip(ordered, ordered[1:]))
+
+
+def _bench_score():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_score", HERE / "bench_score.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- the child: one job in a fresh process -------------------------------------------------------------
+
+def child(args) -> None:
+    t0 = time.perf_counter()
+    import torch
+
+    from kevscore.engine import Progress
+    from kevscore.job import RunOptions, run_job
+
+    import_s = time.perf_counter() - t0
+
+    class Timeline(Progress):
+        """CUDA events around each phase, read after the job: no synchronization while it runs."""
+
+        def __init__(self):
+            self.marks: list[tuple[str, object, object]] = []
+
+        @contextmanager
+        def phase(self, name: str):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self.marks.append((name, start, end))
+
+        def warn(self, message: str) -> None:
+            print(f"warning: {message}", file=sys.stderr)
+
+    cuda = args.device == "cuda"
+    timeline = Timeline() if cuda else Progress()
+    if cuda:
+        torch.cuda.init()
+        origin = torch.cuda.Event(enable_timing=True)
+        origin.record()
+    opts = RunOptions(input=Path(args.input), output=Path(args.output), model=args.model, device=args.device,
+                      overwrite=True)
+    result = run_job(opts, timeline)
+    phases = []
+    if cuda:
+        torch.cuda.synchronize()  # events of the job's phases, on the clock of `origin`
+        phases = [(name, origin.elapsed_time(a) / 1000, origin.elapsed_time(b) / 1000) for name, a, b in timeline.marks]
+    s = result.stats
+    out = {"import_s": import_s, "process_s": time.perf_counter() - t0, "wall_s": result.wall_s,
+           "load_s": result.load_s, "read_s": s.read_s, "prefill_s": s.prefill_s, "score_s": s.score_s,
+           "write_s": s.write_s, "rows": s.rows, "documents": result.documents, "prefix_tokens": s.prefix_tokens,
+           "branch_tokens": s.branch_tokens, "batches": s.batches, "waves": s.waves,
+           "gpu_idle_between_phases_s": idle_between(phases), "phases": len(phases),
+           "peak_gpu_bytes": result.peak_gpu}
+    Path(args.child).write_text(json.dumps(out))
+
+
+# ---- the parent ----------------------------------------------------------------------------------------
+
+def make_input(args, folder: Path) -> Path:
+    path = folder / "job.parquet"
+    cmd = [sys.executable, str(HERE / "make_long_input.py"), str(path), "--rows", str(args.rows), "--docs",
+           str(args.docs), "--doc-words", str(args.doc_words), "--question-words", str(args.question_words)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return path
+
+
+def run_start(args, start: str, data: Path, folder: Path, cache: Path) -> dict:
+    """One job in a child process; `cold` starts from empty Triton/FLA caches in `cache`."""
+    if start == "cold" and cache.exists():
+        import shutil
+
+        shutil.rmtree(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+    report = folder / f"{start}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(report), "--input", str(data),
+           "--output", str(folder / f"{start}.scores.parquet"), "--model", args.model, "--device", args.device]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        (args.logs / f"job-{start}.log").write_text(res.stdout + res.stderr)
+    if res.returncode != 0:
+        raise SystemExit(f"{start} job failed:\n{res.stderr[-4000:]}")
+    out = json.loads(report.read_text())
+    out["spawn_to_exit_s"] = time.perf_counter() - t0
+    return out
+
+
+def sample_rows(data: Path, docs: int, model: str):
+    """The rows of the input's first `docs` documents, encoded as the job encodes them: (Encoded, checkpoint)."""
+    import pyarrow.parquet as pq
+
+    from kevscore.checkpoint import load_checkpoint
+    from kevscore.data import read_input
+    from kevscore.prompt import encode, load_template
+
+    doc_ids = pq.read_table(data, columns=["doc_id"]).column("doc_id").to_pylist()
+    keep = sorted(set(doc_ids), key=doc_ids.index)[:docs]
+    rows = [i for i, d in enumerate(doc_ids) if d in set(keep)]
+    ckpt = load_checkpoint(model, "cuda")
+    table = read_input(data).take(rows)
+    enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],
+                 ckpt.config.max_position_embeddings)
+    return enc, ckpt
+
+
+def baselines(args, data: Path) -> dict:
+    """Rows/s of naive and prefix-cached transformers (bf16, on the GPU) on the first documents' rows."""
+    import torch
+
+    from kevscore.baselines import naive_call, prefix_cached_call
+    from kevscore.measure import events_ms
+    from kevscore.reference import reference_model
+
+    enc, ckpt = sample_rows(data, args.baseline_docs, args.model)
+    model = reference_model(ckpt, device="cuda", dtype=torch.bfloat16)
+    out = {"rows": len(enc)}
+    for name, make in (("naive", naive_call), ("prefix_cached", prefix_cached_call)):
+        ms = events_ms(make(model, enc, torch.device("cuda"), args.baseline_batch), reps=args.baseline_reps, warmup=1)
+        out[name] = {"ms": ms, "rows_per_s": len(enc) / (statistics.median(ms) / 1000)}
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def prefill_alone(args, cfg_name: str, tflops: float, doc_tokens: int) -> dict:
+    """Prefill of synthetic documents of `doc_tokens` tokens through the engine's own groups: tokens/s and the
+    share of the matmul roof, median of 3 after a warm-up, with a profile by kernel group."""
+    import torch
+
+    from kevscore.checkpoint import load_checkpoint
+    from kevscore.cuda_runner import build_cuda_runner
+    from kevscore.engine import Engine, Scores
+    from kevscore.measure import events_ms
+
+    bench = _bench_score()
+    ckpt = load_checkpoint(cfg_name, "cuda")
+    docs = max(1, args.prefill_tokens // doc_tokens)
+    enc = bench.workload(ckpt.config, docs, doc_tokens, 1, 8, seed=1)
+    runner = build_cuda_runner(ckpt, torch.device("cuda"), [doc_tokens] * docs, None, False)
+    engine = Engine(runner, prefill_tokens=runner.prefill_tokens)
+    stats = Scores.empty(0).stats
+    call = lambda: engine.prefill_wave(enc, list(range(docs)), stats)  # noqa: E731
+    ms = statistics.median(events_ms(call, reps=3, warmup=1))
+    tokens = docs * doc_tokens
+    roof_ms = bench.prefill_flops(ckpt.config, tokens) / tflops / 1e9
+    out = {"doc_tokens": doc_tokens, "documents": docs, "tokens": tokens, "group_tokens": runner.prefill_tokens,
+           "ms": ms, "tokens_per_s": tokens / ms * 1000, "roof_share": roof_ms / ms}
+    if args.profile:
+        out["profile_ms"] = bench.profile(call, reps=1)
+    del engine, runner
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="kev-4b")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--rows", type=int, default=6000)
+    ap.add_argument("--docs", type=int, default=1000)
+    ap.add_argument("--doc-words", type=int, default=1000)
+    ap.add_argument("--question-words", type=int, default=40)
+    ap.add_argument("--starts", default="cold,warm", help="which jobs to run: cold, warm, both or none ('')")
+    ap.add_argument("--baseline-docs", type=int, default=8, help="documents whose rows the baselines score; 0: none")
+    ap.add_argument("--baseline-batch", type=int, default=16)
+    ap.add_argument("--baseline-reps", type=int, default=3)
+    ap.add_argument("--prefill-docs", default="1700,8192", help="document lengths of the prefill-alone runs")
+    ap.add_argument("--prefill-tokens", type=int, default=131072, help="tokens per prefill-alone run")
+    ap.add_argument("--profile", action="store_true", help="profile the prefill-alone runs by kernel group")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--logs", type=Path, help="keep each job's output here (e.g. with TRITON_PRINT_AUTOTUNING=1)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--input", help=argparse.SUPPRESS)
+    ap.add_argument("--output", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    report = run(args)
+    print_table(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def run(args) -> dict:
+    from kevscore.config import SHAPES
+
+    cuda = args.device == "cuda"
+    skip = ("child", "input", "output", "json", "logs")
+    report: dict = {"workload": {k: v for k, v in vars(args).items() if k not in skip}}
+    tflops = None
+    if cuda:
+        import torch
+
+        from kevscore.measure import environment
+
+        rate = _bench_score().MatmulRate()
+        tflops = statistics.median(rate.samples(20, warmup=3))
+        del rate
+        torch.cuda.empty_cache()
+        report["environment"] = environment(torch.device("cuda"))
+    report["matmul_tflops"] = tflops
+    with tempfile.TemporaryDirectory(prefix="kevscore-bench-job-") as tmp:
+        folder = Path(tmp)
+        data = make_input(args, folder)
+        starts = [s for s in STARTS if s in args.starts.split(",")]
+        report["jobs"] = {s: run_start(args, s, data, folder, folder / "triton-cache") for s in starts}
+        first = next(iter(report["jobs"].values()), None)
+        if tflops and first and args.model in SHAPES:
+            cfg = SHAPES[args.model]
+            report["floor_s"] = job_floor_s(cfg, first["prefix_tokens"], first["branch_tokens"], first["rows"], tflops)
+            for job in report["jobs"].values():
+                job["x_floor"] = job["wall_s"] / report["floor_s"]["job"]
+                job["prefill_roof_share"] = report["floor_s"]["prefill"] / job["prefill_s"]
+        if cuda and args.baseline_docs:
+            report["baselines"] = baselines(args, data)
+        if cuda and args.prefill_docs:
+            report["prefill"] = [prefill_alone(args, args.model, tflops, int(n)) for n in args.prefill_docs.split(",")]
+    return report
+
+
+def print_table(r: dict) -> None:
+    env = r.get("environment", {})
+    w = r["workload"]
+    print(f"\n{env.get('gpu', 'cpu')} | {w['model']} | {w['rows']:,} rows over {w['docs']:,} documents"
+          + (f" | matmul {r['matmul_tflops']:.0f} TFLOP/s" if r.get("matmul_tflops") else ""))
+    floor = r.get("floor_s")
+    if floor:
+        print(f"job floor {floor['job']:.1f} s (prefill {floor['prefill']:.1f} + scoring {floor['score']:.1f})")
+    print(f"{'start':<6}{'wall s':>8}{'rows/s':>8}{'x floor':>8}{'load':>7}{'read':>6}{'prefill':>8}{'score':>7}"
+          f"{'write':>7}{'idle':>6}{'roof':>6}")
+    for name, j in r.get("jobs", {}).items():
+        print(f"{name:<6}{j['wall_s']:>8.1f}{j['rows'] / j['wall_s']:>8.0f}{j.get('x_floor', float('nan')):>8.2f}"
+              f"{j['load_s']:>7.1f}{j['read_s']:>6.1f}{j['prefill_s']:>8.1f}{j['score_s']:>7.1f}{j['write_s']:>7.1f}"
+              f"{j['gpu_idle_between_phases_s']:>6.2f}{j.get('prefill_roof_share', float('nan')):>6.0%}")
+    jobs = r.get("jobs", {})
+    if "cold" in jobs and "warm" in jobs:
+        print(f"first run's extra (JIT, tuning): {jobs['cold']['wall_s'] - jobs['warm']['wall_s']:.1f} s")
+    base = r.get("baselines")
+    if base:
+        for name in ("naive", "prefix_cached"):
+            line = f"transformers {name.replace('_', '-')}: {base[name]['rows_per_s']:.1f} rows/s ({base['rows']} rows)"
+            for start, j in jobs.items():
+                line += f"; kevscore {start} {j['rows'] / j['wall_s'] / base[name]['rows_per_s']:.1f}x"
+            print(line)
+    for p in r.get("prefill", []):
+        print(f"prefill alone, {p['documents']} x {p['doc_tokens']} tokens in groups of {p['group_tokens']}: "
+              f"{p['ms']:.0f} ms, {p['tokens_per_s'] / 1000:.1f}k tokens/s, {p['roof_share']:.0%} of the roof")
+        if "profile_ms" in p:
+            prof = p["profile_ms"]
+            print("  " + ", ".join(f"{g} {ms:.1f}" for g, ms in prof["groups"].items())
+                  + f"; {prof['launches_per_call']:.0f} launches")
+
+
+if __name__ == "__main__":
+    main()

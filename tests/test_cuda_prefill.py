@@ -1,0 +1,76 @@
+"""GPU tests (marked `cuda`) of document prefill: packed groups against one document at a time and against
+FLA's whole ops, and a prefill that never waits on the GPU."""
+import pytest
+import torch
+
+from conftest import gpu_engine, synthetic
+from kevscore.engine import Scores
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DOCS = [1, 5, 63, 64, 65, 200, 700, 129]
+
+
+def entries(engine, enc, budget: int) -> tuple[torch.Tensor, ...]:
+    """The bank's recurrent states, conv states and K/V after prefilling every document in groups of `budget`."""
+    engine.prefill_tokens = budget
+    engine.prefill_wave(enc, list(range(len(enc.prefixes))), Scores.empty(0).stats)
+    bank = engine.runner.bank
+    n = len(enc.prefixes)
+    return (bank.state[:, :n].float().cpu(), bank.conv[:, :n].float().cpu(),
+            bank.kv[:, :, :bank.used_tokens].float().cpu())
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_packed_prefill_equals_one_document_at_a_time(tiny):
+    enc = synthetic(DOCS, [4])
+    engine = gpu_engine(tiny, enc.prefixes)
+    alone = entries(engine, enc, 1)
+    for budget in (300, 1 << 16):
+        packed = entries(engine, enc, budget)
+        for name, a, b in zip(("state", "conv", "kv"), packed, alone):
+            assert relative(a, b) < 5e-3, (name, budget, relative(a, b))
+
+
+def test_fused_prefill_close_to_fla_whole_ops(tiny, monkeypatch):
+    """Our packed conv front end, FLA's stages on host-computed chunk indices and flash attention over the
+    packed tokens, against FLA's conv + `chunk_gated_delta_rule` + padded SDPA (what prefill ran before)."""
+    from kevscore.kernels import fla_ops
+
+    enc = synthetic(DOCS, [4])
+    ours = entries(gpu_engine(tiny, enc.prefixes), enc, 1 << 16)
+    monkeypatch.setattr(fla_ops, "FLA_PREFILL", True)
+    theirs = entries(gpu_engine(tiny, enc.prefixes), enc, 1 << 16)
+    for name, a, b in zip(("state", "conv", "kv"), ours, theirs):
+        assert relative(a, b) < 5e-3, (name, relative(a, b))
+
+
+def test_prefill_never_waits_on_the_gpu(tiny):
+    """Once its kernels are compiled, a packed prefill enqueues everything without one host synchronization
+    (torch's sync debug mode turns any into an error)."""
+    enc = synthetic(DOCS, [4])
+    engine = gpu_engine(tiny, enc.prefixes)
+    runner = engine.runner
+    slots = [runner.bank.alloc(len(d)) for d in enc.prefixes]
+    runner.bank.publish()
+    runner.prefill(enc.prefixes, slots)  # compiles and tunes
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.prefill(enc.prefixes, slots)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def test_prefill_group_budget_fits_the_gpu(tiny):
+    from kevscore.config import SHAPES
+    from kevscore.cuda_runner import prefill_bytes_per_token
+
+    engine = gpu_engine(tiny, [[1] * 100])
+    assert 2048 <= engine.runner.prefill_tokens <= 65536
+    per_token = prefill_bytes_per_token(SHAPES["kev-4b"])
+    assert 150_000 < per_token < 400_000  # the Kev-4B shape: ~270 KB of activations per token

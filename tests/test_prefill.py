@@ -1,0 +1,69 @@
+"""Prefill planning on the CPU: the host-side indices of a packed group, group budgets, and the entries a
+packed group writes against one document at a time."""
+import pytest
+import torch
+
+from conftest import cpu_engine, synthetic
+from kevscore.bank import BankLayout, StateBank
+from kevscore.engine import Scores
+from kevscore.plan import prefill_group_tokens
+from kevscore.runner import prefill_inputs
+
+
+def test_prefill_inputs_index_what_fla_and_the_layers_derive(demo):
+    """The host-side chunk indices equal FLA's own, and the conv tails, positions and K/V slots are those of
+    each document."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    lens = [1, 5, 64, 65, 130, 3]
+    bank = StateBank(demo.config, BankLayout(8, 400), "cpu", torch.float32)
+    slots = [bank.alloc(n) for n in lens]
+    docs = [list(range(100 + i, 100 + i + n)) for i, n in enumerate(lens)]
+    ids, ctx = prefill_inputs(docs, slots, bank, "cpu", 3)
+    assert ids.tolist() == [sum(docs, [])]
+    assert torch.equal(ctx.chunk_indices, prepare_chunk_indices(ctx.cu_seqlens_long, 64))
+    assert ctx.cu_seqlens.tolist() == [0, 1, 6, 70, 135, 265, 268] and ctx.max_len == 130
+    assert ctx.positions.tolist() == sum([list(range(n)) for n in lens], [])
+    assert ctx.kv_slots.tolist() == sum([list(range(bank.entry_start(s), bank.entry_start(s) + n))
+                                         for s, n in zip(slots, lens)], [])
+    ends = ctx.cu_seqlens_long[1:]
+    for d, n in enumerate(lens):  # the last 3 tokens of each document; fewer for short ones
+        want = [int(ends[d]) - 3 + j for j in range(3)]
+        assert ctx.tail_valid[d].tolist() == [j >= 3 - n for j in range(3)]
+        assert [t for t, ok in zip(ctx.tail_index[d].tolist(), ctx.tail_valid[d].tolist()) if ok] == want[3 - min(n, 3):]
+
+
+@pytest.mark.parametrize("free, per_token, expected", [
+    (80 << 30, 270_000, 65536),        # an H200 after model and bank: the cap
+    (2 << 30, 270_000, 3968),          # little memory: what half of it holds, a multiple of 64
+    (100 << 20, 270_000, 2048),        # almost none: the floor (the engine splits on out-of-memory)
+])
+def test_prefill_group_tokens(free, per_token, expected):
+    assert prefill_group_tokens(free, per_token) == expected
+
+
+def test_group_budget_does_not_change_the_entries(tiny):
+    """One document per group, a few per group and all in one group write the same entries (CPU, fp32)."""
+    enc = synthetic([1, 5, 64, 65, 130, 40], [4])
+    banks = []
+    for budget in (1, 100, 1 << 16):
+        engine = cpu_engine(tiny, docs=enc.prefixes)
+        engine.prefill_tokens = budget
+        engine.prefill_wave(enc, list(range(len(enc.prefixes))), Scores.empty(0).stats)
+        bank = engine.runner.bank
+        banks.append((bank.state.clone(), bank.conv.clone(), bank.kv.clone()))
+    for other in banks[1:]:
+        for a, b in zip(banks[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_groups_pack_sorted_documents_within_the_budget(tiny):
+    enc = synthetic([300, 10, 200, 50, 120, 90], [4])
+    engine = cpu_engine(tiny, docs=enc.prefixes)
+    engine.prefill_tokens = 300
+    groups = engine._prefill_groups(enc, list(range(6)))
+    assert sorted(d for g in groups for d in g) == list(range(6))
+    lengths = [len(enc.prefixes[d]) for g in groups for d in g]
+    assert lengths == sorted(lengths)
+    assert all(sum(len(enc.prefixes[d]) for d in g) <= 300 or len(g) == 1 for g in groups)
+    assert len(groups) == 3  # 10+50+90+120 | 200 | 300
