@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from kevscore.baselines import naive_call
 from kevscore.config import SHAPES, KevConfig
-from kevscore.measure import environment, events_ms, naive_hf_call
+from kevscore.measure import environment, events_ms
 from kevscore.prompt import Encoded
 
 
@@ -197,8 +198,7 @@ def main() -> None:
         del engine, runner, call, rate
         torch.cuda.empty_cache()
         model = reference_model(ckpt, device="cuda", dtype=torch.bfloat16)
-        seqs = [enc.prefixes[enc.row_prefix[r]] + enc.branches[r] for r in rows]
-        hf = events_ms(naive_hf_call(model, seqs, torch.device("cuda"), args.hf_batch), reps=args.hf_reps, warmup=1)
+        hf = events_ms(naive_call(model, enc, "cuda", args.hf_batch, rows), reps=args.hf_reps, warmup=1)
         torch.cuda.empty_cache()
         report["hf_naive_ms"] = hf
         report["hf_rows_per_s"] = len(rows) / (statistics.median(hf) / 1000)

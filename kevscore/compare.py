@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from kevscore.baselines import naive_call
 from kevscore.engine import Engine, Scores
 from kevscore.errors import KevscoreError
-from kevscore.measure import environment, naive_hf_call, quantile, timed
+from kevscore.measure import environment, quantile, timed
 from kevscore.prompt import Encoded
 
 PATHS = ("gathered", "indexed")
@@ -140,7 +141,7 @@ def _argmax(p: list[float]) -> int:
 
 
 def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: dict, reps: int, warmup: int,
-             hf: Callable[[Encoded], Callable[[], None]] | None = None, hf_reps: int = 3) -> CaseResult:
+             hf: Callable[[Encoded], Callable[[], torch.Tensor]] | None = None, hf_reps: int = 3) -> CaseResult:
     runner, device = engine.runner, engine.runner.device
     bank = runner.bank
     docs = list(range(len(enc.prefixes)))
@@ -261,9 +262,8 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
         hf_model = reference_model(ckpt, device=str(device),
                                    dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
 
-        def hf(enc: Encoded) -> Callable[[], None]:
-            seqs = [enc.prefixes[enc.row_prefix[r]] + enc.branches[r] for r in range(len(enc))]
-            return naive_hf_call(hf_model, seqs, device, batch=16)
+        def hf(enc: Encoded) -> Callable[[], torch.Tensor]:
+            return naive_call(hf_model, enc, device, batch=16)
 
     results = []
     with injected_fault(runner.model.ops, opts.fault):

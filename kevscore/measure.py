@@ -1,5 +1,5 @@
-"""Measuring: timed calls (CUDA events on a GPU, the wall clock on a CPU), the machine and code a result
-comes from, and the naive transformers baseline. Used by `kevscore compare` and `benchmarks/`."""
+"""Measuring: timed calls (CUDA events on a GPU, the wall clock on a CPU) and the machine and code a result
+comes from. Used by `kevscore compare` and `benchmarks/`."""
 from __future__ import annotations
 
 import hashlib
@@ -82,19 +82,3 @@ def environment(device: torch.device) -> dict:
         env |= {"cpu": platform.machine(), "threads": torch.get_num_threads()}
     return env
 
-
-def naive_hf_call(model, sequences: list[list[int]], device: torch.device, batch: int) -> Callable[[], None]:
-    """A call that runs a transformers model (`kevscore.reference.reference_model`) on every full
-    `document + question` sequence, the naive baseline: sequences of equal length go together, `batch`
-    at a time, logits at the last position only."""
-    by_len: dict[int, list[list[int]]] = {}
-    for s in sequences:
-        by_len.setdefault(len(s), []).append(s)
-    groups = [g[i:i + batch] for g in by_len.values() for i in range(0, len(g), batch)]
-
-    @torch.no_grad()
-    def call() -> None:
-        for group in groups:
-            model(input_ids=torch.tensor(group, device=device), use_cache=False, logits_to_keep=1)
-
-    return call
