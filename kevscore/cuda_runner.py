@@ -37,6 +37,7 @@ class GraphRunner(EagerRunner):
         self.graphs: dict[tuple, CapturedBatch] = {}
         self.pool = None
         self.capture_s = 0.0  # warm-up (autotuning) and capture time, reported apart from scoring
+        self.pinned: list[str] = []  # FLA kernels whose launch configuration is pinned (kernels/tuning.py)
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
         if self.eager:
@@ -82,8 +83,9 @@ class GraphRunner(EagerRunner):
 
 def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int], capacity: int | None,
                       eager: bool) -> GraphRunner:
-    from kevscore.kernels import fla_ops
+    from kevscore.kernels import fla_ops, tuning
 
+    pinned = tuning.pin_for(torch.cuda.get_device_name(device))
     model = KevModel.from_weights(ckpt.config, ckpt.weights, fla_ops, torch.bfloat16, device)
     free, _ = torch.cuda.mem_get_info(device)
     layout = BankLayout.plan(ckpt.config, torch.bfloat16, doc_tokens, int(free * BANK_SHARE), capacity)
@@ -91,6 +93,7 @@ def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[i
     runner = GraphRunner(model, bank, pad_id(ckpt.tokenizer), eager)
     free, _ = torch.cuda.mem_get_info(device)
     runner.prefill_tokens = prefill_group_tokens(free, prefill_bytes_per_token(ckpt.config))
+    runner.pinned = pinned
     return runner
 
 

@@ -81,6 +81,7 @@ class RunResult:
     wall_s: float = 0.0
     peak_rss: int = 0             # bytes: this process's peak resident set size (getrusage)
     peak_gpu: int | None = None   # bytes: torch.cuda.max_memory_allocated, on a GPU
+    load_phases: dict[str, float] = field(default_factory=dict)  # seconds of load_s: checkpoint, tokens, runner, identity
 
 
 def check_options(opts: RunOptions) -> None:
@@ -120,18 +121,22 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
 
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = load_checkpoint(opts.model, device)
+    load_phases = {"checkpoint": time.perf_counter() - t0}
     template = load_template(opts.template, ckpt.tokenizer)
     max_positions = ckpt.config.max_position_embeddings
     doc_tokens = measure_tokens(scan, ckpt.tokenizer, template, opts.labels, max_positions, opts.skip_invalid)
+    load_phases["tokens"] = time.perf_counter() - t0 - sum(load_phases.values())
     doc_of_row = scan.doc_of_row
     if opts.shard is not None:  # one rank of a distributed job: the rows of its documents only
         doc_of_row = shard_documents(scan, *opts.shard)
     windows = plan_windows(doc_of_row, doc_tokens, opts.window, WINDOW_ROWS, WINDOW_TOKENS)
     runner = build_runner(ckpt, device, bank_documents(windows, doc_of_row, doc_tokens), opts.bank_capacity,
                           opts.eager)
+    load_phases["runner"] = time.perf_counter() - t0 - sum(load_phases.values())
     backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
     fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
     identity = job_identity(opts, scan, ckpt.name, fingerprint.digest, device.type, windows)
+    load_phases["identity"] = time.perf_counter() - t0 - sum(load_phases.values())
     parts = PartStore(output, identity, windows.rows, opts.restart, progress.warn)
     store = None
     try:
@@ -141,7 +146,7 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
         load_s = time.perf_counter() - t0
         result = RunResult(output, RunStats(), len(np.unique(doc_of_row[windows.of_row >= 0])), str(device),
                            ckpt.name, load_s, windows=len(windows), resumed=len(parts.done),
-                           resumed_rows=sum(parts.done.values()))
+                           resumed_rows=sum(parts.done.values()), load_phases=load_phases)
         if parts.finished():
             result.stats.rows = parts.manifest["merged"]["rows"]
         else:

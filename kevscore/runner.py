@@ -18,6 +18,7 @@ from kevscore.model import KevModel
 from kevscore.plan import Batch
 
 SLOT, LAST, PLEN = 0, 1, 2  # metadata columns after the T token columns
+PAD_WASTE = 1.25  # a prefill group's attention pads its documents to the longest while that adds at most 25%
 
 
 def fill_upload(buf: torch.Tensor, length: int, branches: Sequence[Sequence[int]], slots: Sequence[int],
@@ -63,15 +64,20 @@ def prefill_inputs(docs: Sequence[Sequence[int]], slots: Sequence[int], bank: St
     doc_of_token = torch.repeat_interleave(torch.arange(len(docs)), lens)
     positions = torch.arange(int(cu[-1])) - starts[doc_of_token]
     entry_start = torch.tensor([bank.entry_start(s) for s in slots], dtype=torch.int64)
+    longest = int(lens.max())
     host = {"ids": torch.cat([torch.as_tensor(d, dtype=torch.int64) for d in docs]),
             "cu_seqlens": cu.to(torch.int32), "cu_seqlens_long": cu,
             "chunk_indices": torch.stack([doc_of_chunk, chunk_in_doc], 1),
             "tail_index": tail.clamp(min=0), "tail_valid": tail >= starts[:, None],
             "slots": torch.tensor(list(slots), dtype=torch.int64),
             "kv_slots": entry_start[doc_of_token] + positions, "positions": positions}
+    if len(docs) * longest <= PAD_WASTE * int(cu[-1]):  # attention may run on a padded [D, L] batch
+        steps = torch.arange(longest)
+        host["pad_index"] = torch.where(steps < lens[:, None], starts[:, None] + steps, 0)
+        host["unpad_index"] = doc_of_token * longest + positions
     dev = {name: _upload(t, torch.device(device)) for name, t in host.items()}
     ids = dev.pop("ids")
-    return ids[None], PrefillContext(**dev, max_len=int(lens.max()))
+    return ids[None], PrefillContext(**dev, max_len=longest)
 
 
 class EagerRunner:

@@ -25,8 +25,13 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_packed_prefill_equals_one_document_at_a_time(tiny):
-    enc = synthetic(DOCS, [4])
+@pytest.mark.parametrize("docs", [DOCS, [190, 200, 170, 210], [128] * 5],
+                         ids=["flash-varlen", "sdpa-padded", "sdpa-equal"])
+def test_packed_prefill_equals_one_document_at_a_time(tiny, docs):
+    """Attention over a packed group takes flash attention (lengths far apart), SDPA on a padded batch
+    (similar lengths) or SDPA on the packed tokens as they lie (equal lengths); one document alone always
+    the last."""
+    enc = synthetic(docs, [4])
     engine = gpu_engine(tiny, enc.prefixes)
     alone = entries(engine, enc, 1)
     for budget in (300, 1 << 16):
@@ -74,3 +79,22 @@ def test_prefill_group_budget_fits_the_gpu(tiny):
     assert 2048 <= engine.runner.prefill_tokens <= 65536
     per_token = prefill_bytes_per_token(SHAPES["kev-4b"])
     assert 150_000 < per_token < 400_000  # the Kev-4B shape: ~270 KB of activations per token
+
+
+def test_pinned_configurations_are_used_without_autotuning(tiny):
+    """On a GPU with pins (the H200), a prefill and a scoring batch run every pinned FLA kernel with its one
+    configuration: no autotuner times anything."""
+    from kevscore.kernels import tuning
+
+    name = torch.cuda.get_device_name()
+    if not any(gpu in name for gpu in tuning.PINS):
+        pytest.skip(f"no pinned configurations for {name}")
+    enc = synthetic([70, 200], [5, 90])
+    engine = gpu_engine(tiny, enc.prefixes)
+    assert set(engine.runner.pinned) == {kernel for _, kernel in tuning.PINS["H200"]}
+    engine.run(enc, "indexed")
+    for (module, kernel) in tuning.PINS["H200"]:
+        import importlib
+
+        tuner = tuning.autotuner(getattr(importlib.import_module(module), kernel))
+        assert len(tuner.configs) == 1 and not tuner.cache, kernel

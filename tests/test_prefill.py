@@ -67,3 +67,31 @@ def test_groups_pack_sorted_documents_within_the_budget(tiny):
     assert lengths == sorted(lengths)
     assert all(sum(len(enc.prefixes[d]) for d in g) <= 300 or len(g) == 1 for g in groups)
     assert len(groups) == 3  # 10+50+90+120 | 200 | 300
+
+
+def test_pins_name_configurations_fla_offers():
+    """Every pinned configuration is one of the kernel's own autotuning configurations (FLA 0.5.2), so pinning
+    never launches a configuration FLA did not write."""
+    import importlib
+
+    from kevscore.kernels import tuning
+
+    for pins in tuning.PINS.values():
+        for (module, kernel), wanted in pins.items():
+            tuner = tuning.autotuner(getattr(importlib.import_module(module), kernel))
+            assert sum(tuning.matches(c, wanted) for c in tuner.configs) >= 1, kernel
+
+
+def test_padded_attention_indices_round_trip(demo):
+    """Documents of similar lengths get pad/unpad indices: gathering the packed tokens into [D, L] and back
+    gives them unchanged; far-apart lengths get none (attention then runs on the packed tokens)."""
+    bank = StateBank(demo.config, BankLayout(8, 2000), "cpu", torch.float32)
+    for lens, padded in (([100, 90, 110, 95], True), ([1, 5, 64, 65, 130, 3], False), ([64] * 3, True)):
+        bank.reset()
+        slots = [bank.alloc(n) for n in lens]
+        _, ctx = prefill_inputs([[7] * n for n in lens], slots, bank, "cpu", 3)
+        assert (ctx.pad_index is not None) == padded
+        if padded:
+            tokens = torch.arange(sum(lens))
+            assert torch.equal(tokens[ctx.pad_index].flatten()[ctx.unpad_index], tokens)
+            assert ctx.pad_index.shape == (len(lens), max(lens))

@@ -194,17 +194,26 @@ def _sdpa_causal(q, k, v):
 
 
 def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
-    """Causal attention within each packed document, times sigmoid(gate): flash attention over the packed
-    tokens (`cu_seqlens`, query heads sharing their KV head), no padding and no copies of q, k or v."""
+    """Causal attention within each packed document, times sigmoid(gate). Documents of similar lengths (the
+    host computed `pad_index`) go through SDPA (cuDNN) as a right-padded [D, L] batch, gathered and scattered
+    by host-computed indices (no copy at all when they are equally long); others through flash attention
+    over the packed tokens (`cu_seqlens`)."""
     if FLA_PREFILL:
-        return _attn_prefill_padded(q, k, v, gate, ctx.cu_seqlens, ctx.max_len)
-    out = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], ctx.cu_seqlens, ctx.cu_seqlens, ctx.max_len,
-                                                  ctx.max_len, 0.0, True, False)[0]
-    return out[None] * torch.sigmoid(gate)
+        return _attn_prefill_masked(q, k, v, gate, ctx.cu_seqlens, ctx.max_len)
+    if ctx.pad_index is None:
+        out = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], ctx.cu_seqlens, ctx.cu_seqlens,
+                                                      ctx.max_len, ctx.max_len, 0.0, True, False)[0][None]
+    elif ctx.pad_index.numel() == q.shape[1]:  # equal lengths: the packed tokens are the batch
+        out = _sdpa_causal(*(t.view(ctx.pad_index.shape[0], ctx.max_len, *t.shape[2:]) for t in (q, k, v)))
+        out = out.reshape(q.shape)
+    else:
+        out = _sdpa_causal(q[0][ctx.pad_index], k[0][ctx.pad_index], v[0][ctx.pad_index])
+        out = out.flatten(0, 1)[ctx.unpad_index][None]
+    return out * torch.sigmoid(gate)
 
 
-def _attn_prefill_padded(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Packed documents -> right-padded [D, L] batch -> causal SDPA -> packed again, times sigmoid(gate)."""
+def _attn_prefill_masked(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """FLA_PREFILL's attention, as prefill ran before: indices derived on the GPU and a boolean unpad."""
     starts, lens = cu_seqlens[:-1].long(), cu_seqlens[1:].long() - cu_seqlens[:-1].long()
     steps = torch.arange(max_len, device=q.device)
     valid = steps[None, :] < lens[:, None]
