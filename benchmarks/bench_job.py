@@ -95,7 +95,7 @@ def child(args) -> None:
         phases = [(name, origin.elapsed_time(a) / 1000, origin.elapsed_time(b) / 1000) for name, a, b in timeline.marks]
     s = result.stats
     out = {"import_s": import_s, "process_s": time.perf_counter() - t0, "wall_s": result.wall_s,
-           "load_s": result.load_s, "load_phases": result.load_phases, "read_s": s.read_s, "prefill_s": s.prefill_s, "score_s": s.score_s,
+           "load_s": result.load_s, "load_phases": result.load_phases, "warm_up": result.warm_up, "read_s": s.read_s, "prefill_s": s.prefill_s, "score_s": s.score_s,
            "write_s": s.write_s, "rows": s.rows, "documents": result.documents, "prefix_tokens": s.prefix_tokens,
            "branch_tokens": s.branch_tokens, "batches": s.batches, "waves": s.waves,
            "gpu_idle_between_phases_s": idle_between(phases), "phases": len(phases),

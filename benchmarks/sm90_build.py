@@ -88,6 +88,12 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
                     dict(QK=2048, NQK=16, KD=128, VD=128, C=8192, W=4, BT=bt, BD=128, EPS=L2_EPS, EVEN=True,
                          SPLIT_HALO=not packed, TILES=tiles, NCB=64, HB=32, BH=32, PACKED=packed), wp, 1,
                     ("x", "w", "conv", "q", "k", "v", "b", "beta", "pos", "sx_r", "sx_t", "sb_r", "sb_t")))
+    from kevscore.kernels.elementwise import _rms_norm_kernel
+
+    norm_t = {n: "*bf16" for n in ("x", "res", "y", "res_out")} | {"w": "*fp32", "n_rows": "i32", "eps": "fp32"}
+    for residual in (False, True):
+        out.append((f"rms norm residual {residual}", _rms_norm_kernel, norm_t,
+                    dict(D=2560, BD=4096, BR=4, HAS_RESIDUAL=residual), 8, 3, ("x", "res", "w", "y", "res_out")))
     return out
 
 

@@ -28,7 +28,7 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
     from kevscore.demo import demo_checkpoint_dir
 
     if spec == "demo":
-        ckpt = load_directory(demo_checkpoint_dir())
+        ckpt = load_directory(demo_checkpoint_dir(), device)
         ckpt.name = "demo"
         return ckpt
     if spec in SHAPES:
@@ -39,10 +39,23 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
     if not path.is_dir():
         names = ", ".join(["demo", *SHAPES])
         raise KevscoreError(f"--model {spec}: not a checkpoint directory (or one of: {names})")
-    return load_directory(path)
+    return load_directory(path, device)
 
 
-def load_directory(path: Path) -> Checkpoint:
+def peek_config(spec: str) -> KevConfig | None:
+    """The model config of `spec` without its weights, or None when it cannot be read (the load reports why)."""
+    from kevscore.demo import demo_checkpoint_dir
+
+    if spec in SHAPES:
+        return SHAPES[spec]
+    try:
+        path = demo_checkpoint_dir() if spec == "demo" else Path(spec)
+        return KevConfig.from_hf(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError, KevscoreError):
+        return None
+
+
+def load_directory(path: Path, device: str | torch.device = "cpu") -> Checkpoint:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise KevscoreError(f"{path}: no config.json (is this a Hugging Face checkpoint directory?)")
@@ -50,7 +63,7 @@ def load_directory(path: Path) -> Checkpoint:
     if raw.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
         raise KevscoreError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not qwen3_5 / qwen3_5_text")
     cfg = KevConfig.from_hf(raw)
-    weights = normalize_names(read_safetensors(path), cfg, path)
+    weights = normalize_names(read_safetensors(path, device), cfg, path)
     return Checkpoint(str(path), cfg, weights, load_tokenizer(path), path)
 
 
@@ -63,7 +76,8 @@ def load_tokenizer(path: Path):
         raise KevscoreError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint's safetensors files, memory-mapped and put straight on `device`."""
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
@@ -77,7 +91,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     for name in files:
         if not (path / name).is_file():
             raise KevscoreError(f"{index}: lists {name}, which is missing")
-        weights.update(load_file(str(path / name)))
+        weights.update(load_file(str(path / name), device=str(device)))
     return weights
 
 

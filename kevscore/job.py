@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from kevscore.backend import build_runner, resolve_device
 from kevscore.bank_store import BankStats, BankStore, check_bank_dir, model_fingerprint
-from kevscore.checkpoint import load_checkpoint
+from kevscore.checkpoint import load_checkpoint, peek_config
 from kevscore.data import check_output_path, default_output_path, output_table
 from kevscore.engine import Engine, Progress, RunStats, Scores
 from kevscore.errors import KevscoreError
@@ -34,11 +34,13 @@ from kevscore.plan import Windows, plan_windows
 from kevscore.prompt import encode, load_template
 from kevscore.shard import assign_documents
 from kevscore.stream import InputScan, measure_tokens, scan_input
+from kevscore.warmup import prepare_device
 
 PATHS = ("indexed", "gathered")
 WINDOW_DOCS = 1024          # documents per window (--window)
 WINDOW_ROWS = 65536         # rows per window; a document with more rows is split over windows of its own
 WINDOW_TOKENS = 1 << 20     # document tokens per window
+WARM_UP_WAIT_S = 300        # the longest the job waits for its kernels' compilation (kevscore.warmup)
 
 
 @dataclass(slots=True)
@@ -81,7 +83,8 @@ class RunResult:
     wall_s: float = 0.0
     peak_rss: int = 0             # bytes: this process's peak resident set size (getrusage)
     peak_gpu: int | None = None   # bytes: torch.cuda.max_memory_allocated, on a GPU
-    load_phases: dict[str, float] = field(default_factory=dict)  # seconds of load_s: checkpoint, tokens, runner, identity
+    load_phases: dict[str, float] = field(default_factory=dict)  # load_s in parts: scan, checkpoint, tokens, runner, identity
+    warm_up: dict | None = None   # the GPU warm-up thread's seconds and error (kevscore.warmup)
 
 
 def check_options(opts: RunOptions) -> None:
@@ -108,20 +111,23 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     progress = progress or Progress()
     check_options(opts)
     output = Path(opts.output) if opts.output else default_output_path(opts.input)
+    t0 = time.perf_counter()
+    device = resolve_device(opts.device)
+    # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights load
+    warm_up = prepare_device(device, peek_config(opts.model), opts.path)
     scan = scan_input(Path(opts.input), Path(opts.documents) if opts.documents else None, opts.skip_invalid,
                       keep_texts=opts.shard is not None)
     ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
     check_output_path(output, scan.sources, opts.overwrite or ours)
     if opts.skip_invalid:
         check_output_path(errors_path(output), scan.sources, opts.overwrite or ours)
-    t0 = time.perf_counter()
-    device = resolve_device(opts.device)
+    load_phases = {"scan": time.perf_counter() - t0}
     if device.type == "cuda":
         import torch
 
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = load_checkpoint(opts.model, device)
-    load_phases = {"checkpoint": time.perf_counter() - t0}
+    load_phases["checkpoint"] = time.perf_counter() - t0 - sum(load_phases.values())
     template = load_template(opts.template, ckpt.tokenizer)
     max_positions = ckpt.config.max_position_embeddings
     doc_tokens = measure_tokens(scan, ckpt.tokenizer, template, opts.labels, max_positions, opts.skip_invalid)
@@ -132,6 +138,7 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     windows = plan_windows(doc_of_row, doc_tokens, opts.window, WINDOW_ROWS, WINDOW_TOKENS)
     runner = build_runner(ckpt, device, bank_documents(windows, doc_of_row, doc_tokens), opts.bank_capacity,
                           opts.eager)
+    warm_up_report = warm_up.join(WARM_UP_WAIT_S) if warm_up is not None else None
     load_phases["runner"] = time.perf_counter() - t0 - sum(load_phases.values())
     backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
     fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
@@ -146,7 +153,8 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
         load_s = time.perf_counter() - t0
         result = RunResult(output, RunStats(), len(np.unique(doc_of_row[windows.of_row >= 0])), str(device),
                            ckpt.name, load_s, windows=len(windows), resumed=len(parts.done),
-                           resumed_rows=sum(parts.done.values()), load_phases=load_phases)
+                           resumed_rows=sum(parts.done.values()), load_phases=load_phases,
+                           warm_up=warm_up_report)
         if parts.finished():
             result.stats.rows = parts.manifest["merged"]["rows"]
         else:

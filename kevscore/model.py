@@ -56,12 +56,12 @@ class KevModel(nn.Module):
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KevModel":
         with torch.device("meta"):
             model = cls(cfg, ops)
+        for name, param in model.named_parameters():  # allocated in their final dtype, filled in place
+            if not name.endswith(FP32_PARAMS):
+                param.data = param.data.to(dtype)
         model.to_empty(device=device)
         model.rotary.inv_freq.copy_(Rotary(cfg.rotary_dim, cfg.rope_theta).inv_freq)
         model.load(weights)
-        for name, param in model.named_parameters():
-            if not name.endswith(FP32_PARAMS):
-                param.data = param.data.to(dtype)
         if cfg.tie_word_embeddings:
             model.lm_head = model.embed
         return model

@@ -374,3 +374,19 @@ def test_gated_norm_reads_the_gate_in_place_close_to_fla(hv, dv):
     ours = fla_ops.gated_rms_norm(o, z, w, 1e-6)
     ref = rms_norm_gated(o, z.contiguous(), w, None, activation="swish", eps=1e-6)
     assert torch.allclose(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows, d", [(6144, 2560), (37, 1024), (3, 128)])
+def test_rms_norm_rows_close_to_fla(rows, d):
+    """Our residual-stream RMSNorm against FLA's kernel: the new residual to the bit, the norm within a
+    rounding (both sum the squares in fp32, in different orders)."""
+    from kevscore.kernels import fla_ops
+
+    gen = torch.Generator(device=DEV).manual_seed(rows)
+    x, res = (torch.randn(rows, d, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(2))
+    scale = 1 + 0.1 * torch.randn(d, generator=gen, device=DEV)
+    torch.testing.assert_close(fla_ops.rms_norm(x, scale, 1e-6), fla_ops.rms_norm_fla(x, scale, 1e-6))
+    (ours, ours_res), (theirs, theirs_res) = (fla_ops.add_rms_norm(x, res, scale, 1e-6),
+                                              fla_ops.rms_norm_fla(x, scale, 1e-6, res))
+    assert torch.equal(ours_res, theirs_res)
+    torch.testing.assert_close(ours, theirs)

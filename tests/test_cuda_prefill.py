@@ -98,3 +98,10 @@ def test_pinned_configurations_are_used_without_autotuning(tiny):
 
         tuner = tuning.autotuner(getattr(importlib.import_module(module), kernel))
         assert len(tuner.configs) == 1 and not tuner.cache, kernel
+
+
+def test_warm_up_thread_compiles_the_kernels_without_error(tiny):
+    from kevscore.warmup import prepare_device
+
+    report = prepare_device(torch.device("cuda"), tiny.config, "indexed").join(600)
+    assert report["error"] is None and report["seconds"] is not None

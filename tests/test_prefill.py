@@ -95,3 +95,17 @@ def test_padded_attention_indices_round_trip(demo):
             tokens = torch.arange(sum(lens))
             assert torch.equal(tokens[ctx.pad_index].flatten()[ctx.unpad_index], tokens)
             assert ctx.pad_index.shape == (len(lens), max(lens))
+
+
+def test_warm_up_model_runs_a_job_of_the_same_layer_shapes(demo):
+    """The warm-up's two-layer model keeps every layer shape of the job's model and runs prefill groups and
+    scoring batches of each kind through the runner (here the CPU one, whose ops it shares the plan with)."""
+    from kevscore.config import FULL, LINEAR, SHAPES
+    from kevscore.warmup import compile_kernels, prepare_device, small_model
+
+    cfg = SHAPES["kev-4b"]
+    small = small_model(cfg)
+    assert small.layer_types == (LINEAR, FULL) and small.vocab_size == 1024
+    assert (small.hidden_size, small.conv_dim, small.head_dim) == (cfg.hidden_size, cfg.conv_dim, cfg.head_dim)
+    compile_kernels(demo.config, torch.device("cpu"), "indexed")
+    assert prepare_device(torch.device("cpu"), demo.config, "indexed") is None  # nothing to warm on a CPU

@@ -33,7 +33,7 @@ from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
-from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, swiglu_rows  # noqa: E402
+from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
 
 NAME = "fla"
@@ -44,10 +44,19 @@ PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    return fla_rms_norm(x, scale, None, eps=eps)
+    """FLA's RMSNorm arithmetic in a kernel compiled once for every token count (`elementwise.rms_norm_rows`)."""
+    return rms_norm_rows(x.contiguous(), scale, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float):
+    """(rms_norm(x + residual), x + residual), as FLA's `rms_norm(..., prenorm=True)` gives them."""
+    return rms_norm_rows(x.contiguous(), scale, eps, residual.contiguous())
+
+
+def rms_norm_fla(x: torch.Tensor, scale: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """FLA's own kernel: the oracle of `rms_norm` / `add_rms_norm` in the tests."""
+    if residual is None:
+        return fla_rms_norm(x, scale, None, eps=eps)
     return fla_rms_norm(x, scale, None, residual=residual, eps=eps, prenorm=True)
 
 

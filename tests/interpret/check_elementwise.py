@@ -3,7 +3,7 @@ against the torch ops on the CPU, with q and the gate read in place from a proje
 import torch
 
 from kevscore.kernels import torch_ops
-from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, swiglu_rows
+from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows
 from kevscore.layers.common import Rotary
 
 worst = 0.0
@@ -36,6 +36,16 @@ for rows, t, hv, dv in ((3, 5, 4, 32), (1, 19, 2, 48)):
     w = 1 + torch.randn(dv, generator=gen) * 0.1
     ref = torch_ops.gated_rms_norm(o, z, w, 1e-6)
     out = gated_rms_norm_heads(o, z, w, 1e-6, block_t=4)
+    worst = max(worst, (out - ref).abs().max().item())
+
+for shape, d in (((3, 5), 40), ((7,), 100), ((1, 1), 8)):
+    gen = torch.Generator().manual_seed(d)
+    x, res = torch.randn(*shape, d, generator=gen) * 2, torch.randn(*shape, d, generator=gen)
+    scale = 1 + torch.randn(d, generator=gen) * 0.1
+    out = rms_norm_rows(x, scale, 1e-6, block_rows=2)
+    worst = max(worst, (out - torch_ops.rms_norm(x, scale, 1e-6)).abs().max().item())
+    (out, summed), (ref, ref_sum) = rms_norm_rows(x, scale, 1e-6, res), torch_ops.add_rms_norm(x, res, scale, 1e-6)
+    assert torch.equal(summed, ref_sum)
     worst = max(worst, (out - ref).abs().max().item())
 
 print(f"max abs error {worst:.3g}")

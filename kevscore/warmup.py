@@ -1,0 +1,83 @@
+"""Getting the GPU ready while a job reads its input and loads its weights: the CUDA context, the imports of
+the GPU kernels, and their compilation, by a two-layer model of the job's shapes that prefills and scores a
+few tiny batches on a thread. Triton keeps what it compiles, so the job's own first launches find every
+kernel built (the same shapes give the same specializations); a warm cache makes this a few seconds of
+thread time that the load hides."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from kevscore.config import FULL, LINEAR, KevConfig
+
+# token counts whose divisibility by 16 differs (Triton specializes integer arguments on it), and the
+# branch buckets of both kinds: prefill groups and scoring batches of the shapes a job meets
+PREFILL_GROUPS = ([100, 64], [64, 64])
+BRANCHES = ((4, 32), (1, 24), (2, 90))  # (rows, tokens)
+
+
+def small_model(cfg: KevConfig) -> KevConfig:
+    """The job's layer shapes in one DeltaNet and one attention layer, over a small vocabulary."""
+    return dataclasses.replace(cfg, layer_types=(LINEAR, FULL), vocab_size=min(cfg.vocab_size, 1024))
+
+
+def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> None:
+    """Run every kernel of a job on `path` once, at the layer shapes of `cfg` (on a CPU: the torch ops)."""
+    from kevscore.backend import build_runner
+    from kevscore.checkpoint import Checkpoint, random_weights
+    from kevscore.engine import Engine
+    from kevscore.prompt import Encoded
+
+    small = small_model(cfg)
+    ckpt = Checkpoint("warm-up", small, random_weights(small, 0, torch.bfloat16, device),
+                      SimpleNamespace(pad_token_id=0, eos_token_id=0))
+    for docs in PREFILL_GROUPS:
+        prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
+        rows = [(d, rows, length) for d in range(len(docs)) for rows, length in BRANCHES]
+        enc = Encoded(prefixes, [d for d, n, _ in rows for _ in range(n)],
+                      [[7] * length for _, n, length in rows for _ in range(n)],
+                      [["a", "b"]] * sum(n for _, n, _ in rows), [[3, 4]] * sum(n for _, n, _ in rows))
+        runner = build_runner(ckpt, device, docs, None, eager=True)
+        Engine(runner, max_rows=4, prefill_tokens=1 << 16).run(enc, path)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(slots=True)
+class WarmUp:
+    """The warm-up thread and what it reports once joined."""
+    thread: threading.Thread
+    seconds: float | None = None  # how long it ran (None: still running when the job stopped waiting)
+    error: str | None = None      # why it stopped early; the job meets the same error where it reports it
+
+    def join(self, timeout: float) -> dict:
+        self.thread.join(timeout)
+        return {"seconds": self.seconds, "error": self.error}
+
+
+def prepare_device(device: torch.device, cfg: KevConfig | None, path: str) -> WarmUp | None:
+    """On a GPU, start the thread that makes the context, imports the GPU kernels (flash-linear-attention and
+    Triton cost seconds of Python) and, given the model's config, compiles them. Join it before the job's
+    own GPU work."""
+    if device.type != "cuda":
+        return None
+
+    def work() -> None:
+        t0 = time.perf_counter()
+        try:
+            torch.ones(1, device=device).sum()
+            from kevscore.kernels import fla_ops  # noqa: F401
+            if cfg is not None:
+                compile_kernels(cfg, device, path)
+        except Exception as exc:  # noqa: BLE001 - reported with the job's load, never fatal
+            warm.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        warm.seconds = time.perf_counter() - t0
+
+    warm = WarmUp(threading.Thread(target=work, name="kevscore-warm-up", daemon=True))
+    warm.thread.start()
+    return warm
