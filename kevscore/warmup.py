@@ -1,6 +1,6 @@
-"""Getting the GPU ready while a job reads its input and loads its weights: the CUDA context, the imports of
-the GPU kernels, and their compilation, by a two-layer model of the job's shapes that prefills and scores a
-few tiny batches on a thread. Triton keeps what it compiles, so the job's own first launches find every
+"""Getting the GPU ready while a job reads its input and loads its weights: the CUDA context and the
+compilation of every GPU kernel, by a two-layer model of the job's shapes that prefills and scores a few
+tiny batches on a thread. Triton keeps what it compiles, so the job's own first launches find every
 kernel built (the same shapes give the same specializations); a warm cache makes this a few seconds of
 thread time that the load hides."""
 from __future__ import annotations
@@ -61,17 +61,18 @@ class WarmUp:
 
 
 def prepare_device(device: torch.device, cfg: KevConfig | None, path: str) -> WarmUp | None:
-    """On a GPU, start the thread that makes the context, imports the GPU kernels (flash-linear-attention and
-    Triton cost seconds of Python) and, given the model's config, compiles them. Join it before the job's
-    own GPU work."""
+    """On a GPU, import the GPU kernels here (flash-linear-attention and Triton: seconds of Python; on this
+    thread, so no import runs on two threads at once), then start the thread that makes the CUDA context
+    and, given the model's config, compiles the kernels. Join it before the job's own GPU work."""
     if device.type != "cuda":
         return None
+    from kevscore import cuda_runner  # noqa: F401
+    from kevscore.kernels import fla_ops, tuning  # noqa: F401
 
     def work() -> None:
         t0 = time.perf_counter()
         try:
             torch.ones(1, device=device).sum()
-            from kevscore.kernels import fla_ops  # noqa: F401
             if cfg is not None:
                 compile_kernels(cfg, device, path)
         except Exception as exc:  # noqa: BLE001 - reported with the job's load, never fatal
