@@ -227,7 +227,7 @@ def print_table(r: dict) -> None:
     if "hf_naive_ms" in r:
         hf = statistics.median(r["hf_naive_ms"])
         print(f"transformers naive: {hf:.0f} ms ({r['hf_rows_per_s']:.1f} rows/s), "
-              f"{hf / r['median_ms']['indexed']:.1f}x slower than indexed")
+              f"{hf / r['median_ms']['indexed']:.1f}x the indexed call (which excludes prefill; end to end: bench_job.py)")
     for p, prof in r.get("profile_ms", {}).items():
         print(f"profile {p} (ms/call): " + ", ".join(f"{g} {ms:.2f}" for g, ms in prof["groups"].items()))
         if "launches_per_call" in prof:

@@ -124,3 +124,44 @@ def test_profile_summary_adds_kernels_whose_short_names_collide():
     assert abs(out["kernel_ms_per_call"] - 39.9 / 3) < 1e-9
     assert out["top_kernel_launches"][prefix[:90]] == 48
     assert abs(out["groups"]["matmul"] - 10.0) < 1e-9 and abs(out["groups"]["state scan (ours)"] - 3.0) < 1e-9
+
+
+def bench_job():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_job", ROOT / "benchmarks" / "bench_job.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_job_benchmark_arithmetic():
+    """GPU idle time counts only the gaps between phases (overlaps count none); the job floor is prefill of
+    every document token plus scoring of every question, at the measured rate."""
+    from kevscore.config import SHAPES
+
+    job = bench_job()
+    assert job.idle_between([("prefill", 0.0, 2.0), ("score", 2.5, 3.0), ("prefill", 3.0, 4.0)]) == 0.5
+    assert job.idle_between([("score", 1.0, 3.0), ("prefill", 0.0, 2.0)]) == 0.0  # overlapping: no idle
+    assert job.idle_between([]) == 0.0
+    cfg = SHAPES["kev-4b"]
+    floor = job.job_floor_s(cfg, 1_700_000, 510_000, 6000, 760.0)
+    score = bench_score()
+    assert floor["prefill"] == pytest.approx(score.prefill_flops(cfg, 1_700_000) / 760e12)
+    assert floor["score"] == pytest.approx(score.matmul_flops(cfg, 510_000, 6000) / 760e12)
+    assert floor["job"] == pytest.approx(floor["prefill"] + floor["score"])
+    assert 18 < floor["job"] < 23  # issue 17's job: ~21 s at 760 TFLOP/s
+
+
+def test_job_benchmark_runs_a_job_on_the_cpu(tmp_path):
+    """bench_job.py runs `kevscore run`'s job in a child process and reports its phases (CPU, demo model)."""
+    out = tmp_path / "job.json"
+    res = run(ROOT / "benchmarks" / "bench_job.py", "--device", "cpu", "--model", "demo", "--rows", "12",
+              "--docs", "3", "--doc-words", "12", "--question-words", "3", "--starts", "warm",
+              "--baseline-docs", "0", "--prefill-docs", "", "--json", out)
+    assert res.returncode == 0, res.stderr[-2000:]
+    job = json.loads(out.read_text())["jobs"]["warm"]
+    assert job["rows"] == 12 and job["documents"] == 3
+    assert 0 < job["prefill_s"] + job["score_s"] < job["wall_s"] < job["process_s"]
+    assert set(job["load_phases"]) == {"scan", "checkpoint", "tokens", "runner", "identity"}
+    assert "warm" in res.stdout and "rows/s" in res.stdout
