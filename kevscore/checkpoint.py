@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +12,8 @@ import torch
 from kevscore.config import SHAPES, KevConfig
 from kevscore.errors import KevscoreError
 
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name or org/name@revision
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 MULTIMODAL_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "visual.")
 
@@ -36,10 +40,52 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
         cfg = SHAPES[spec]
         return Checkpoint(spec, cfg, random_weights(cfg, seed, torch.bfloat16, device), tok)
     path = Path(spec)
-    if not path.is_dir():
-        names = ", ".join(["demo", *SHAPES])
-        raise KevscoreError(f"--model {spec}: not a checkpoint directory (or one of: {names})")
-    return load_directory(path, device)
+    if path.is_dir():
+        return load_directory(path, device)
+    if HUB_ID.match(spec):
+        ckpt = load_directory(hub_directory(spec), device)
+        ckpt.name = spec
+        return ckpt
+    names = ", ".join(["demo", *SHAPES])
+    raise KevscoreError(f"--model {spec}: not a checkpoint directory, a hub id (org/name[@revision]) or one of: "
+                        f"{names}")
+
+
+def hub_cache() -> Path:
+    """Hugging Face's hub cache, as huggingface_hub finds it (HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME), read now."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def hub_directory(spec: str, download: bool = True) -> Path:
+    """The snapshot of hub id `org/name[@revision]` in Hugging Face's local cache; fetched into it when it is
+    missing, `download` is set and HF_HUB_OFFLINE is not (only the config, tokenizer and weight files)."""
+    from huggingface_hub import snapshot_download
+
+    repo, _, revision = spec.partition("@")
+    cache = hub_cache()
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, cache_dir=cache, local_files_only=True,
+                                      allow_patterns=HUB_FILES))
+    except Exception as exc:  # noqa: BLE001 - huggingface_hub raises several types for a missing snapshot
+        missing = exc
+    fetch = f"fetch it with `hf download {repo}{f' --revision {revision}' if revision else ''}`"
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if offline or not download:
+        raise KevscoreError(f"--model {spec}: not in the Hugging Face cache {cache} ({_first_line(missing)}); "
+                            f"{fetch} where there is network") from missing
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, cache_dir=cache, allow_patterns=HUB_FILES))
+    except Exception as exc:  # noqa: BLE001 - network, authentication and not-found errors alike
+        raise KevscoreError(f"--model {spec}: not in the Hugging Face cache {cache} and not downloadable "
+                            f"({_first_line(exc)}); {fetch} where there is network") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def peek_config(spec: str) -> KevConfig | None:
@@ -50,6 +96,8 @@ def peek_config(spec: str) -> KevConfig | None:
         return SHAPES[spec]
     try:
         path = demo_checkpoint_dir() if spec == "demo" else Path(spec)
+        if not path.is_dir() and HUB_ID.match(spec):
+            path = hub_directory(spec, download=False)
         return KevConfig.from_hf(json.loads((path / "config.json").read_text()))
     except (OSError, ValueError, KevscoreError):
         return None
