@@ -10,6 +10,8 @@ import torch
 from kevscore.config import SHAPES, KevConfig
 from kevscore.errors import KevscoreError
 
+MODEL_NAMES = ("demo", *SHAPES)  # --model values that name no directory
+
 MULTIMODAL_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "visual.")
 
@@ -37,7 +39,7 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
         return Checkpoint(spec, cfg, random_weights(cfg, seed, torch.bfloat16, device), tok)
     path = Path(spec)
     if not path.is_dir():
-        names = ", ".join(["demo", *SHAPES])
+        names = ", ".join(MODEL_NAMES)
         raise KevscoreError(f"--model {spec}: not a checkpoint directory (or one of: {names})")
     return load_directory(path)
 

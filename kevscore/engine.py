@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kevscore import faults
-from kevscore.errors import KevscoreError
+from kevscore.errors import KevscoreFailure, first_line
 from kevscore.plan import Batch, ladder, plan_batches, plan_waves, row_bucket
 from kevscore.prompt import Encoded
 
@@ -147,8 +147,8 @@ class Engine:
             _free(self.runner.device)
             tokens = sum(len(enc.prefixes[d]) for d in group)
             if len(group) == 1:
-                raise KevscoreError(f"out of memory prefilling one document of {tokens} tokens "
-                                    f"({_first_line(exc)}); lower --bank-capacity or --window") from exc
+                raise KevscoreFailure(f"out of memory prefilling one document of {tokens} tokens "
+                                    f"({first_line(exc)}); lower --bank-capacity or --window") from exc
             half = len(group) // 2
             stats.oom_retries += 1
             progress.warn(f"out of memory prefilling {len(group)} documents ({tokens} tokens); retrying as "
@@ -206,7 +206,7 @@ class Engine:
                 why = (f"out of memory scoring this row alone ({len(enc.branches[r])} question tokens, "
                        f"{prefix_len[r]} document tokens)")
                 if not self.skip_failed:
-                    raise KevscoreError(f"{why}: {_first_line(exc)}; pass --skip-invalid to report such rows "
+                    raise KevscoreFailure(f"{why}: {first_line(exc)}; pass --skip-invalid to report such rows "
                                         "and go on") from exc
                 scores.failed[r] = why
                 progress.warn(f"{why}; reported in the errors file")
@@ -239,8 +239,3 @@ def _free(device: torch.device) -> None:
     """After an out-of-memory error: return the cached blocks the failed attempt left."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

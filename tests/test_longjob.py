@@ -402,7 +402,7 @@ def test_log_json_lines(tmp_path, template):
     assert done["peak_gpu_bytes"] is None and done["rows_per_s"] > 0
     assert all("time" in e for e in events)
     bad = cli.invoke(app, ["run", str(tmp_path / "nope.parquet"), "--device", "cpu", "--log-json"])
-    assert bad.exit_code == 1 and json.loads(bad.stdout)["event"] == "error"
+    assert bad.exit_code == 2 and json.loads(bad.stdout)["event"] == "error"
 
 
 def test_summary_and_progress_show_long_job_numbers(tmp_path, template):
