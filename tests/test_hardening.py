@@ -373,3 +373,119 @@ def test_rerun_of_a_finished_job_is_already_complete(tmp_path, src, template):
     other = invoke(*args, "--batch-rows", 8, "--log-json")
     one_error(other, 2, [str(out), "already exists", "another job", "--overwrite"])
     assert (out.read_bytes(), out.stat().st_mtime_ns) == before
+
+
+# ---------------------------------------------------------------- random mutations: scored, or one clean error
+
+def _pick(table: pa.Table, rng, names=None) -> tuple[int, str, pa.DataType] | None:
+    """A random column (index, name, type), among `names` when given; None when there is none."""
+    found = [i for i, n in enumerate(table.column_names) if names is None or n in names]
+    if not found:
+        return None
+    i = rng.choice(found)
+    return i, table.column_names[i], table.schema.field(i).type
+
+
+def _retype(table: pa.Table, rng) -> pa.Table:
+    i, name, typ = _pick(table, rng)
+    n = table.num_rows
+    new = rng.choice([pa.array(range(n), pa.int64()), pa.array([0.5] * n), pa.array([b"x"] * n, pa.binary()),
+                      pa.array([["a"]] * n, pa.list_(pa.string())), pa.array([{"a": 1}] * n),
+                      table.column(i).cast(pa.large_string()) if pa.types.is_string(typ) else pa.array([True] * n)])
+    return table.set_column(i, name, new)
+
+
+def _nulls(table: pa.Table, rng) -> pa.Table:
+    i, name, typ = _pick(table, rng)
+    values = table.column(i).to_pylist()
+    for r in rng.sample(range(len(values)), k=min(len(values), rng.randint(1, 2))):
+        values[r] = None
+    return table.set_column(i, name, pa.array(values, typ))
+
+
+def _bad_bytes(table: pa.Table, rng) -> pa.Table:
+    strings = [n for n, t in zip(table.column_names, table.schema.types) if pa.types.is_string(t)]
+    picked = _pick(table, rng, strings)
+    if picked is None or not table.num_rows:
+        return table
+    i, name, _ = picked
+    return table.set_column(i, name, not_utf8(table.column(i).to_pylist(), rng.randrange(table.num_rows)))
+
+
+def _duplicate_name(table: pa.Table, rng) -> pa.Table:
+    i, name, typ = _pick(table, rng)
+    return table.append_column(pa.field(name, typ), table.column(i))
+
+
+def _drop(table: pa.Table, rng) -> pa.Table:
+    return table.remove_column(_pick(table, rng)[0])
+
+
+def _rename(table: pa.Table, rng) -> pa.Table:
+    i = _pick(table, rng)[0]
+    return table.rename_columns([c.upper() if k == i else c for k, c in enumerate(table.column_names)])
+
+
+def _empty(table: pa.Table, rng) -> pa.Table:
+    return table.slice(0, 0)
+
+
+def _huge(table: pa.Table, rng) -> pa.Table:
+    picked = _pick(table, rng, ["document", "question"])
+    if picked is None or not pa.types.is_string(picked[2]) or not table.num_rows:
+        return table
+    i, name, _ = picked
+    values = table.column(i).to_pylist()
+    values[0] = ("word " * 6000) if values[0] is None else values[0] * 60  # far over the model's positions
+    return table.set_column(i, name, pa.array(values, pa.string()))
+
+
+def _labels(table: pa.Table, rng) -> pa.Table:
+    pick = [["Yes", "No"], [], None, ["Yes", "Yes"], ["Yes", None], ["Maybe so", "No"], ["No", "Yes", "A"]]
+    values = [rng.choice(pick) for _ in range(table.num_rows)]
+    return table.append_column("labels", pa.array(values, pa.list_(pa.string())))
+
+
+def _same_id_other_text(table: pa.Table, rng) -> pa.Table:
+    picked = _pick(table, rng, ["doc_id"])
+    if picked is None or table.num_rows < 2:
+        return table
+    i, name, typ = picked
+    ids = table.column(i).to_pylist()
+    ids[-1] = ids[0]
+    return table.set_column(i, name, pa.array(ids, typ))
+
+
+MUTATIONS = [_retype, _nulls, _bad_bytes, _duplicate_name, _drop, _rename, _empty, _huge, _labels,
+             _same_id_other_text]
+
+
+def test_random_mutations_of_the_input_score_or_fail_on_one_line(tmp_path, template):
+    """Random schema and value mutations of the example's first rows, one to three at a time: each run either
+    scores every row (or, with --skip-invalid, sets rows aside) or stops on one clean line with nothing written."""
+    import random
+
+    base = pq.read_table(EXAMPLES / "questions.parquet").slice(0, 5)
+    rng = random.Random(18)
+    outcomes = Counter()
+    for case in range(30):
+        table = base
+        for mutation in rng.sample(MUTATIONS, k=rng.randint(1, 3)):
+            table = mutation(table, rng)
+        d = tmp_path / f"case{case}"
+        d.mkdir()
+        src = put(d / "in.parquet", table)
+        skip = ["--skip-invalid"] if case % 3 == 0 else []
+        before = snapshot(d)
+        result = invoke("run", src, "--device", "cpu", "--template", template, "--log-json", *skip)
+        if result.exit_code == 0:
+            out = pq.read_table(d / "in.scores.parquet")
+            aside = pq.read_table(d / "in.scores.errors.parquet").num_rows if skip else 0
+            assert out.num_rows + aside == table.num_rows, (case, table.schema)
+            outcomes["scored"] += 1
+        else:
+            one_error(result, result.exit_code, [])
+            assert result.exit_code in (1, 2) and snapshot(d) == before, (case, result.stderr)
+            outcomes[result.exit_code] += 1
+    print(dict(outcomes))
+    assert outcomes["scored"] >= 3 and outcomes[2] >= 10, outcomes
