@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.backend import build_runner, resolve_device
+from kevscore.backend import build_runner, invariant_threads, resolve_device
 from kevscore.bank_store import BankStats, BankStore, check_bank_dir, model_fingerprint
 from kevscore.checkpoint import MODEL_NAMES, load_checkpoint
 from kevscore.data import check_output_path, default_output_path, output_table
@@ -105,6 +105,11 @@ def check_options(opts: RunOptions) -> None:
 
 
 def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
+    with invariant_threads(resolve_device(opts.device), opts.batch_invariant):
+        return _run_job(opts, progress)
+
+
+def _run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     started = time.perf_counter()
     progress = progress or Progress()
     check_options(opts)

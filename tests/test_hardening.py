@@ -375,6 +375,37 @@ def test_rerun_of_a_finished_job_is_already_complete(tmp_path, src, template):
     assert (out.read_bytes(), out.stat().st_mtime_ns) == before
 
 
+# ---------------------------------------------------------------- 9: --batch-invariant across thread counts
+
+def test_batch_invariant_results_do_not_depend_on_the_thread_count(tmp_path, src, template):
+    """A torchrun rank runs with OMP_NUM_THREADS=1, a plain run with every core: under --batch-invariant the
+    CPU job scores with one thread whatever the setting, so the bits agree (and the setting is restored)."""
+    import torch
+
+    from kevscore.engine import Progress
+
+    seen = []
+
+    class Threads(Progress):
+        def event(self, name: str, **fields) -> None:
+            if name == "start":
+                seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    outputs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = tmp_path / f"out{n}.parquet"
+            run_job(RunOptions(input=src, output=out, device="cpu", template=template, batch_invariant=True),
+                    Threads())
+            assert torch.get_num_threads() == n
+            outputs.append(out.read_bytes())
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1, 1] and outputs[0] == outputs[1] == outputs[2]
+
+
 # ---------------------------------------------------------------- random mutations: scored, or one clean error
 
 def _pick(table: pa.Table, rng, names=None) -> tuple[int, str, pa.DataType] | None:
