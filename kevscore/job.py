@@ -26,7 +26,7 @@ from kevscore.backend import build_runner, invariant_threads, resolve_device
 from kevscore.bank_store import BankStats, BankStore, check_bank_dir, model_fingerprint
 from kevscore.checkpoint import MODEL_NAMES, load_checkpoint
 from kevscore.data import check_output_path, default_output_path, output_table
-from kevscore.engine import Engine, Progress, RunStats, Scores
+from kevscore.engine import LOW_MASS, Engine, Progress, RunStats, Scores
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
 from kevscore.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, file_sha256, job_digest,
@@ -83,6 +83,7 @@ class RunResult:
     peak_rss: int = 0             # bytes: this process's peak resident set size (getrusage)
     peak_gpu: int | None = None   # bytes: torch.cuda.max_memory_allocated, on a GPU
     already_complete: bool = False  # the output was this very job's, merged by an earlier run: nothing done
+    warnings: list[str] = field(default_factory=list)  # about the results (e.g. labels holding little mass)
 
 
 def check_options(opts: RunOptions) -> None:
@@ -186,6 +187,13 @@ def _run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
         if store is not None:
             store.close()
     parts.remove()
+    scored = result.stats.rows - result.resumed_rows
+    if result.stats.low_mass * 2 > scored:
+        result.warnings.append(f"the labels ({', '.join(map(repr, opts.labels))} unless a labels column says "
+                               f"otherwise) hold less than {LOW_MASS:.0%} of the model's probability on "
+                               f"{result.stats.low_mass:,} of {scored:,} rows: the model would answer with other "
+                               "tokens; check the labels' case and leading spaces (see label_mass)")
+        progress.warn(result.warnings[-1])
     if opts.skip_invalid:
         result.errors = errors_path(output)
         result.set_aside = pq.read_metadata(result.errors).num_rows

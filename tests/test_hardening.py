@@ -375,6 +375,18 @@ def test_rerun_of_a_finished_job_is_already_complete(tmp_path, src, template):
     assert (out.read_bytes(), out.stat().st_mtime_ns) == before
 
 
+def test_labels_holding_little_mass_are_warned_about(tmp_path, src):
+    """' Yes' and 'yes' are single tokens of the demo tokenizer, but not how it answers: a warning, not silence."""
+    result = invoke("run", src, "-o", tmp_path / "a.parquet", "--device", "cpu", "--labels", " Yes,yes", "--log-json")
+    assert result.exit_code == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    warned = [e["message"] for e in events if e["event"] == "warning"]
+    assert len(warned) == 1 and "less than 10% of the model's probability on 15 of 15 rows" in warned[0], warned
+    assert "' Yes', 'yes'" in warned[0] and warned[0] in result.stderr
+    plain = invoke("run", src, "-o", tmp_path / "b.parquet", "--device", "cpu", "--log-json")
+    assert plain.exit_code == 0 and '"warning"' not in plain.stdout and "warning" not in plain.stderr
+
+
 # ---------------------------------------------------------------- 9: --batch-invariant across thread counts
 
 def test_batch_invariant_results_do_not_depend_on_the_thread_count(tmp_path, src, template):
