@@ -54,9 +54,8 @@ class KevModel(nn.Module):
     @classmethod
     def from_weights(cls, cfg: KevConfig, weights: dict[str, torch.Tensor], ops,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KevModel":
-        with torch.device("meta"):
+        with torch.device(device):  # allocated once, where it runs (meta + to_empty imports sympy: 0.6 s)
             model = cls(cfg, ops)
-        model.to_empty(device=device)
         model.rotary.inv_freq.copy_(Rotary(cfg.rotary_dim, cfg.rope_theta).inv_freq)
         model.load(weights)
         for name, param in model.named_parameters():
