@@ -17,7 +17,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from kevscore.cli import app
@@ -71,16 +70,6 @@ def read(path: Path) -> pa.Table:
     table = pq.read_table(path)
     assert table.schema.equals(OUTPUT_SCHEMA), table.schema
     return table
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread here and in the subprocesses: fp32 CPU results may depend on the thread count, and
-    these small runs only lose time to more threads on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def threads_env(**extra) -> dict:
