@@ -225,7 +225,9 @@ def test_malformed_entry_header_is_a_warning_and_a_recompute(tmp_path, bank, tem
     assert result.exit_code == 0, (result.stderr, result.exception)
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert warnings and all("malformed" in w or INDEX in w for w in warnings), result.stderr
-    assert pq.read_table(tmp_path / "out.parquet").column("probs") == pq.read_table(out).column("probs")
+    got, want = (pq.read_table(path).column("probs").to_pylist() for path in (tmp_path / "out.parquet", out))
+    for g, w in zip(got, want):  # the recomputed entry was prefilled alone, not in the first run's pack
+        assert g == pytest.approx(w, abs=1e-6)
 
 
 def test_any_damage_to_an_entry_header_raises_entry_error_only(tmp_path, bank):
