@@ -110,7 +110,7 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
 
 
 def _gdr_parts(q, k, v, g, beta):
-    q, k = gdr_ref.l2norm(q), gdr_ref.l2norm(k)
+    q, k = (gdr_ref.repeat_heads(gdr_ref.l2norm(x), v.shape[2]) for x in (q, k))  # once, not in every stage
     gc = gdr_ref.chunk_cumsum(g)
     w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float())
     return q, k, w, u, gc
@@ -141,13 +141,12 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
 
 def _sdpa(q, k, v, mask):
     """q [B, T, H, D], k/v [B, S, Hkv, D], mask [B, T, S] or None (causal)."""
-    rep = q.shape[2] // k.shape[2]
+    gqa = q.shape[2] != k.shape[2]  # each KV head serves its query heads in place (no repeated copies)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
     return out.transpose(1, 2)
 
 
