@@ -1,6 +1,9 @@
 """Choosing the device and building the runner (model + bank) for it."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from kevscore.bank import BankLayout, StateBank
@@ -19,6 +22,22 @@ def resolve_device(name: str) -> torch.device:
     if name not in ("cpu", "cuda"):
         raise KevscoreError(f"--device {name}: choose cpu, cuda or auto")
     return torch.device(name)
+
+
+@contextlib.contextmanager
+def invariant_threads(device: torch.device, batch_invariant: bool) -> Iterator[None]:
+    """Under --batch-invariant on the CPU, one intra-op thread while the job runs: a reduction split over
+    threads rounds by the thread count, which differs between a one-process run and a torchrun rank
+    (OMP_NUM_THREADS=1), so the promise of bit-identical results across shard counts needs a fixed count."""
+    if not batch_invariant or device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def pad_id(tokenizer) -> int:

@@ -214,7 +214,23 @@ class EntryFile:
 def _parse_header(head: bytes, size: int) -> EntryFile:
     """Check a safetensors header (`head` holds at least its first 8 + n bytes) and the entry layout it
     describes: the four tensors, their ranks and dtypes, byte ranges that tile the data exactly, and the
-    metadata fields. Raises EntryError."""
+    metadata fields. Raises EntryError, whatever the bytes."""
+    try:
+        return _checked_header(head, size)
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        raise EntryError(f"malformed header ({type(exc).__name__}: {str(exc)[:80]})") from None
+
+
+def _tensor_spec(name: str, spec) -> tuple[str, list[int], int, int]:
+    """(dtype, shape, begin, end) of one tensor's header entry; EntryError unless it is well formed."""
+    ints = lambda xs: isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)  # noqa: E731
+    if not (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and ints(spec.get("shape"))
+            and ints(spec.get("data_offsets")) and len(spec["data_offsets"]) == 2):
+        raise EntryError(f"tensor {name!r}: malformed header entry")
+    return spec["dtype"], spec["shape"], *spec["data_offsets"]
+
+
+def _checked_header(head: bytes, size: int) -> EntryFile:
     if size < 8:
         raise EntryError(f"truncated ({size} bytes)")
     n = int.from_bytes(head[:8], "little")
@@ -238,16 +254,13 @@ def _parse_header(head: bytes, size: int) -> EntryFile:
     tensors, spans = {}, []
     data_start = 8 + n
     for name, spec in header.items():
-        try:
-            dtype, shape, (begin, end) = spec["dtype"], [int(s) for s in spec["shape"]], spec["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise EntryError(f"tensor {name!r}: malformed header entry") from None
+        dtype, shape, begin, end = _tensor_spec(name, spec)
         if dtype not in DTYPES or len(shape) != RANKS[name] or min(shape, default=0) < 0:
             raise EntryError(f"tensor {name!r}: unexpected dtype {dtype} or shape {shape}")
         nbytes = DTYPES[dtype].itemsize
         for s in shape:
             nbytes *= s
-        if not (isinstance(begin, int) and isinstance(end, int)) or end - begin != nbytes:
+        if end - begin != nbytes:
             raise EntryError(f"tensor {name!r}: byte range {begin}..{end} does not hold {shape} {dtype}")
         tensors[name] = (dtype, shape, data_start + begin, data_start + end)
         spans.append((begin, end))
@@ -336,8 +349,10 @@ def _record(entry: EntryFile, path: Path, root: Path, last_used: float, doc_ids:
 def _check_record(key: str, rec) -> None:
     ok = (isinstance(rec, dict) and isinstance(rec.get("file"), str) and isinstance(rec.get("model"), str)
           and isinstance(rec.get("tokens"), int) and isinstance(rec.get("file_bytes"), int)
-          and isinstance(rec.get("bytes"), dict) and isinstance(rec.get("last_used"), (int, float))
-          and isinstance(rec.get("doc_ids"), list) and rec["file"] == f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}")
+          and isinstance(rec.get("bytes"), dict) and all(type(v) is int for v in rec["bytes"].values())
+          and isinstance(rec.get("last_used"), (int, float)) and isinstance(rec.get("doc_ids"), list)
+          and all(isinstance(i, str) for i in rec["doc_ids"]) and isinstance(rec.get("prefix_sha256"), str)
+          and rec["file"] == f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}")
     if not ok:
         raise TypeError(f"malformed record for entry {key[:12]}")
 
@@ -399,7 +414,10 @@ def _entry_files(root: Path) -> dict[str, Path]:
 
 def _read_index(root: Path) -> dict:
     """The parsed index; ValueError when missing-but-expected or malformed, VersionError when foreign."""
-    data = json.loads((root / INDEX).read_bytes())
+    try:
+        data = json.loads((root / INDEX).read_bytes())
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not a kevscore bank index")
     if data.get("version") != VERSION:
@@ -408,6 +426,8 @@ def _read_index(root: Path) -> dict:
     entries, models = data.get("entries"), data.get("models")
     if not isinstance(entries, dict) or not isinstance(models, dict):
         raise TypeError("no entries/models tables")
+    if not all(isinstance(about, dict) for about in models.values()):
+        raise TypeError("malformed models table")
     for key, rec in entries.items():
         _check_record(key, rec)
     return data
@@ -782,6 +802,8 @@ class BankStore:
             self._touched.clear()
             for _, tmp, _ in written:
                 tmp.unlink(missing_ok=True)
+            self.stats.saved -= len(written)  # the summary counts entries the bank keeps
+            self.stats.written_bytes -= sum(rec["file_bytes"] for _, _, rec in written)
             self.warn(f"bank {self.root}: cannot update the bank ({exc}); this run's {len(written)} new "
                       "entries may be missing from it")
 

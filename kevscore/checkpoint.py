@@ -10,10 +10,12 @@ from pathlib import Path
 import torch
 
 from kevscore.config import SHAPES, KevConfig
-from kevscore.errors import KevscoreError
+from kevscore.errors import KevscoreError, first_line
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name or org/name@revision
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
+MODEL_NAMES = ("demo", *SHAPES)  # --model values that name no directory
+
 MULTIMODAL_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "visual.")
 
@@ -46,7 +48,7 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
         ckpt = load_directory(hub_directory(spec), device)
         ckpt.name = spec
         return ckpt
-    names = ", ".join(["demo", *SHAPES])
+    names = ", ".join(MODEL_NAMES)
     raise KevscoreError(f"--model {spec}: not a checkpoint directory, a hub id (org/name[@revision]) or one of: "
                         f"{names}")
 
@@ -74,18 +76,13 @@ def hub_directory(spec: str, download: bool = True) -> Path:
     fetch = f"fetch it with `hf download {repo}{f' --revision {revision}' if revision else ''}`"
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     if offline or not download:
-        raise KevscoreError(f"--model {spec}: not in the Hugging Face cache {cache} ({_first_line(missing)}); "
+        raise KevscoreError(f"--model {spec}: not in the Hugging Face cache {cache} ({first_line(missing)}); "
                             f"{fetch} where there is network") from missing
     try:
         return Path(snapshot_download(repo, revision=revision or None, cache_dir=cache, allow_patterns=HUB_FILES))
     except Exception as exc:  # noqa: BLE001 - network, authentication and not-found errors alike
         raise KevscoreError(f"--model {spec}: not in the Hugging Face cache {cache} and not downloadable "
-                            f"({_first_line(exc)}); {fetch} where there is network") from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+                            f"({first_line(exc)}); {fetch} where there is network") from exc
 
 
 def peek_config(spec: str) -> KevConfig | None:

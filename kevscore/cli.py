@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -9,18 +10,24 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.markup import escape as markup_escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 from rich.table import Column, Table
 from rich.text import Text
 
 from kevscore.engine import Progress as ProgressCallbacks
-from kevscore.errors import KevscoreError
+from kevscore.errors import KevscoreError, reported
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Score many questions against many documents with Kev (Qwen3.5-architecture) models.")
 console = Console(stderr=True)
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # never sent raw to a terminal (escape codes in doc ids, names)
+
+
+def escape(text: str) -> str:
+    """Text for rich: markup escaped, control characters shown as \\xNN (one line, no terminal codes)."""
+    return markup_escape(CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
 
 
 class RateColumn(ProgressColumn):
@@ -133,7 +140,8 @@ def summary_fields(result) -> dict:
            "wall_s": round(result.wall_s, 3), "oom_retries": s.oom_retries,
            "rows_per_s": round(scored / s.score_s, 2) if s.score_s > 0 else None,
            "rows_per_s_wall": round(scored / result.wall_s, 2) if result.wall_s > 0 else None,
-           "peak_rss_bytes": result.peak_rss, "peak_gpu_bytes": result.peak_gpu}
+           "peak_rss_bytes": result.peak_rss, "peak_gpu_bytes": result.peak_gpu,
+           "already_complete": result.already_complete}
     if result.errors is not None:
         out.update(errors=str(result.errors), set_aside=result.set_aside)
     return out
@@ -232,10 +240,11 @@ def run(
     try:
         with Progress(*columns, console=console, disable=quiet or log_json, transient=False) as bar:
             result = run_job(opts, log or RichProgress(bar))
-    except KevscoreError as exc:
+    except (KevscoreError, OSError) as exc:
+        error = reported(exc)
         if log:
-            log.emit("error", message=str(exc))
-        _fail(str(exc))
+            log.emit("error", message=str(error), exit_code=error.exit_code)
+        _fail(str(error), error.exit_code)
     except KeyboardInterrupt as exc:
         message = str(exc) or ("interrupted; no output was written (completed windows are kept beside the output; "
                                "rerun the same command to resume)")
@@ -244,7 +253,12 @@ def run(
         _fail(message, 130)
     if log:
         log.emit("done", **summary_fields(result))
-    elif not quiet:
+    elif quiet:
+        return
+    elif result.already_complete:
+        console.print(f"{escape(str(result.output))}: already complete (this job's output, {result.stats.rows:,} rows); "
+                      "nothing to do", highlight=False, soft_wrap=True)
+    else:
         console.print(_summary(result))
 
 
@@ -302,8 +316,9 @@ def _rank_work(opts, quiet: bool) -> None:
     rank = world_from_env()[0]
     try:
         result = run_distributed(opts)
-    except KevscoreError as exc:
-        _fail(f"rank {rank}: {exc}" if rank else str(exc))
+    except (KevscoreError, OSError) as exc:
+        error = reported(exc)
+        _fail(f"rank {rank}: {error}" if rank else str(error), error.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted; no output was written", 130)
     if rank == 0 and not quiet:
@@ -333,8 +348,9 @@ def bank_inspect(
 
     try:
         report = inspect_bank(directory, entry, verify)
-    except KevscoreError as exc:
-        _fail(str(exc))
+    except (KevscoreError, OSError) as exc:
+        error = reported(exc)
+        _fail(str(error), error.exit_code)
     if as_json:
         typer.echo(json.dumps(report, indent=1))
     else:
@@ -356,8 +372,9 @@ def _print_inspect(out: Console, r: dict, detail: bool) -> None:
               f"{_size(tot['file_bytes'])} · {_size(r['disk']['free_bytes'])} free on disk", highlight=False)
     for fp, m in r["models"].items():
         about = m["about"]
-        out.print(f"model {fp[:12]} · {escape(str(about.get('name', '?')))} · {about.get('dtype', '?')} "
-                  f"{about.get('backend', '?')} · {m['entries']:,} entries, {_size(m['file_bytes'])}", highlight=False)
+        name, dtype, backend = (escape(str(about.get(k, "?"))) for k in ("name", "dtype", "backend"))
+        out.print(f"model {escape(fp[:12])} · {name} · {dtype} {backend} · {m['entries']:,} entries, "
+                  f"{_size(m['file_bytes'])}", highlight=False)
     for note in r["notes"]:
         out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     if r["temporary"]:
@@ -365,7 +382,7 @@ def _print_inspect(out: Console, r: dict, detail: bool) -> None:
                   "in tmp/ (never used; the next run removes them if their process is gone)", highlight=False)
     if detail:
         row = r["entries"][0]
-        table = Table(title=f"entry {row['key']}", show_header=False)
+        table = Table(title=f"entry {escape(row['key'])}", show_header=False)
         for key in ("key", "file", "model", "status", "tokens", "doc_ids", "bytes", "file_bytes", "indexed",
                     "tensors", "crc32", "ids_head"):
             if key in row:
@@ -384,7 +401,8 @@ def _print_inspect(out: Console, r: dict, detail: bool) -> None:
         ids = ", ".join(row.get("doc_ids") or []) or "-"
         status = row["status"] + ("" if row["indexed"] else " (not indexed)")
         style = "" if row["status"] in ("ok", "unchecked") else "red"
-        table.add_row(row["key"][:12], (row.get("model") or "?")[:12], escape(ids), f"{row.get('tokens') or 0:,}",
+        table.add_row(escape(row["key"][:12]), escape((row.get("model") or "?")[:12]), escape(ids),
+                      f"{row.get('tokens') or 0:,}",
                       _size(b.get("recurrent", 0)), _size(b.get("conv", 0)), _size(b.get("kv", 0)),
                       _size(row["file_bytes"]), _when(row.get("last_used")), escape(status), style=style)
     table.add_row("total", "", "", f"{tot['tokens']:,}", _size(tot.get("recurrent", 0)), _size(tot.get("conv", 0)),
@@ -421,8 +439,9 @@ def compare(
                           batch_rows=batch_rows, baseline=baseline, json_path=json_path, plot=plot, fault=fault)
     try:
         report = run_compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
-    except KevscoreError as exc:
-        _fail(str(exc))
+    except (KevscoreError, OSError) as exc:
+        error = reported(exc)
+        _fail(str(error), error.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
     (console if console.is_terminal else Console(stderr=True, width=170)).print(_compare_table(report))

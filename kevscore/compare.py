@@ -213,6 +213,8 @@ def _check(opts: CompareOptions) -> list[str]:
         raise KevscoreError(f"--reps {opts.reps} --warmup {opts.warmup}: need reps >= 1 and warmup >= 0")
     if opts.baseline not in (None, "hf"):
         raise KevscoreError(f"--baseline {opts.baseline}: the only baseline is hf")
+    if opts.batch_rows < 1:
+        raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
     allowed = tuple(TEMPERATURES) if opts.data else CASES
     cases = opts.cases or list(allowed)
     bad = [c for c in cases if c not in allowed]

@@ -1,15 +1,13 @@
-"""Parquet in and out: read and validate the input rows, write the scores atomically."""
+"""Parquet in and out: the input rows in memory, the output's schema, path checks and rows."""
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from kevscore.errors import KevscoreError
 
@@ -64,11 +62,6 @@ def read_input(path: Path, documents: Path | None = None) -> InputTable:
     return table
 
 
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
-
-
 # ---------------------------------------------------------------- writing
 
 def default_output_path(input_path: Path) -> Path:
@@ -77,16 +70,24 @@ def default_output_path(input_path: Path) -> Path:
     return input_path.with_name(f"{input_path.stem}.scores.parquet")
 
 
-def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool) -> None:
-    """Refuse an output that is an input, that exists (unless overwrite) or has no directory."""
+def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, within: Sequence[Path] = ()) -> None:
+    """Refuse an output that is an input (a file of `inputs`, or anything inside a directory of `within`:
+    the model's, the bank's), that is not a regular file, that exists (unless overwrite) or has no directory."""
     output = Path(output)
     for source in inputs:
         if _same_file(output, Path(source)):
             raise KevscoreError(f"{output}: the output is the input file {source}; choose another --output")
+    for directory in within:
+        if _inside(output, Path(directory)):
+            raise KevscoreError(f"{output}: the output is inside {directory}, which this run reads; "
+                                "choose another --output")
     if not output.parent.is_dir():
         raise KevscoreError(f"{output}: directory {output.parent} does not exist")
     if output.is_dir():
         raise KevscoreError(f"{output}: is a directory; choose a file name for --output")
+    if output.exists() and not output.is_file():
+        raise KevscoreError(f"{output}: exists and is not a regular file (a device, pipe or socket); "
+                            "choose another --output")
     if output.exists() and not overwrite:
         raise KevscoreError(f"{output}: already exists; pass --overwrite to replace it")
 
@@ -97,11 +98,8 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.exists() and b.exists() and os.path.samefile(a, b)
 
 
-def write_output(path: Path, rows: InputTable, labels: list[list[str]], probs: list[list[float]],
-                 label_mass: list[float], extra: dict[str, pa.Array] | None = None) -> None:
-    """Write the scores with OUTPUT_SCHEMA (+ extra columns) atomically to path."""
-    table = output_table(rows, labels, probs, label_mass, extra)
-    _write_atomic(Path(path), table)
+def _inside(path: Path, directory: Path) -> bool:
+    return directory.is_dir() and path.resolve().is_relative_to(directory.resolve())
 
 
 def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[float]],
@@ -143,33 +141,3 @@ def _argmax_label(labels: Sequence[str], probs: Sequence[float]) -> str | None:
     if not labels:
         return None
     return labels[max(range(len(probs)), key=probs.__getitem__)]
-
-
-def _write_atomic(path: Path, table: pa.Table) -> None:
-    """Write to a hidden temp file beside path, fsync it, then rename it over path."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise KevscoreError(f"{path}: cannot write the output ({_first_line(e)})") from e
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

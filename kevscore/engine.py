@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kevscore import faults
-from kevscore.errors import KevscoreError
+from kevscore.errors import KevscoreFailure, first_line
 from kevscore.plan import Batch, ladder, plan_batches, plan_waves, row_bucket
 from kevscore.prompt import Encoded
+
+
+LOW_MASS = 0.1  # below this label mass the labels are not what the model would answer (" Yes", "yes")
 
 
 class Progress:
@@ -45,6 +48,7 @@ class RunStats:
     prefill_s: float = 0.0
     score_s: float = 0.0
     oom_retries: int = 0  # batches or prefill groups split after running out of memory
+    low_mass: int = 0     # rows whose labels hold less than LOW_MASS of the model's probability
     read_s: float = 0.0   # jobs: reading and tokenizing windows
     write_s: float = 0.0  # jobs: writing parts and merging the output
 
@@ -153,8 +157,8 @@ class Engine:
             _free(self.runner.device)
             tokens = sum(len(enc.prefixes[d]) for d in group)
             if len(group) == 1:
-                raise KevscoreError(f"out of memory prefilling one document of {tokens} tokens "
-                                    f"({_first_line(exc)}); lower --bank-capacity or --window") from exc
+                raise KevscoreFailure(f"out of memory prefilling one document of {tokens} tokens "
+                                    f"({first_line(exc)}); lower --bank-capacity or --window") from exc
             half = len(group) // 2
             stats.oom_retries += 1
             progress.warn(f"out of memory prefilling {len(group)} documents ({tokens} tokens); retrying as "
@@ -213,7 +217,7 @@ class Engine:
                 why = (f"out of memory scoring this row alone ({len(enc.branches[r])} question tokens, "
                        f"{prefix_len[r]} document tokens)")
                 if not self.skip_failed:
-                    raise KevscoreError(f"{why}: {_first_line(exc)}; pass --skip-invalid to report such rows "
+                    raise KevscoreFailure(f"{why}: {first_line(exc)}; pass --skip-invalid to report such rows "
                                         "and go on") from exc
                 scores.failed[r] = why
                 progress.warn(f"{why}; reported in the errors file")
@@ -238,6 +242,7 @@ class Engine:
         for i, r in enumerate(batch.rows):
             scores.probs[r] = probs[i, : len(enc.label_ids[r])].tolist()
             scores.label_mass[r] = float(mass[i])
+        scores.stats.low_mass += int((mass < LOW_MASS).sum())
         scores.stats.batches += 1
         progress.advance("score", len(batch.rows))
 
@@ -246,8 +251,3 @@ def _free(device: torch.device) -> None:
     """After an out-of-memory error: return the cached blocks the failed attempt left."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

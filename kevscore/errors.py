@@ -1,11 +1,28 @@
-"""The one exception type kevscore shows to users: a one-line message, no traceback."""
+"""The exceptions kevscore shows to users as one line, no traceback, and the exit status each one earns."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 
 class KevscoreError(Exception):
-    """A problem with the user's input, options or environment, reported on one line."""
+    """A problem with the user's input or options, reported on one line (exit status 2)."""
+    exit_code = 2
+
+
+class KevscoreFailure(KevscoreError):
+    """A fault of the run or its environment (disk, memory, another process), on one line (exit status 1)."""
+    exit_code = 1
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, first line only (its type's name when it has none)."""
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
+def os_failure(what: str, e: OSError) -> KevscoreFailure:
+    """`what` (a file and an action) failed with an OSError: the one-line failure to raise."""
+    return KevscoreFailure(f"{what} ({e.strerror or first_line(e)})")
 
 
 def rows_phrase(rows: Sequence[int], limit: int = 10) -> str:
@@ -16,3 +33,14 @@ def rows_phrase(rows: Sequence[int], limit: int = 10) -> str:
         return f"row {shown}"
     more = f", … ({len(rows)} rows)" if len(rows) > limit else ""
     return f"rows {shown}{more}"
+
+
+def reported(exc: BaseException) -> KevscoreError | None:
+    """What to tell the user about `exc`: a KevscoreError as it is, an OSError not caught where it happened
+    (disk full, a file removed mid-run) as a KevscoreFailure naming its file; None for anything else."""
+    if isinstance(exc, KevscoreError):
+        return exc
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return KevscoreFailure(f"{where}{exc.strerror or first_line(exc)}")
+    return None

@@ -5,6 +5,7 @@
 - Test hooks, read from the environment each time (so an in-process test can set them too):
   `KEVSCORE_TEST_KILL=POINT[:N]` makes the process SIGKILL itself the N-th time (default 1st) it reaches
   POINT; `KEVSCORE_TEST_SIGINT=POINT[:N]` sends it a SIGINT there instead (a Ctrl-C at a known place);
+  `KEVSCORE_TEST_ENOSPC=POINT[:N]` raises OSError(ENOSPC) there (a full disk inside a write);
   `KEVSCORE_TEST_OOM_ROWS=N` raises `torch.OutOfMemoryError` for every scoring batch of more than N rows,
   `KEVSCORE_TEST_OOM_DOCS=N` for every prefill group of more than N documents.
   `KEVSCORE_TEST_WRONG_ENTRY=1` makes every row read the bank entry of another document of its wave (the
@@ -13,16 +14,17 @@
   Points: `prefill` (after a prefill group), `score` (after a batch), `part-write` (inside a part file's
   write, before its footer), `part-done` (a part renamed into place, the manifest not yet updated),
   `merge` (inside the final output's write), `merged` (the output renamed into place, the parts not yet
-  removed).
+  removed), `manifest-write` (inside a write of the parts' manifest).
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
 from collections import Counter
 
-KILL, SIGINT = "KEVSCORE_TEST_KILL", "KEVSCORE_TEST_SIGINT"
+KILL, SIGINT, ENOSPC = "KEVSCORE_TEST_KILL", "KEVSCORE_TEST_SIGINT", "KEVSCORE_TEST_ENOSPC"
 OOM = {"rows": "KEVSCORE_TEST_OOM_ROWS", "docs": "KEVSCORE_TEST_OOM_DOCS"}
 WRONG_ENTRY = "KEVSCORE_TEST_WRONG_ENTRY"
 _reached: Counter[tuple[str, str]] = Counter()  # (hook setting, point) -> times reached in this process
@@ -49,6 +51,8 @@ def point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if _reach(os.environ.get(SIGINT), name):
         os.kill(os.getpid(), signal.SIGINT)
+    if _reach(os.environ.get(ENOSPC), name):
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {ENOSPC})")
 
 
 def inject_oom(unit: str, n: int) -> None:

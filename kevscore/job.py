@@ -22,14 +22,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.backend import build_runner, resolve_device
+from kevscore.backend import build_runner, invariant_threads, resolve_device
 from kevscore.bank_store import BankStats, BankStore, check_bank_dir, model_fingerprint
-from kevscore.checkpoint import load_checkpoint, peek_config
+from kevscore.checkpoint import MODEL_NAMES, load_checkpoint, peek_config
 from kevscore.data import check_output_path, default_output_path, output_table
-from kevscore.engine import Engine, Progress, RunStats, Scores
+from kevscore.engine import LOW_MASS, Engine, Progress, RunStats, Scores
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
-from kevscore.parts import ERRORS_SCHEMA, PartStore, errors_path, file_sha256, merged_output
+from kevscore.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, file_sha256, job_digest,
+                            merged_output, output_job)
 from kevscore.plan import Windows, plan_windows
 from kevscore.prompt import encode, load_template
 from kevscore.shard import assign_documents
@@ -85,6 +86,8 @@ class RunResult:
     peak_gpu: int | None = None   # bytes: torch.cuda.max_memory_allocated, on a GPU
     load_phases: dict[str, float] = field(default_factory=dict)  # load_s in parts: scan, checkpoint, tokens, runner, identity
     warm_up: dict | None = None   # the GPU warm-up thread's seconds and error (kevscore.warmup)
+    already_complete: bool = False  # the output was this very job's, merged by an earlier run: nothing done
+    warnings: list[str] = field(default_factory=list)  # about the results (e.g. labels holding little mass)
 
 
 def check_options(opts: RunOptions) -> None:
@@ -107,6 +110,11 @@ def check_options(opts: RunOptions) -> None:
 
 
 def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
+    with invariant_threads(resolve_device(opts.device), opts.batch_invariant):
+        return _run_job(opts, progress)
+
+
+def _run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     started = time.perf_counter()
     progress = progress or Progress()
     check_options(opts)
@@ -118,9 +126,8 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     scan = scan_input(Path(opts.input), Path(opts.documents) if opts.documents else None, opts.skip_invalid,
                       keep_texts=opts.shard is not None)
     ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
-    check_output_path(output, scan.sources, opts.overwrite or ours)
-    if opts.skip_invalid:
-        check_output_path(errors_path(output), scan.sources, opts.overwrite or ours)
+    finished = None if opts.overwrite or ours or not output.is_file() else output_job(output)
+    check_outputs(opts, scan, output, opts.overwrite or ours or finished is not None)
     load_phases = {"scan": time.perf_counter() - t0}
     if device.type == "cuda":
         import torch
@@ -144,6 +151,9 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
     identity = job_identity(opts, scan, ckpt.name, fingerprint.digest, device.type, windows)
     load_phases["identity"] = time.perf_counter() - t0 - sum(load_phases.values())
+    if finished is not None:
+        return finished_job(opts, output, finished == job_digest(identity), ckpt.name, str(device), windows,
+                            time.perf_counter() - started)
     parts = PartStore(output, identity, windows.rows, opts.restart, progress.warn)
     store = None
     try:
@@ -190,6 +200,13 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
         if store is not None:
             store.close()
     parts.remove()
+    scored = result.stats.rows - result.resumed_rows
+    if result.stats.low_mass * 2 > scored:
+        result.warnings.append(f"the labels ({', '.join(map(repr, opts.labels))} unless a labels column says "
+                               f"otherwise) hold less than {LOW_MASS:.0%} of the model's probability on "
+                               f"{result.stats.low_mass:,} of {scored:,} rows: the model would answer with other "
+                               "tokens; check the labels' case and leading spaces (see label_mass)")
+        progress.warn(result.warnings[-1])
     if opts.skip_invalid:
         result.errors = errors_path(output)
         result.set_aside = pq.read_metadata(result.errors).num_rows
@@ -200,6 +217,34 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
         import torch
 
         result.peak_gpu = int(torch.cuda.max_memory_allocated(device))
+    return result
+
+
+def check_outputs(opts: RunOptions, scan: InputScan, output: Path, overwrite: bool) -> None:
+    """The output, its errors file and its parts directory must not be (or hold) anything this run reads:
+    the input files, the template, files of the model or bank directory."""
+    inputs = scan.sources + ([Path(opts.template)] if opts.template else [])
+    model = Path(opts.model)
+    within = [d for d in (model if model.is_dir() and opts.model not in MODEL_NAMES else None,
+                          opts.bank) if d is not None]
+    check_output_path(output, inputs, overwrite, within)
+    if opts.skip_invalid:
+        check_output_path(errors_path(output), inputs, overwrite, within)
+    check_parts_dir(output, inputs)
+
+
+def finished_job(opts: RunOptions, output: Path, same: bool, model: str, device: str, windows: Windows,
+                 wall_s: float) -> RunResult:
+    """An existing output merged by a job: this very job (nothing to do), or another one (refused)."""
+    errors = errors_path(output) if opts.skip_invalid else None
+    if not same or (errors is not None and not errors.is_file()):
+        raise KevscoreError(f"{output}: already exists (the output of another job); pass --overwrite to replace it")
+    rows = pq.read_metadata(output).num_rows
+    result = RunResult(output, RunStats(rows=rows), int(windows.docs.sum()), device, model, 0.0, errors=errors,
+                       windows=len(windows), resumed=len(windows), resumed_rows=rows, wall_s=wall_s,
+                       already_complete=True)
+    if errors is not None:
+        result.set_aside = pq.read_metadata(errors).num_rows
     return result
 
 

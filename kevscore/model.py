@@ -1,6 +1,8 @@
 """The Kev model: wires layers together. It never sees batching, only a context per forward."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -10,6 +12,17 @@ from kevscore.layers.common import MLP, BranchContext, Context, PrefillContext, 
 from kevscore.layers.deltanet import DeltaNet
 
 FP32_PARAMS = ("A_log", "dt_bias", "_scale")  # kept in fp32 whatever the model dtype
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default floating dtype inside the block (parameters are created in it)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class Block(nn.Module):
@@ -54,12 +67,11 @@ class KevModel(nn.Module):
     @classmethod
     def from_weights(cls, cfg: KevConfig, weights: dict[str, torch.Tensor], ops,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KevModel":
-        with torch.device("meta"):
+        with torch.device(device), default_dtype(dtype):  # allocated once, where it runs, in its dtype
             model = cls(cfg, ops)
-        for name, param in model.named_parameters():  # allocated in their final dtype, filled in place
-            if not name.endswith(FP32_PARAMS):
-                param.data = param.data.to(dtype)
-        model.to_empty(device=device)
+        for name, param in model.named_parameters():
+            if name.endswith(FP32_PARAMS):
+                param.data = param.data.float()
         model.rotary.inv_freq.copy_(Rotary(cfg.rotary_dim, cfg.rope_theta).inv_freq)
         model.load(weights)
         if cfg.tie_word_embeddings:

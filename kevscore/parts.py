@@ -24,6 +24,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import BinaryIO
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kevscore import faults
-from kevscore.data import OUTPUT_SCHEMA, _first_line, _fsync_dir
-from kevscore.errors import KevscoreError
+from kevscore.data import OUTPUT_SCHEMA
+from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
 
 FORMAT, VERSION = "kevscore-parts", 1
 MANIFEST, LOCK = "manifest.json", "lock"
@@ -51,6 +52,18 @@ def parts_dir(output: Path) -> Path:
     return output.with_name(output.name + ".parts")
 
 
+def check_parts_dir(output: Path, inputs: Iterable[Path]) -> None:
+    """OUT.parts must be a directory or absent, and hold none of the run's inputs (its leftovers are removed)."""
+    where = parts_dir(output)
+    if where.is_symlink() or (where.exists() and not where.is_dir()):
+        raise KevscoreError(f"{output}: {where} (where its parts go) exists and is not a directory; "
+                            "move it or choose another --output")
+    for source in inputs:
+        if where.is_dir() and Path(source).resolve().is_relative_to(where.resolve()):
+            raise KevscoreError(f"{output}: the input {source} is inside {where}, where this run keeps its parts; "
+                                "choose another --output")
+
+
 def errors_path(output: Path) -> Path:
     """Where --skip-invalid reports the rows set aside: OUT's stem + .errors.parquet."""
     return output.with_name(f"{output.stem}.errors.parquet")
@@ -64,40 +77,73 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (best effort: some filesystems refuse a directory fsync)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_new(tmp: Path, fill: Callable[[BinaryIO], None], what: Path) -> None:
+    """Create `tmp`, let `fill` write it and fsync it; on any failure remove it. An OSError (disk full,
+    the directory gone) becomes a KevscoreFailure naming `what`, the file being written."""
+    try:
+        with open(tmp, "xb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise os_failure(f"{what}: cannot write", e) from e
+        raise
+
+
+def replace_into(tmp: Path, path: Path) -> None:
+    """Rename a complete temporary file over `path` and make the rename durable."""
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise os_failure(f"{path}: cannot write", e) from e
+    fsync_dir(path.parent)
+
+
+def parquet_filler(schema: pa.Schema, tables: Iterable[pa.Table], hook: str | None,
+                   row_group: int | None = PART_ROW_GROUP) -> Callable[[BinaryIO], None]:
+    """A `write_new` filler writing `tables` as one Parquet file; `hook` is a fault point after each table."""
+    def fill(f: BinaryIO) -> None:
+        with pq.ParquetWriter(f, schema) as writer:
+            for table in tables:
+                writer.write_table(table, row_group_size=row_group)
+                if hook:
+                    faults.point(hook)
+    return fill
+
+
 def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], tmp_dir: Path,
                   hook: str | None = None) -> None:
     """Write `tables` to a temporary file in tmp_dir (fsynced), then rename it to `path`."""
     tmp = tmp_dir / f".{path.name}.{secrets.token_hex(4)}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            with pq.ParquetWriter(f, schema) as writer:
-                for table in tables:
-                    writer.write_table(table, row_group_size=PART_ROW_GROUP)
-                    if hook:
-                        faults.point(hook)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise KevscoreError(f"{path}: cannot write ({_first_line(e)})") from e
-        raise
-    _fsync_dir(path.parent)
+    write_new(tmp, parquet_filler(schema, tables, hook), path)
+    replace_into(tmp, path)
 
 
 def _write_json(path: Path, data: dict) -> None:
+    def fill(f: BinaryIO) -> None:
+        f.write(json.dumps(data, indent=1).encode())
+        faults.point("manifest-write")
+
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "x") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    write_new(tmp, fill, path)
+    replace_into(tmp, path)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -117,6 +163,21 @@ def merged_output(output: Path) -> bool:
     merged = manifest.get("merged") or {}
     name = (merged.get("tmp") or {}).get("output")
     return bool(name) and output.is_file() and file_sha256(output) == (merged.get("sha256") or {}).get(name)
+
+
+def job_digest(identity: dict) -> str:
+    """The digest naming a job in its parts' and its output's Parquet metadata."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def output_job(output: Path) -> str | None:
+    """The job digest a merged output records (None: not a kevscore output, or unreadable)."""
+    try:
+        meta = pq.read_schema(output).metadata or {}
+    except (OSError, pa.ArrowException):
+        return None
+    job = meta.get(JOB_KEY)
+    return job.decode("ascii", "replace") if job else None
 
 
 def differences(old: dict, new: dict) -> list[str]:
@@ -151,24 +212,27 @@ class PartStore:
         parts of another job (unless restart: they are discarded)."""
         self.output, self.dir = Path(output), parts_dir(Path(output))
         self.identity, self.planned = identity, windows
-        self.job = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+        self.job = job_digest(identity)
         self.warn = warn or (lambda message: None)
         self.created = not self.dir.exists()
         try:
             self.dir.mkdir(exist_ok=True)
         except OSError as e:
-            raise KevscoreError(f"{self.dir}: cannot create the parts directory ({_first_line(e)})") from e
+            raise os_failure(f"{self.dir}: cannot create the parts directory", e) from e
         self._lock = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock)
-            raise KevscoreError(f"{self.output}: another kevscore run is writing this output now "
+            raise KevscoreFailure(f"{self.output}: another kevscore run is writing this output now "
                                 f"(its parts are in {self.dir})") from None
         try:
             self._open(restart)
         except BaseException:
-            self.close()
+            if self.created:
+                self.remove()  # nothing of ours can be in it yet: leave no trace
+            else:
+                self.close()
             raise
 
     # ------------------------------------------------------------ opening
@@ -275,7 +339,7 @@ class PartStore:
         for tmp, target in pending:  # killed between recording the merge and renaming it
             if tmp.exists() and file_sha256(tmp) == merged["sha256"][tmp.name]:
                 os.replace(tmp, target)
-                _fsync_dir(target.parent)
+                fsync_dir(target.parent)
         return self.output.exists() and file_sha256(self.output) == merged["sha256"].get(merged["tmp"]["output"])
 
     def merge(self, of_row: np.ndarray, set_aside: pa.Table | None) -> int:
@@ -286,36 +350,24 @@ class PartStore:
         of_row[np.asarray(failed.column("row").to_pylist(), dtype=np.int64)] = -1
         expected = int((of_row >= 0).sum())
         if sum(self.done.values()) != expected:
-            raise KevscoreError(f"{self.dir}: the parts hold {sum(self.done.values())} rows, the plan {expected}")
+            raise KevscoreFailure(f"{self.dir}: the parts hold {sum(self.done.values())} rows, the plan {expected}")
         names = {"output": f".{self.output.name}.{secrets.token_hex(4)}.tmp"}
         if set_aside is not None:
             names["errors"] = f".{errors_path(self.output).name}.{secrets.token_hex(4)}.tmp"
             errors = pa.concat_tables([set_aside.cast(ERRORS_SCHEMA), failed]).sort_by("row")
-            self._write_tmp(self.dir / names["errors"], ERRORS_SCHEMA, [errors], hook=None)
-        self._write_tmp(self.dir / names["output"], OUTPUT_SCHEMA, self._merged(of_row), hook="merge")
+            write_new(self.dir / names["errors"], parquet_filler(ERRORS_SCHEMA, [errors], None, None),
+                      errors_path(self.output))
+        schema = OUTPUT_SCHEMA.with_metadata({JOB_KEY: self.job.encode()})  # a rerun finds the job complete
+        write_new(self.dir / names["output"], parquet_filler(schema, self._merged(of_row), "merge", None), self.output)
         self.manifest["merged"] = {"tmp": names, "rows": expected,
                                    "sha256": {n: file_sha256(self.dir / n) for n in names.values()}}
         _write_json(self.dir / MANIFEST, self.manifest)
         if set_aside is not None:
             os.replace(self.dir / names["errors"], errors_path(self.output))
         os.replace(self.dir / names["output"], self.output)
-        _fsync_dir(self.output.parent)
+        fsync_dir(self.output.parent)
         faults.point("merged")
         return expected
-
-    def _write_tmp(self, tmp: Path, schema: pa.Schema, tables: Iterable[pa.Table], hook: str | None) -> None:
-        try:
-            with open(tmp, "xb") as f:
-                with pq.ParquetWriter(f, schema) as writer:
-                    for table in tables:
-                        writer.write_table(table)
-                        if hook:
-                            faults.point(hook)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise KevscoreError(f"{self.output}: cannot write the output ({_first_line(e)})") from e
 
     def _merged(self, of_row: np.ndarray) -> Iterator[pa.Table]:
         """The output in input order, MERGE_ROWS input rows at a time: each chunk takes the next rows of
@@ -338,7 +390,7 @@ class PartStore:
             chunk = pa.concat_tables(pieces).replace_schema_metadata(None).sort_by("row")
             want = np.flatnonzero(live) + a
             if not np.array_equal(chunk.column("row").to_numpy(), want):
-                raise KevscoreError(f"{self.dir}: the parts do not hold the rows the plan expects; rerun with --restart")
+                raise KevscoreFailure(f"{self.dir}: the parts do not hold the rows the plan expects; rerun with --restart")
             yield chunk
         if not len(of_row) or not (of_row >= 0).any():
             yield OUTPUT_SCHEMA.empty_table()

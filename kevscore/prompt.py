@@ -51,6 +51,9 @@ def load_template(path: Path | None, tokenizer) -> Template:
             return Template.parse(Path(path).read_text(), str(path))
         except OSError as exc:
             raise KevscoreError(f"{path}: cannot read the template ({exc.strerror})") from exc
+        except UnicodeDecodeError as exc:
+            raise KevscoreError(f"{path}: the template is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                                f"at offset {exc.start})") from None
     if getattr(tokenizer, "chat_template", None):
         return chat_template(tokenizer)
     return Template.parse(PLAIN_TEMPLATE, "the default template")

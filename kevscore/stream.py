@@ -23,10 +23,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.errors import KevscoreError, rows_phrase
+from kevscore.errors import KevscoreError, first_line, rows_phrase
 
 BATCH_ROWS = 1024        # rows per record batch read
 READ_BUFFER = 1 << 20    # bytes: stream column chunks instead of loading a whole row group
+COLUMNS = ("document", "question", "doc_id", "question_id", "labels")  # the input columns kevscore reads
 
 
 # ---------------------------------------------------------------- small helpers (messages)
@@ -36,11 +37,6 @@ def few(values: Iterable[str], limit: int = 5) -> str:
     distinct = list(dict.fromkeys(values))
     shown = ", ".join(repr(v) for v in distinct[:limit])
     return shown + (f", … ({len(distinct)} values)" if len(distinct) > limit else "")
-
-
-def first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
 
 
 def is_string(t: pa.DataType) -> bool:
@@ -72,6 +68,10 @@ def open_parquet(path: Path) -> pq.ParquetFile:
 
 
 def check_names(path: Path, names: list[str], required: Sequence[str], reject: str | None) -> None:
+    twice = [c for c in dict.fromkeys(names) if c in COLUMNS and names.count(c) > 1]
+    if twice:
+        raise KevscoreError(f"{path}: column name(s) {', '.join(repr(c) for c in twice)} appear more than once; "
+                            "rename or drop the duplicates")
     missing = [c for c in required if c not in names]
     present = ", ".join(repr(c) for c in names) or "none"
     if missing:
@@ -109,8 +109,31 @@ def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str]) -> Iterato
             raise KevscoreError(f"{path}: cannot read the Parquet data ({first_line(e)})") from e
         if batch is None:
             return
-        yield start, {c: batch.column(c).to_pylist() for c in columns}
+        yield start, decoded(path, batch, columns, lambda j, start=start: start + j)
         start += batch.num_rows
+
+
+def decoded(path: Path, data: pa.RecordBatch | pa.Table, columns: Sequence[str], row_of) -> dict[str, list]:
+    """{column: Python values}; a string that is not valid UTF-8 stops the run naming its column and input
+    row (`row_of(j)`: the input row of the j-th row of `data`)."""
+    out = {}
+    for c in columns:
+        column = data.column(c)
+        try:
+            out[c] = column.to_pylist()
+        except UnicodeDecodeError:
+            bad = next(j for j in range(len(column)) if not _decodes(column[j]))
+            raise KevscoreError(f"{path}: column {c!r} holds text that is not valid UTF-8 at row {row_of(bad)}"
+                                ) from None
+    return out
+
+
+def _decodes(value: pa.Scalar) -> bool:
+    try:
+        value.as_py()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- the scan
@@ -444,8 +467,7 @@ class _Cursor:
             i = j
         if not pieces:
             return {c: [] for c in self.columns}
-        table = pa.Table.from_batches(pieces)
-        return {c: table.column(c).to_pylist() for c in self.columns}
+        return decoded(self.path, pa.Table.from_batches(pieces), self.columns, lambda j: int(rows[j]))
 
 
 class RowReader:

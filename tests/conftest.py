@@ -1,7 +1,12 @@
+import os
 import random
 
-import pytest
-import torch
+# One torch thread in the tests and the processes they start (unless the caller chose): these small ops gain
+# little from a second thread, and on a shared 2-core machine a second, spinning one made runs up to 10x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from kevscore.bank import BankLayout, StateBank
 from kevscore.checkpoint import Checkpoint, load_checkpoint, random_weights
@@ -50,3 +55,29 @@ def synthetic(doc_lens, branch_lens, vocab=1000, seed=0, labels=(361, 383)) -> E
             branches.append([rng.randrange(vocab) for _ in range(n)])
     n = len(branches)
     return Encoded(docs, rows, branches, [["Yes", "No"]] * n, [list(labels)] * n)
+
+
+def material_masses(ckpt):
+    """The example questions on the demo model (its chat template) with labels whose mass is material: even
+    rows Yes/No (mass near 1), odd rows the runner-up tokens of transformers' distribution (ranks 2 and 3:
+    mass well below 1, and off by the top token's probability if the vocabulary's log-sum-exp were a max).
+    Returns the encoded rows and transformers' (probs, label mass) per row."""
+    from pathlib import Path
+
+    from kevscore.data import read_input
+    from kevscore.prompt import encode, load_template
+    from kevscore.reference import reference_model, reference_scores
+
+    table = read_input(Path(__file__).resolve().parent.parent / "examples" / "questions.parquet")
+    enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],
+                 ckpt.config.max_position_embeddings)
+    model = reference_model(ckpt)
+    refs = []
+    for r in range(len(enc)):
+        ids = torch.tensor([enc.prefixes[enc.row_prefix[r]] + enc.branches[r]])
+        if r % 2:
+            with torch.no_grad():
+                logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1]
+            enc.label_ids[r] = logits.topk(3).indices[1:].tolist()
+        refs.append(reference_scores(model, enc.prefixes[enc.row_prefix[r]], enc.branches[r], enc.label_ids[r]))
+    return enc, refs

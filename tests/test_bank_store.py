@@ -256,14 +256,14 @@ def test_other_format_version_is_refused(tmp_path, src, bank, where):
     before = {p: p.read_bytes() for p in bank.rglob("*") if p.is_file()}
     result = cli.invoke(app, ["run", str(src), "--device", "cpu", "--bank", str(bank), "-o",
                               str(tmp_path / "out.parquet")])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     for part in ["kevscore bank format version 99", "reads version 1", str(bank)]:
         assert part in lines[0], (part, lines[0])
     assert not (tmp_path / "out.parquet").exists()
     inspected = cli.invoke(app, ["bank-inspect", str(bank)])
-    assert inspected.exit_code == 1 and "format version 99" in inspected.stderr
+    assert inspected.exit_code == 2 and "format version 99" in inspected.stderr
     assert {p: p.read_bytes() for p in bank.rglob("*") if p.is_file()} == before
 
 
@@ -279,7 +279,7 @@ def test_bank_option_errors(tmp_path, src):
     ]:
         result = cli.invoke(app, ["run", str(src), "--device", "cpu", "-o", str(tmp_path / "o.parquet"), *args])
         lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+        assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
         for part in parts:
             assert part in lines[0], (part, lines[0])
     assert sorted(p.name for p in (tmp_path / "stuff").iterdir()) == ["notes.txt"]
@@ -302,6 +302,7 @@ def test_failed_index_write_costs_the_bank_not_the_run(tmp_path, src, warm, monk
     assert result.exit_code == 0, (result.stderr, result.exception)
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "No space left on device" in warnings[0], result.stderr
+    assert "0 saved" in result.stderr and "6 saved" not in result.stderr  # the summary counts kept entries
     assert probs(tmp_path / "out.parquet") == warm[1]
     monkeypatch.setattr(BankStore, "_write_index", original)
     again = run(src, tmp_path / "bank", tmp_path / "again.parquet")  # the renamed files are adopted
@@ -393,9 +394,9 @@ def test_inspect_one_entry_and_errors(bank, tmp_path):
     assert table.exit_code == 0 and key in table.stdout and "market" in table.stdout
     for args, part in [(["--entry", "zzzz"], "no entry 'zzzz'"), (["--entry", ""], "ambiguous")]:
         bad = cli.invoke(app, ["bank-inspect", str(bank), *args])
-        assert bad.exit_code == 1 and part in bad.stderr, bad.stderr
+        assert bad.exit_code == 2 and part in bad.stderr, bad.stderr
     missing = cli.invoke(app, ["bank-inspect", str(tmp_path / "nope")])
-    assert missing.exit_code == 1 and "no such bank directory" in missing.stderr
+    assert missing.exit_code == 2 and "no such bank directory" in missing.stderr
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF
     path.write_bytes(bytes(data))

@@ -50,11 +50,11 @@ def put(path: Path, columns: dict) -> Path:
 
 
 def fails(directory: Path, parts: list[str], *args) -> str:
-    """`kevscore run ARGS --device cpu` exits non-zero with one `error:` line holding every part,
-    and leaves `directory` exactly as it was (no output, no temp file)."""
+    """`kevscore run ARGS --device cpu` exits with status 2 (bad input or usage) and one `error:` line
+    holding every part, and leaves `directory` exactly as it was (no output, no temp file)."""
     before = listing(directory)
     result = kevscore("run", *args, "--device", "cpu")
-    assert result.exit_code != 0, result.stderr
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr

@@ -89,4 +89,4 @@ def test_data_rows_at_every_temperature(tmp_path):
 ])
 def test_bad_options_fail_with_one_line(args, message):
     result = compare(*args)
-    assert result.exit_code == 1 and message in result.output
+    assert result.exit_code == 2 and message in result.output

@@ -181,6 +181,24 @@ def test_fused_bf16_close_to_fp32_reference(tiny):
     assert ours <= 2 * theirs + 0.01
 
 
+def test_label_mass_close_to_fp32_reference(demo):
+    """label_mass on the GPU (bf16 model, log-sum-exp over the vocabulary) against transformers in fp32, on
+    labels where it is material (conftest.material_masses): relatively as close as transformers' bf16."""
+    from conftest import material_masses
+    from kevscore.reference import reference_model, reference_scores
+
+    enc, reference = material_masses(demo)
+    ours = gpu_engine(demo, enc.prefixes, max_rows=4).run(enc, "indexed").label_mass
+    ref16 = reference_model(demo, device=DEV, dtype=torch.bfloat16)
+    worst_ours = worst_theirs = 0.0
+    for r, (_, mass) in enumerate(reference):
+        theirs = reference_scores(ref16, enc.prefixes[enc.row_prefix[r]], enc.branches[r], enc.label_ids[r])[1]
+        worst_ours = max(worst_ours, abs(ours[r] / mass - 1))
+        worst_theirs = max(worst_theirs, abs(theirs / mass - 1))
+    print(f"label mass, max relative error against fp32: kevscore {worst_ours:.4g}, transformers bf16 {worst_theirs:.4g}")
+    assert worst_ours <= 2 * worst_theirs + 0.02
+
+
 def test_prefill_states_close_to_cpu(tiny):
     """The GPU prefill (packed varlen, bf16) writes entries close to the CPU fp32 prefill's."""
     from conftest import cpu_engine

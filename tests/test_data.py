@@ -1,17 +1,18 @@
-"""kevscore.data: Parquet input validation, output schema, atomic writes."""
+"""kevscore.data: Parquet input validation, output schema and path checks; the atomic writes of kevscore.parts."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kevscore import data
-from kevscore.data import (OUTPUT_SCHEMA, InputTable, check_output_path, default_output_path,
-                           read_input, write_output)
-from kevscore.errors import KevscoreError
+from kevscore import faults, parts
+from kevscore.data import OUTPUT_SCHEMA, InputTable, check_output_path, default_output_path, output_table, read_input
+from kevscore.errors import KevscoreError, KevscoreFailure
+from kevscore.parts import write_parquet
 
 
 def put(path: Path, columns: dict[str, list | pa.Array], schema: pa.Schema | None = None) -> Path:
@@ -312,7 +313,7 @@ def test_check_output_is_directory(tmp_path: Path, one: Path) -> None:
         check_output_path(tmp_path / "dir", [one], overwrite=True)
 
 
-# ---------------------------------------------------------------- writing
+# ---------------------------------------------------------------- the output's rows, atomic writes
 
 def scores(n: int) -> tuple[list[list[str]], list[list[float]], list[float]]:
     labels = [["yes", "no"], ["A", "B", "C"], ["yes", "no"], ["t"]][:n]
@@ -320,12 +321,9 @@ def scores(n: int) -> tuple[list[list[str]], list[list[float]], list[float]]:
     return labels, probs, [0.5, 0.6, 0.7, 0.8][:n]
 
 
-def test_write_output_schema_and_values(tmp_path: Path, one: Path) -> None:
-    rows = read_input(one)
-    out = tmp_path / "out.parquet"
+def test_output_table_schema_and_values(one: Path) -> None:
     labels, probs, mass = scores(4)
-    write_output(out, rows, labels, probs, mass)
-    table = pq.read_table(out)
+    table = output_table(read_input(one), labels, probs, mass)
     assert table.schema.equals(OUTPUT_SCHEMA)
     assert table.column("row").to_pylist() == [0, 1, 2, 3]
     assert table.column("doc_id").to_pylist() == ["a", "b", "a", "c"]
@@ -334,41 +332,33 @@ def test_write_output_schema_and_values(tmp_path: Path, one: Path) -> None:
     assert table.column("probs").to_pylist() == probs
     assert table.column("prediction").to_pylist() == ["no", "A", "yes", "t"]  # tie → first
     assert table.column("label_mass").to_pylist() == mass
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
-def test_write_output_null_ids_and_fixed_types(tmp_path: Path) -> None:
+def test_output_table_null_ids_and_fixed_types(tmp_path: Path) -> None:
     path = put(tmp_path / "in.parquet", {"document": pa.array(["d", "e"]).dictionary_encode(),
                                          "question": pa.array(["q", "r"], pa.large_string())})
-    out = tmp_path / "out.parquet"
-    write_output(out, read_input(path), [["a", "b"]] * 2, [[0.1, 0.9], [0.6, 0.4]], [1.0, 0.5])
-    table = pq.read_table(out)
+    table = output_table(read_input(path), [["a", "b"]] * 2, [[0.1, 0.9], [0.6, 0.4]], [1.0, 0.5])
     assert table.schema.equals(OUTPUT_SCHEMA)
     assert table.column("doc_id").to_pylist() == [None, None]
     assert table.column("question_id").to_pylist() == [None, None]
     assert table.column("prediction").to_pylist() == ["b", "a"]
 
 
-def test_write_output_extra_columns_appended(tmp_path: Path, one: Path) -> None:
-    out = tmp_path / "out.parquet"
+def test_output_table_extra_columns_appended(one: Path) -> None:
     labels, probs, mass = scores(4)
     extra = {"probs_other": pa.array(probs, pa.list_(pa.float64())),
              "flipped": pa.array([False, True, False, False])}
-    write_output(out, read_input(one), labels, probs, mass, extra)
-    table = pq.read_table(out)
+    table = output_table(read_input(one), labels, probs, mass, extra)
     assert table.schema.names == OUTPUT_SCHEMA.names + ["probs_other", "flipped"]
     assert table.select(OUTPUT_SCHEMA.names).schema.equals(OUTPUT_SCHEMA)
     assert table.column("flipped").to_pylist() == [False, True, False, False]
 
 
-def test_write_output_empty(tmp_path: Path) -> None:
+def test_output_table_empty(tmp_path: Path) -> None:
     path = tmp_path / "empty.parquet"
     pq.write_table(pa.schema([("document", pa.string()), ("question", pa.string())]).empty_table(), path)
-    out = tmp_path / "out.parquet"
-    write_output(out, read_input(path), [], [], [])
-    table = pq.read_table(out)
-    assert table.num_rows == 0
-    assert table.schema.equals(OUTPUT_SCHEMA)
+    table = output_table(read_input(path), [], [], [])
+    assert table.num_rows == 0 and table.schema.equals(OUTPUT_SCHEMA)
 
 
 def empty_rows(n: int) -> InputTable:
@@ -376,7 +366,7 @@ def empty_rows(n: int) -> InputTable:
 
 
 @pytest.mark.parametrize("bad", ["labels", "probs", "mass", "aligned", "extra", "clash"])
-def test_write_output_rejects_mismatched_lengths(tmp_path: Path, bad: str) -> None:
+def test_output_table_rejects_mismatched_lengths(bad: str) -> None:
     labels, probs, mass = scores(2)
     extra = None
     if bad == "labels":
@@ -391,31 +381,34 @@ def test_write_output_rejects_mismatched_lengths(tmp_path: Path, bad: str) -> No
         extra = {"x": pa.array([1])}
     else:
         extra = {"prediction": pa.array(["a", "b"])}
-    out = tmp_path / "out.parquet"
     with pytest.raises(ValueError):
-        write_output(out, empty_rows(2), labels, probs, mass, extra)
+        output_table(empty_rows(2), labels, probs, mass, extra)
+
+
+def write(out: Path, hook: str | None = None) -> None:
+    """One output table written the way parts and outputs are (parts.write_parquet)."""
+    table = output_table(empty_rows(1), [["a", "b"]], [[0.3, 0.7]], [0.9])
+    write_parquet(out, OUTPUT_SCHEMA, [table], out.parent, hook=hook)
+
+
+@pytest.fixture
+def disk_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills at the first fault point `disk-check` this test reaches."""
+    monkeypatch.setenv("KEVSCORE_TEST_ENOSPC", "disk-check")
+    monkeypatch.setattr(faults, "_reached", Counter())
+
+
+def test_write_is_atomic_on_failure(tmp_path: Path, disk_full: None) -> None:
+    with pytest.raises(KevscoreFailure, match=f"{tmp_path / 'out.parquet'}: cannot write .No space left on device"):
+        write(tmp_path / "out.parquet", hook="disk-check")  # the disk fills after the first row group
     assert list(tmp_path.iterdir()) == []
 
 
-def failing_writer(table: pa.Table, where, **kwargs) -> None:
-    where.write(b"PAR1 partial bytes")
-    raise RuntimeError("disk on fire")
-
-
-def test_write_is_atomic_on_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pq, "write_table", failing_writer)
-    out = tmp_path / "out.parquet"
-    with pytest.raises(RuntimeError, match="disk on fire"):
-        write_output(out, empty_rows(1), [["a"]], [[1.0]], [1.0])
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_failed_write_leaves_existing_output_untouched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_leaves_existing_output_untouched(tmp_path: Path, disk_full: None) -> None:
     out = tmp_path / "out.parquet"
     out.write_bytes(b"previous results")
-    monkeypatch.setattr(pq, "write_table", failing_writer)
-    with pytest.raises(RuntimeError):
-        write_output(out, empty_rows(1), [["a"]], [[1.0]], [1.0])
+    with pytest.raises(KevscoreFailure):
+        write(out, hook="disk-check")
     assert out.read_bytes() == b"previous results"
     assert [p.name for p in tmp_path.iterdir()] == ["out.parquet"]
 
@@ -425,12 +418,11 @@ def test_failed_replace_removes_temp(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     def no_replace(src, dst) -> None:
         seen.append(Path(src))
-        raise PermissionError("read-only")
+        raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(data.os, "replace", no_replace)
-    out = tmp_path / "out.parquet"
-    with pytest.raises(KevscoreError, match="cannot write"):
-        write_output(out, empty_rows(1), [["a"]], [[1.0]], [1.0])
+    monkeypatch.setattr(parts.os, "replace", no_replace)
+    with pytest.raises(KevscoreFailure, match="cannot write .Permission denied"):
+        write(tmp_path / "out.parquet")
     assert seen and seen[0].parent == tmp_path
     assert seen[0].name.startswith(".") and seen[0].name.endswith(".tmp")
     assert list(tmp_path.iterdir()) == []
@@ -439,6 +431,6 @@ def test_failed_replace_removes_temp(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_write_replaces_existing_output(tmp_path: Path) -> None:
     out = tmp_path / "out.parquet"
     out.write_bytes(b"previous results")
-    write_output(out, empty_rows(1), [["a", "b"]], [[0.3, 0.7]], [0.9])
+    write(out)
     assert pq.read_table(out).column("prediction").to_pylist() == ["b"]
     assert [p.name for p in tmp_path.iterdir()] == ["out.parquet"]

@@ -17,7 +17,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from kevscore.cli import app
@@ -73,16 +72,6 @@ def read(path: Path) -> pa.Table:
     return table
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread here and in the subprocesses: fp32 CPU results may depend on the thread count, and
-    these small runs only lose time to more threads on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def threads_env(**extra) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", **extra)
 
@@ -114,6 +103,40 @@ def test_windows_bound_documents_rows_and_tokens_and_split_big_documents():
     assert order == sorted(order)  # documents in order of first appearance (index order here)
     assert w.digest() == plan_windows(doc_of_row, tokens, 5, 120, 150).digest()
     assert w.digest() != plan_windows(doc_of_row, tokens, 1, 120, 150).digest()
+
+
+@pytest.mark.parametrize("bound", ["docs", "rows", "tokens"])
+def test_each_window_bound_is_reached_and_windows_are_full(bound):
+    """Every window but the last is full: its next document would break a bound. Each bound in turn is the
+    only tight one, so a planner that cut earlier (or ignored that bound) fails here."""
+    rng = np.random.default_rng(1)
+    docs = 60
+    per_doc = rng.integers(1, 6, size=docs)
+    doc_of_row = np.repeat(np.arange(docs, dtype=np.int32), per_doc)
+    tokens = rng.integers(5, 40, size=docs)
+    limits = {"docs": 1000, "rows": 10**6, "tokens": 10**9}
+    limits[bound] = {"docs": 4, "rows": 11, "tokens": 97}[bound]
+    w = plan_windows(doc_of_row, tokens, limits["docs"], limits["rows"], limits["tokens"])
+    used = {"docs": w.docs, "rows": w.rows, "tokens": w.tokens}[bound]
+    assert used.max() <= limits[bound] and len(w) > 5
+    nxt = [int(doc_of_row[w.rows_of(k + 1)[0]]) for k in range(len(w) - 1)]
+    add = {"docs": np.ones(docs, int), "rows": per_doc, "tokens": tokens}[bound]
+    for k, d in enumerate(nxt):  # window k stopped because document d did not fit
+        assert used[k] + add[d] > limits[bound], (k, used[k], add[d])
+
+
+def test_job_windows_use_the_row_and_token_bounds(tmp_path, template, monkeypatch):
+    """The job plans with WINDOW_ROWS and WINDOW_TOKENS (1 M tokens; lowered here to reach them)."""
+    from kevscore import job
+
+    src = make_input(tmp_path / "q.parquet", 6, 2)
+    counts = {}
+    for name, value in (("WINDOW_TOKENS", 1), ("WINDOW_ROWS", 3)):
+        with monkeypatch.context() as m:
+            m.setattr(job, name, value)
+            counts[name] = run_job(opts(src, tmp_path / f"{name}.parquet", template, window=100)).windows
+    assert counts == {"WINDOW_TOKENS": 6, "WINDOW_ROWS": 6}  # one document (2 rows) per window: 6, not 1
+    assert job.WINDOW_TOKENS == 1 << 20 and job.WINDOW_ROWS == 65536
 
 
 @pytest.mark.parametrize("two_file", [False, True])
@@ -402,7 +425,7 @@ def test_log_json_lines(tmp_path, template):
     assert done["peak_gpu_bytes"] is None and done["rows_per_s"] > 0
     assert all("time" in e for e in events)
     bad = cli.invoke(app, ["run", str(tmp_path / "nope.parquet"), "--device", "cpu", "--log-json"])
-    assert bad.exit_code == 1 and json.loads(bad.stdout)["event"] == "error"
+    assert bad.exit_code == 2 and json.loads(bad.stdout)["event"] == "error"
 
 
 def test_summary_and_progress_show_long_job_numbers(tmp_path, template):

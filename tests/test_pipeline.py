@@ -1,7 +1,7 @@
 """The CPU bank/branch pipeline against transformers on the full sequence, and its invariants."""
 import pytest
 
-from conftest import cpu_engine, synthetic
+from conftest import cpu_engine, material_masses, synthetic
 from kevscore.engine import Scores
 from kevscore.reference import reference_model, reference_scores
 
@@ -27,9 +27,20 @@ def test_probs_match_transformers_on_full_sequence(tiny, enc, reference, path):
     scores = cpu_engine(tiny, docs=enc.prefixes, max_rows=7).run(enc, path)
     for r, (probs, mass) in enumerate(reference):
         assert scores.probs[r] == pytest.approx(probs, abs=1e-5), f"row {r}"
-        assert scores.label_mass[r] == pytest.approx(mass, rel=1e-4, abs=1e-9)
+        assert scores.label_mass[r] == pytest.approx(mass, rel=1e-4)
         assert sum(scores.probs[r]) == pytest.approx(1.0, abs=1e-12)
     assert len({round(p[0], 4) for p in scores.probs}) > 10  # rows really differ
+
+
+@pytest.mark.parametrize("path", ["indexed", "gathered"])
+def test_label_mass_matches_transformers_where_it_is_material(demo, path):
+    enc, reference = material_masses(demo)
+    masses = [mass for _, mass in reference]
+    assert min(masses) < 0.5 < max(masses) and sum(1e-3 < m < 0.9 for m in masses) >= 3  # material values
+    scores = cpu_engine(demo, docs=enc.prefixes, max_rows=4).run(enc, path)
+    for r, (probs, mass) in enumerate(reference):
+        assert scores.probs[r] == pytest.approx(probs, abs=1e-5), f"row {r}"
+        assert scores.label_mass[r] == pytest.approx(mass, rel=1e-5), f"row {r}"
 
 
 def test_paths_identical_and_bank_unchanged(tiny, enc):

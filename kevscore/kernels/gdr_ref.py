@@ -17,12 +17,18 @@ RCP_LN2 = 1.0 / math.log(2.0)
 CHUNK = 64
 
 
+def chunk_size(t: int) -> int:
+    """FLA's 64-token chunks; a sequence of fewer tokens is one chunk of its own length (a short branch
+    then costs t x t blocks, not 64 x 64: the same arithmetic, none of it on padding)."""
+    return max(1, min(CHUNK, t))
+
+
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _chunks(x: torch.Tensor, chunk: int = CHUNK, gate: bool = False) -> torch.Tensor:
+def _chunks(x: torch.Tensor, chunk: int, gate: bool = False) -> torch.Tensor:
     """[R, T, ...] -> [R, NT, chunk, ...], padded at the end with zeros, or for a cumulative gate with
     its last value (so padded decays stay <= 1, as FLA's masked loads make them)."""
     x, pad = x.float(), -x.shape[1] % chunk
@@ -32,14 +38,15 @@ def _chunks(x: torch.Tensor, chunk: int = CHUNK, gate: bool = False) -> torch.Te
     return x.view(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:])
 
 
-def _repeat_heads(k: torch.Tensor, hv: int) -> torch.Tensor:
+def repeat_heads(k: torch.Tensor, hv: int) -> torch.Tensor:
+    """k [R, T, H, K] with each key head repeated for its value heads: [R, T, HV, K] (itself when H == HV)."""
     return k.repeat_interleave(hv // k.shape[2], dim=2) if k.shape[2] != hv else k
 
 
-def chunk_cumsum(g: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+def chunk_cumsum(g: torch.Tensor) -> torch.Tensor:
     """Chunk-local cumulative sum of the log decay, scaled to log2 space: [R, T, HV]."""
     t = g.shape[1]
-    gc = _chunks(g, chunk).cumsum(2) * RCP_LN2
+    gc = _chunks(g, chunk_size(t)).cumsum(2) * RCP_LN2
     return gc.flatten(1, 2)[:, :t]
 
 
@@ -53,44 +60,47 @@ def _masked_decay(gc: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 def wy_repr(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w = A (beta k exp2(g)), u = A (beta v) with A = (I + strictly_lower(beta k k^T exp2(g_i - g_j)))^-1."""
-    t, hv = k.shape[1], v.shape[2]
-    kc = _chunks(_repeat_heads(k, hv))  # [R, NT, C, HV, K]
-    vc, gc, bc = _chunks(v), _chunks(g, gate=True), _chunks(beta)
+    t, hv, c = k.shape[1], v.shape[2], chunk_size(k.shape[1])
+    kc = _chunks(repeat_heads(k, hv), c)  # [R, NT, C, HV, K]
+    vc, gc, bc = _chunks(v, c), _chunks(g, c, gate=True), _chunks(beta, c)
     kk = torch.einsum("rnihk,rnjhk->rnhij", kc, kc)
-    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=k.device).tril(-1)
+    lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)
     decay = _masked_decay(gc, lower)  # [R, NT, HV, i, j]
     a = (kk * decay * bc.permute(0, 1, 3, 2).unsqueeze(-1)).masked_fill(~lower, 0.0)
-    a = a + torch.eye(CHUNK, device=k.device)
+    a = a + torch.eye(c, device=k.device)
     kb = (kc * (bc * torch.exp2(gc)).unsqueeze(-1)).permute(0, 1, 3, 2, 4)  # [R, NT, HV, C, K]
     vb = (vc * bc.unsqueeze(-1)).permute(0, 1, 3, 2, 4)
-    w = torch.linalg.solve_triangular(a, kb, upper=False, unitriangular=True)
-    u = torch.linalg.solve_triangular(a, vb, upper=False, unitriangular=True)
+    # one solve for both right-hand sides: each column is solved on its own, the same as two solves
+    w, u = torch.linalg.solve_triangular(a, torch.cat([kb, vb], -1), upper=False, unitriangular=True).split(
+        [kb.shape[-1], vb.shape[-1]], -1)
     unchunk = lambda x: x.permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :t]  # noqa: E731
     return unchunk(w), unchunk(u)
 
 
-def _scan(k, w, u, g, h0: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scan(k, w, u, g, h0: torch.Tensor | None, final: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(h entering each chunk, v_new, the final state when `final`: the last chunk's update feeds only it)."""
     r, t, hv, vd = u.shape
-    kd = k.shape[-1]
-    kc, wc, uc, gc = _chunks(_repeat_heads(k, hv)), _chunks(w), _chunks(u), _chunks(g, gate=True)
-    h = torch.zeros(r, hv, kd, vd, device=k.device) if h0 is None else h0.float().clone()
+    kd, c = k.shape[-1], chunk_size(t)
+    kc, wc, uc, gc = _chunks(repeat_heads(k, hv), c), _chunks(w, c), _chunks(u, c), _chunks(g, c, gate=True)
+    h = torch.zeros(r, hv, kd, vd, device=k.device) if h0 is None else h0.float()  # never updated in place
     hs, vnew = [], []
-    for c in range(kc.shape[1]):
+    for n in range(kc.shape[1]):
         hs.append(h)
-        v_c = uc[:, c] - torch.einsum("rihk,rhkv->rihv", wc[:, c], h)
+        v_c = uc[:, n] - torch.einsum("rihk,rhkv->rihv", wc[:, n], h)
         vnew.append(v_c)
-        g_c, g_last = gc[:, c], gc[:, c, -1]  # [R, C, HV], [R, HV]
-        valid = (torch.arange(CHUNK, device=k.device) + c * CHUNK < t).float()[None, :, None]
+        if n + 1 == kc.shape[1] and not final:
+            break
+        g_c, g_last = gc[:, n], gc[:, n, -1]  # [R, C, HV], [R, HV]
+        valid = (torch.arange(c, device=k.device) + n * c < t).float()[None, :, None]
         v_c = v_c * (torch.exp2(g_last.unsqueeze(1) - g_c) * valid).unsqueeze(-1)
-        h = h * torch.exp2(g_last)[..., None, None] + torch.einsum("rihk,rihv->rhkv", kc[:, c], v_c)
+        h = h * torch.exp2(g_last)[..., None, None] + torch.einsum("rihk,rihv->rhkv", kc[:, n], v_c)
     v_new = torch.stack(vnew, 1).flatten(1, 2)[:, :t]
-    return torch.stack(hs, 1), v_new, h
+    return torch.stack(hs, 1), v_new, (h if final else None)
 
 
 def state_scan(k, w, u, g, initial_state: torch.Tensor | None = None, output_final_state: bool = False):
     """The state scan with a row-buffer initial state: returns (h, v_new, final_state or None)."""
-    h, v_new, final = _scan(k, w, u, g, initial_state)
-    return h, v_new, (final if output_final_state else None)
+    return _scan(k, w, u, g, initial_state, output_final_state)
 
 
 def bank_rows(index: torch.Tensor, rows: int, index_stride: int | None = None) -> torch.Tensor:
@@ -102,18 +112,18 @@ def bank_rows(index: torch.Tensor, rows: int, index_stride: int | None = None) -
 def state_scan_indexed(k, w, u, g, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None):
     """The state scan reading row r's initial state from `bank[index[r * index_stride]]`; never writes the bank."""
     slots = bank_rows(index, u.shape[0], index_stride)
-    h, v_new, _ = _scan(k, w, u, g, bank[slots])
+    h, v_new, _ = _scan(k, w, u, g, bank[slots], False)
     return h, v_new
 
 
 def chunk_output(q, k, v_new, h, g, scale: float) -> torch.Tensor:
     """o = scale * (q h exp2(g) + causal(q k^T exp2(g_i - g_j)) v_new): [R, T, HV, V]."""
-    t, hv = q.shape[1], v_new.shape[2]
-    qc, kc = _chunks(_repeat_heads(q, hv)), _chunks(_repeat_heads(k, hv))
-    vc, gc = _chunks(v_new), _chunks(g, gate=True)
+    t, hv, c = q.shape[1], v_new.shape[2], chunk_size(q.shape[1])
+    qc, kc = _chunks(repeat_heads(q, hv), c), _chunks(repeat_heads(k, hv), c)
+    vc, gc = _chunks(v_new, c), _chunks(g, c, gate=True)
     inter = torch.einsum("rnihk,rnhkv->rnihv", qc, h) * torch.exp2(gc).unsqueeze(-1)
     qk = torch.einsum("rnihk,rnjhk->rnhij", qc, kc)
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
     decay = _masked_decay(gc, causal)
     intra = torch.einsum("rnhij,rnjhv->rnihv", (qk * decay).masked_fill(~causal, 0.0), vc)
     return ((inter + intra) * scale).flatten(1, 2)[:, :t]
@@ -124,6 +134,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float | None = None, initial
     """The whole forward: (o [R, T, HV, V] fp32, final state or None). `g` is the natural-log decay."""
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
+    q, k = repeat_heads(q, v.shape[2]), repeat_heads(k, v.shape[2])  # once, not in every stage
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     gc = chunk_cumsum(g)
     w, u = wy_repr(k, v.float(), gc, beta.float())

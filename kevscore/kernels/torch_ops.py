@@ -79,11 +79,34 @@ def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor,
     return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(), False
 
 
+class Padded:
+    """The documents of a packed prefill [1, N, ...] as one zero-padded batch [D, T, ...] and back, so each
+    op runs once per pack, not once per document. Padding sits after each document's last token, so
+    causal ops leave the real positions as they would be alone."""
+
+    def __init__(self, cu_seqlens: torch.Tensor):
+        bounds = cu_seqlens.tolist()
+        self.lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+        self.t = max(self.lens)
+        self.index = torch.cat([torch.arange(n) + d * self.t for d, n in enumerate(self.lens)]).to(cu_seqlens.device)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, ...] -> [D, T, ...], zeros after each document."""
+        if len(self.lens) == 1:
+            return x
+        out = x.new_zeros(len(self.lens) * self.t, *x.shape[2:])
+        out[self.index] = x[0]
+        return out.view(len(self.lens), self.t, *x.shape[2:])
+
+    def pack(self, y: torch.Tensor) -> torch.Tensor:
+        """[D, T, ...] -> [1, N, ...], the real positions."""
+        return y if len(self.lens) == 1 else y.flatten(0, 1)[self.index][None]
+
+
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    zeros = x.new_zeros(1, x.shape[-1], weight.shape[-1] - 1)
-    bounds = cu_seqlens.tolist()
-    parts = [_conv(x[:, s:e], weight, zeros) for s, e in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(parts, 1)
+    docs = Padded(cu_seqlens)
+    padded = docs.pad(x)
+    return docs.pack(_conv(padded, weight, x.new_zeros(padded.shape[0], x.shape[-1], weight.shape[-1] - 1)))
 
 
 def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
@@ -97,24 +120,20 @@ def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, 
 
 
 def _gdr_parts(q, k, v, g, beta):
-    q, k = gdr_ref.l2norm(q), gdr_ref.l2norm(k)
+    q, k = (gdr_ref.repeat_heads(gdr_ref.l2norm(x), v.shape[2]) for x in (q, k))  # once, not in every stage
     gc = gdr_ref.chunk_cumsum(g)
     w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float())
     return q, k, w, u, gc
 
 
 def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each packed document from a zero state: (output [1, N, hv, dv], final states [D, hv, dk, dv] fp32)."""
+    """Every document of the pack from a zero state at once: padding has k = 0 and a decay of 1 (g = 0),
+    so it leaves each document's final state as it was. (output [1, N, hv, dv], final states [D, ...] fp32)."""
     assert not qk_normed
-    g = gdn_decay(gate)
-    bounds = ctx.cu_seqlens.tolist()
-    outs, finals = [], []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        o, final = gdr_ref.chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e],
-                                                  output_final_state=True)
-        outs.append(o)
-        finals.append(final)
-    return torch.cat(outs, 1).to(v.dtype), torch.cat(finals, 0)
+    docs = Padded(ctx.cu_seqlens)
+    o, final = gdr_ref.chunk_gated_delta_rule(*map(docs.pad, (q, k, v, gdn_decay(gate), beta)),
+                                              output_final_state=True)
+    return docs.pack(o).to(v.dtype), final
 
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
@@ -133,21 +152,19 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
 
 def _sdpa(q, k, v, mask):
     """q [B, T, H, D], k/v [B, S, Hkv, D], mask [B, T, S] or None (causal)."""
-    rep = q.shape[2] // k.shape[2]
+    gqa = q.shape[2] != k.shape[2]  # each KV head serves its query heads in place (no repeated copies)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
     return out.transpose(1, 2)
 
 
 def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     """Causal attention within each packed document, times sigmoid(gate)."""
-    bounds = ctx.cu_seqlens.tolist()
-    parts = [_sdpa(q[:, s:e], k[:, s:e], v[:, s:e], None) for s, e in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(parts, 1) * torch.sigmoid(gate)
+    docs = Padded(ctx.cu_seqlens)
+    return docs.pack(_sdpa(docs.pad(q), docs.pad(k), docs.pad(v), None)) * torch.sigmoid(gate)
 
 
 def branch_mask(kv_mask: torch.Tensor, t: int) -> torch.Tensor:
