@@ -128,17 +128,22 @@ def _run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
     finished = None if opts.overwrite or ours or not output.is_file() else output_job(output)
     check_outputs(opts, scan, output, opts.overwrite or ours or finished is not None)
-    load_phases = {"scan": time.perf_counter() - t0}
+    load_phases: dict[str, float] = {}
+
+    def lap(phase: str) -> None:  # the seconds since the last lap, as load_phases[phase]
+        load_phases[phase] = time.perf_counter() - t0 - sum(load_phases.values())
+
+    lap("scan")
     if device.type == "cuda":
         import torch
 
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = load_checkpoint(opts.model, device)
-    load_phases["checkpoint"] = time.perf_counter() - t0 - sum(load_phases.values())
+    lap("checkpoint")
     template = load_template(opts.template, ckpt.tokenizer)
     max_positions = ckpt.config.max_position_embeddings
     doc_tokens = measure_tokens(scan, ckpt.tokenizer, template, opts.labels, max_positions, opts.skip_invalid)
-    load_phases["tokens"] = time.perf_counter() - t0 - sum(load_phases.values())
+    lap("tokens")
     doc_of_row = scan.doc_of_row
     if opts.shard is not None:  # one rank of a distributed job: the rows of its documents only
         doc_of_row = shard_documents(scan, *opts.shard)
@@ -146,11 +151,11 @@ def _run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     runner = build_runner(ckpt, device, bank_documents(windows, doc_of_row, doc_tokens), opts.bank_capacity,
                           opts.eager)
     warm_up_report = warm_up.join(WARM_UP_WAIT_S) if warm_up is not None else None
-    load_phases["runner"] = time.perf_counter() - t0 - sum(load_phases.values())
+    lap("runner")
     backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
     fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
     identity = job_identity(opts, scan, ckpt.name, fingerprint.digest, device.type, windows)
-    load_phases["identity"] = time.perf_counter() - t0 - sum(load_phases.values())
+    lap("identity")
     if finished is not None:
         return finished_job(opts, output, finished == job_digest(identity), ckpt.name, str(device), windows,
                             time.perf_counter() - started)

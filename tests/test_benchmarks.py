@@ -17,14 +17,18 @@ def run(*args, cwd=ROOT):
     return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
-def bench_score():
-    """benchmarks/bench_score.py as a module (benchmarks/ is not a package)."""
+def benchmark(name: str):
+    """benchmarks/NAME.py as a module (benchmarks/ is not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_score", ROOT / "benchmarks" / "bench_score.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def bench_score():
+    return benchmark("bench_score")
 
 
 def test_there_are_benchmark_scripts():
@@ -126,21 +130,12 @@ def test_profile_summary_adds_kernels_whose_short_names_collide():
     assert abs(out["groups"]["matmul"] - 10.0) < 1e-9 and abs(out["groups"]["state scan (ours)"] - 3.0) < 1e-9
 
 
-def bench_job():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_job", ROOT / "benchmarks" / "bench_job.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_job_benchmark_arithmetic():
     """GPU idle time counts only the gaps between phases (overlaps count none); the job floor is prefill of
     every document token plus scoring of every question, at the measured rate."""
     from kevscore.config import SHAPES
 
-    job = bench_job()
+    job = benchmark("bench_job")
     assert job.idle_between([("prefill", 0.0, 2.0), ("score", 2.5, 3.0), ("prefill", 3.0, 4.0)]) == 0.5
     assert job.idle_between([("score", 1.0, 3.0), ("prefill", 0.0, 2.0)]) == 0.0  # overlapping: no idle
     assert job.idle_between([]) == 0.0

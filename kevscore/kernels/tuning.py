@@ -2,8 +2,8 @@
 process compiles each kernel once instead of timing every configuration on the first shapes it meets.
 
 FLA autotunes each kernel per key (head counts and dims, not token counts) the first time it runs, and
-keeps the choice in Triton's cache directory; a user's first job pays for it (about 75 s on an H200 for
-the prefill and scoring kernels) and then runs with whatever the first, often tiny, shapes favoured.
+keeps the choice in Triton's cache directory: a user's first job pays for timing every configuration, and
+later jobs run with whatever the first, often tiny, shapes favoured (benchmarks/NOTES.md 14-15).
 Pinning leaves one configuration in a kernel's list, chosen from its own list, so FLA's code runs as
 always and Triton never benchmarks. GPUs without pins keep FLA's autotuning; `KEVSCORE_AUTOTUNE=1` keeps it
 everywhere (to measure new pins: `TRITON_PRINT_AUTOTUNING=1`, benchmarks/bench_job.py --logs).
