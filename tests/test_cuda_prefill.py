@@ -105,3 +105,20 @@ def test_warm_up_thread_compiles_the_kernels_without_error(tiny):
 
     report = prepare_device(torch.device("cuda"), tiny.config, "indexed").join(600)
     assert report["error"] is None and report["seconds"] is not None
+
+
+def test_gpu_prefill_close_to_transformers_states(tiny):
+    """The GPU's packed bf16 prefill against transformers' own fp32 cache after each document (CPU)."""
+    from test_prefill import transformers_states
+
+    enc = synthetic([1, 5, 70, 300], [4])
+    engine = gpu_engine(tiny, enc.prefixes)
+    slot_of = engine.prefill_wave(enc, list(range(4)), Scores.empty(0).stats)
+    bank = engine.runner.bank
+    for d, doc in enumerate(enc.prefixes):
+        states, convs, kvs = transformers_states(tiny, doc)
+        slot, start = slot_of[d], bank.entry_start(slot_of[d])
+        ours = [bank.state[:, slot].float().cpu(), bank.conv[:, slot].float().cpu(),
+                bank.kv[:, :, start:start + len(doc)].float().cpu()]
+        for name, a, b in zip(("state", "conv", "kv"), ours, map(torch.stack, (states, convs, kvs))):
+            assert relative(a, b) < 0.05, (name, len(doc), relative(a, b))

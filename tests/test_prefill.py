@@ -110,3 +110,41 @@ def test_warm_up_model_runs_a_job_of_the_same_layer_shapes(demo):
     assert (small.hidden_size, small.conv_dim, small.head_dim) == (cfg.hidden_size, cfg.conv_dim, cfg.head_dim)
     compile_kernels(demo.config, torch.device("cpu"), "indexed")
     assert prepare_device(torch.device("cpu"), demo.config, "indexed") is None  # nothing to warm on a CPU
+
+
+def transformers_states(ckpt, doc: list[int]) -> tuple[list, list, list]:
+    """transformers' own cache after the document: per DeltaNet layer its recurrent state [HV, K, V] and its
+    last k - 1 conv inputs [C, k - 1]; per attention layer its K/V [2, L, Hkv, D]."""
+    from transformers import DynamicCache
+
+    from kevscore.reference import reference_model
+
+    model = reference_model(ckpt)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([doc]), past_key_values=cache, use_cache=True)
+    states, convs, kvs = [], [], []
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            states.append(layer.recurrent_states[0][0])
+            convs.append(layer.conv_states[0][0][:, 1:])
+        else:
+            kvs.append(torch.stack([layer.keys[0], layer.values[0]]).transpose(1, 2))
+    return states, convs, kvs
+
+
+def test_prefill_writes_the_states_transformers_keeps(tiny):
+    """Each document's bank entry after a packed prefill (CPU, fp32) holds what transformers' own cache holds
+    after the document: recurrent and conv states per DeltaNet layer, K/V per attention layer."""
+    enc = synthetic([1, 5, 70], [4])
+    engine = cpu_engine(tiny, docs=enc.prefixes)
+    slot_of = engine.prefill_wave(enc, [0, 1, 2], Scores.empty(0).stats)
+    bank = engine.runner.bank
+    for d, doc in enumerate(enc.prefixes):
+        states, convs, kvs = transformers_states(tiny, doc)
+        slot, start = slot_of[d], bank.entry_start(slot_of[d])
+        for layer, (state, conv) in enumerate(zip(states, convs)):
+            torch.testing.assert_close(bank.state[layer, slot], state, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(bank.conv[layer, slot], conv, rtol=1e-5, atol=1e-6)
+        for layer, kv in enumerate(kvs):
+            torch.testing.assert_close(bank.kv[layer, :, start:start + len(doc)], kv, rtol=1e-4, atol=1e-5)
