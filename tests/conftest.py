@@ -81,3 +81,24 @@ def material_masses(ckpt):
             enc.label_ids[r] = logits.topk(3).indices[1:].tolist()
         refs.append(reference_scores(model, enc.prefixes[enc.row_prefix[r]], enc.branches[r], enc.label_ids[r]))
     return enc, refs
+
+
+def transformers_states(ckpt, doc: list[int]) -> tuple[list, list, list]:
+    """transformers' own cache after the document: per DeltaNet layer its recurrent state [HV, K, V] and its
+    last k - 1 conv inputs [C, k - 1]; per attention layer its K/V [2, L, Hkv, D]."""
+    from transformers import DynamicCache
+
+    from kevscore.reference import reference_model
+
+    model = reference_model(ckpt)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([doc]), past_key_values=cache, use_cache=True)
+    states, convs, kvs = [], [], []
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            states.append(layer.recurrent_states[0][0])
+            convs.append(layer.conv_states[0][0][:, 1:])
+        else:
+            kvs.append(torch.stack([layer.keys[0], layer.values[0]]).transpose(1, 2))
+    return states, convs, kvs

@@ -3,7 +3,7 @@ FLA's whole ops, and a prefill that never waits on the GPU."""
 import pytest
 import torch
 
-from conftest import gpu_engine, synthetic
+from conftest import gpu_engine, synthetic, transformers_states
 from kevscore.engine import Scores
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -109,8 +109,6 @@ def test_warm_up_thread_compiles_the_kernels_without_error(tiny):
 
 def test_gpu_prefill_close_to_transformers_states(tiny):
     """The GPU's packed bf16 prefill against transformers' own fp32 cache after each document (CPU)."""
-    from test_prefill import transformers_states
-
     enc = synthetic([1, 5, 70, 300], [4])
     engine = gpu_engine(tiny, enc.prefixes)
     slot_of = engine.prefill_wave(enc, list(range(4)), Scores.empty(0).stats)

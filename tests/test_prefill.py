@@ -3,7 +3,7 @@ packed group writes against one document at a time."""
 import pytest
 import torch
 
-from conftest import cpu_engine, synthetic
+from conftest import cpu_engine, synthetic, transformers_states
 from kevscore.bank import BankLayout, StateBank
 from kevscore.engine import Scores
 from kevscore.plan import prefill_group_tokens
@@ -110,27 +110,6 @@ def test_warm_up_model_runs_a_job_of_the_same_layer_shapes(demo):
     assert (small.hidden_size, small.conv_dim, small.head_dim) == (cfg.hidden_size, cfg.conv_dim, cfg.head_dim)
     compile_kernels(demo.config, torch.device("cpu"), "indexed")
     assert prepare_device(torch.device("cpu"), demo.config, "indexed") is None  # nothing to warm on a CPU
-
-
-def transformers_states(ckpt, doc: list[int]) -> tuple[list, list, list]:
-    """transformers' own cache after the document: per DeltaNet layer its recurrent state [HV, K, V] and its
-    last k - 1 conv inputs [C, k - 1]; per attention layer its K/V [2, L, Hkv, D]."""
-    from transformers import DynamicCache
-
-    from kevscore.reference import reference_model
-
-    model = reference_model(ckpt)
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=torch.tensor([doc]), past_key_values=cache, use_cache=True)
-    states, convs, kvs = [], [], []
-    for layer in cache.layers:
-        if hasattr(layer, "recurrent_states"):
-            states.append(layer.recurrent_states[0][0])
-            convs.append(layer.conv_states[0][0][:, 1:])
-        else:
-            kvs.append(torch.stack([layer.keys[0], layer.values[0]]).transpose(1, 2))
-    return states, convs, kvs
 
 
 def test_prefill_writes_the_states_transformers_keeps(tiny):
