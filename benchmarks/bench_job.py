@@ -87,7 +87,7 @@ def child(args) -> None:
         origin = torch.cuda.Event(enable_timing=True)
         origin.record()
     opts = RunOptions(input=Path(args.input), output=Path(args.output), model=args.model, device=args.device,
-                      overwrite=True)
+                      overwrite=True, batch_rows=args.batch_rows)
     result = run_job(opts, timeline)
     phases = []
     if cuda:
@@ -123,7 +123,8 @@ def run_start(args, start: str, data: Path, folder: Path, cache: Path) -> dict:
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
     report = folder / f"{start}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(report), "--input", str(data),
-           "--output", str(folder / f"{start}.scores.parquet"), "--model", args.model, "--device", args.device]
+           "--output", str(folder / f"{start}.scores.parquet"), "--model", args.model, "--device", args.device,
+           "--batch-rows", str(args.batch_rows)]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if args.logs:
@@ -211,6 +212,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=1000)
     ap.add_argument("--doc-words", type=int, default=1000)
     ap.add_argument("--question-words", type=int, default=40)
+    ap.add_argument("--batch-rows", type=int, default=64, help="the job's --batch-rows (scoring batch size)")
     ap.add_argument("--starts", default="cold,warm", help="which jobs to run: cold, warm, both or none ('')")
     ap.add_argument("--baseline-docs", type=int, default=8, help="documents whose rows the baselines score; 0: none")
     ap.add_argument("--baseline-batch", type=int, default=16)

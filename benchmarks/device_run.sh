@@ -5,7 +5,8 @@
 # BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with KEVSCORE_FUSED_CONV=0, FLA's conv),
 # KERNELS=1|name (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
-# NCU=1 (Nsight Compute, --clock-control none, on the branch conv, attention and indexed scan; report in $OUT).
+# NCU=1 (Nsight Compute, --clock-control none, on the branch conv, attention and indexed scan; report in $OUT),
+# JOB=1 (benchmarks/bench_job.py: issue 17's whole job cold and warm, baselines, prefill alone; JOB_ARGS='...').
 # Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
 set -o pipefail
 OUT="${OUT:-device-out}"; mkdir -p "$OUT"
@@ -42,6 +43,9 @@ if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on our three costliest kernels at
     grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Block Limit|Local" \
       "$OUT/ncu$kern.txt" | head -24
   done
+fi
+if [ "${JOB:-0}" = 1 ]; then  # the job benchmark keeps its own Triton cache (its cold start empties it)
+  python3 benchmarks/bench_job.py ${JOB_ARGS:---profile} --logs "$OUT" --json "$OUT/job.json" 2>&1 | tee "$OUT/job.log" | tail -14
 fi
 if [ -n "${LONGJOB:-}" ]; then  # issue 7: a long job on the Kev-0.8B shape, summary = last JSON line
   python3 benchmarks/make_long_input.py /tmp/long.parquet --rows "$LONGJOB" --docs $((LONGJOB / 10)) || exit 1
