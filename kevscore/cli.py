@@ -11,15 +11,39 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape as markup_escape
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Column, Table
 from rich.text import Text
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from kevscore.engine import Progress as ProgressCallbacks
 from kevscore.errors import KevscoreError, reported
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+
+class ValueHelp:
+    """Help that names values, not types: no `<bool>` after a flag, `INPUT` not `{input} <path>`."""
+
+    def get_params(self, ctx) -> list:
+        params = super().get_params(ctx)
+        for p in params:
+            if isinstance(p, TyperOption) and p.is_flag and p.metavar is None:
+                p.metavar = ""
+            elif isinstance(p, TyperArgument):
+                p.display_type_rich = lambda ctx: None
+        return params
+
+
+class Command(ValueHelp, TyperCommand):
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [self.options_metavar or "[OPTIONS]"] + [
+            p.metavar or p.name.upper() for p in self.get_params(ctx) if isinstance(p, TyperArgument)]
+
+
+class Group(ValueHelp, TyperGroup):
+    pass
+
+
+app = typer.Typer(cls=Group, no_args_is_help=True,
                   help="Score many questions against many documents with Kev (Qwen3.5-architecture) models.")
 console = Console(stderr=True)
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # never sent raw to a terminal (escape codes in doc ids, names)
@@ -31,13 +55,21 @@ def escape(text: str) -> str:
 
 
 class RateColumn(ProgressColumn):
-    """Rows (or documents) per second of the phase; nothing for the bank line."""
+    """Rows (or documents) per second of the phase, or seconds per one when slower; nothing for the bank."""
 
     def render(self, task) -> Text:
-        unit = task.fields.get("unit")
-        if not unit or task.speed is None:
+        unit, speed = task.fields.get("unit"), task.speed
+        if not unit or not speed:
             return Text("")
-        return Text(f"{task.speed:,.1f} {unit}/s", style="progress.data.speed")
+        rate = f"{speed:,.1f} {unit}s/s" if speed >= 1 else f"{1 / speed:,.1f} s/{unit}"
+        return Text(rate, style="progress.data.speed")
+
+
+class CountColumn(ProgressColumn):
+    """Done / total, with thousands separators."""
+
+    def render(self, task) -> Text:
+        return Text(f"{int(task.completed):,}/{int(task.total or 0):,}", style="progress.download")
 
 
 class EtaColumn(TimeRemainingColumn):
@@ -50,24 +82,35 @@ class RichProgress(ProgressCallbacks):
 
     def __init__(self, bar: Progress):
         self.bar, self.tasks, self.windows = bar, {}, 0
+        self.loading = bar.add_task("start", total=None, unit="", info="checking the input, loading the model")
 
     def start(self, phase: str, total: int, done: int = 0) -> None:
-        unit = "rows" if phase == "score" else "docs"
+        self.loaded()
+        unit = "row" if phase == "score" else "doc"
         self.tasks[phase] = self.bar.add_task(phase, total=total, completed=done, unit=unit, info="")
 
     def advance(self, phase: str, n: int) -> None:
         self.bar.advance(self.tasks[phase], n)
 
+    def loaded(self) -> None:
+        """The run has started (or failed before it did): the loading line goes."""
+        if self.loading is not None:
+            self.bar.remove_task(self.loading)
+            self.loading = None
+
     def event(self, name: str, **f) -> None:
         if name == "start":
             self.windows = f["windows"]
+            if f["windows_done"]:
+                self.bar.console.print(f"resuming: {f['windows_done']:,} of {f['windows']:,} windows "
+                                       f"({f['rows_done']:,} rows) were done by an earlier run", highlight=False)
         elif name == "window" and "score" in self.tasks:
             self.bar.update(self.tasks["score"], info=f"window {f['window'] + 1}/{self.windows}")
         elif name == "wave":
             if "bank" not in self.tasks:
                 self.tasks["bank"] = self.bar.add_task("bank", total=f["entry_capacity"], unit="", info="")
             self.bar.update(self.tasks["bank"], completed=f["entries"], total=f["entry_capacity"],
-                            info=f"entries; K/V {f['tokens']:,}/{f['token_capacity']:,} tokens")
+                            info=f"K/V {_compact(f['tokens'])}/{_compact(f['token_capacity'])}")
 
     def warn(self, message: str) -> None:
         self.bar.console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
@@ -117,12 +160,24 @@ class JsonProgress(ProgressCallbacks):
         console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-@app.callback()
-def _group() -> None:
+def _version(value: bool) -> None:
+    if value:
+        from kevscore import __version__
+
+        typer.echo(f"kevscore {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(epilog="Exit status: 0 done; 2 usage or input error (nothing scored); 1 the run failed; "
+                     "130 interrupted (rerun the same command to resume).")
+def _group(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                        help="Print kevscore's version and exit.")) -> None:
     """Score many questions against many documents with Kev (Qwen3.5-architecture) models."""
 
 
 def _fail(message: str, code: int = 1) -> None:
+    """One `error:` line on stderr, then exit: 2 for usage and input errors, 1 for runtime failures, 130
+    for an interrupt."""
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -144,17 +199,37 @@ def summary_fields(result) -> dict:
            "already_complete": result.already_complete}
     if result.errors is not None:
         out.update(errors=str(result.errors), set_aside=result.set_aside)
+    if result.labels is not None:
+        out.update(result.labels)
     return out
 
 
-def _summary(result) -> Table:
+def progress_bars(out: Console, disable: bool = False) -> Progress:
+    """The live display, for 80 columns: phase, bar, done/total, rate, time left, and a note."""
+    whole = Column(no_wrap=True)  # figures are never cut; the note folds instead
+    return Progress(TextColumn("{task.description:>7}"), BarColumn(bar_width=10), CountColumn(table_column=whole),
+                    RateColumn(table_column=whole), EtaColumn(table_column=whole),
+                    TextColumn("{task.fields[info]}", table_column=Column(overflow="fold")),
+                    console=out, disable=disable, transient=False)
+
+
+def key_value_table(title: str) -> Table:
+    """Two columns, names and values; a long value (a path, a list) folds onto the next line, never cut."""
+    table = Table(title=escape(title), show_header=False)
+    table.add_column("name", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    return table
+
+
+def summary_table(result) -> Table:
     s, f = result.stats, summary_fields(result)
-    table = Table(title=escape(f"kevscore run · {result.model} on {result.device}"), show_header=False)
+    table = key_value_table(f"kevscore run · {result.model} on {result.device}")
     rate = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
     resumed = f" ({result.resumed_rows:,} from parts of an earlier run)" if result.resumed_rows else ""
     for key, value in [
         ("documents", f"{result.documents:,}"), ("distinct prefixes", f"{s.prefixes:,}"),
-        ("prefilled", f"{s.prefilled:,} in {s.waves} wave(s)"), ("rows", f"{s.rows:,} in {s.batches} batches" + resumed),
+        ("prefilled", f"{s.prefilled:,} in {s.waves:,} {_plural(s.waves, 'wave')}"),
+        ("rows", f"{s.rows:,} in {s.batches:,} {_plural(s.batches, 'batch')}" + resumed),
         ("windows", f"{result.windows:,}" + (f", {result.resumed:,} resumed" if result.resumed else "")),
         ("prefix tokens", f"{s.prefix_tokens:,}"), ("branch tokens", f"{s.branch_tokens:,}"),
         ("load + encode", f"{result.load_s:.2f} s"), ("prefill time", f"{s.prefill_s:.3f} s"),
@@ -167,9 +242,14 @@ def _summary(result) -> Table:
     if result.peak_gpu is not None:
         table.add_row("peak GPU memory", _size(result.peak_gpu))
     if s.oom_retries:
-        table.add_row("out of memory", f"{s.oom_retries:,} batch(es) split and retried")
+        table.add_row("out of memory", f"{s.oom_retries:,} {_plural(s.oom_retries, 'batch')} split and retried")
     if result.errors is not None:
         table.add_row("set aside", f"{result.set_aside:,} rows -> {escape(str(result.errors))}")
+    if result.labels and result.labels["predictions"]:
+        table.add_row("label mass", f"min {_mass(result.labels['label_mass_min'])}, "
+                                    f"median {_mass(result.labels['label_mass_median'])}")
+        table.add_row("predictions", escape(", ".join(f"{label} {n:,}" for label, n in
+                                                      result.labels["predictions"].items())))
     table.add_row("output", escape(str(result.output)))
     if result.bank is not None:
         b = result.bank
@@ -180,6 +260,15 @@ def _summary(result) -> Table:
     return table
 
 
+def _compact(n: int) -> str:
+    """12,345 as is; 1,048,576 as 1.05M."""
+    return f"{n:,}" if n < 100_000 else f"{n / 1e6:.3g}M"
+
+
+def _mass(p: float) -> str:
+    return f"{p:.4f}" if p >= 1e-3 else f"{p:.2g}"
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1000 or unit == "GB":
@@ -188,58 +277,114 @@ def _size(n: float) -> str:
     return f"{n:,.1f} TB"
 
 
-@app.command()
+IO, COLUMNS, MODEL, LONG, SPEED, SHOW = ("Input and output", "Column names", "Model and labels", "Long jobs",
+                                        "Speed", "Display")
+
+
+def option(default, *flags: str, panel: str | None = None, metavar: str | None = None, help: str = ""):
+    """A typer option, shown in a help panel."""
+    return typer.Option(default, *flags, rich_help_panel=panel, metavar=metavar, help=help)
+
+
+@app.command(cls=Command)
 def run(
-    input: Path = typer.Argument(..., help="Questions Parquet (document, question[, doc_id, question_id, labels])."),
-    documents: Optional[Path] = typer.Option(None, "--documents", help="Documents Parquet (doc_id, document)."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Default: <input>.scores.parquet."),
-    model: str = typer.Option("demo", "--model", help="Checkpoint directory, demo, kev-0.8b or kev-4b."),
-    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
-    path: str = typer.Option("indexed", "--path", help="indexed or gathered initial-state reads."),
-    labels: str = typer.Option("Yes,No", "--labels", help="Comma-separated single-token labels."),
-    template: Optional[Path] = typer.Option(None, "--template", help="Text file with {document} and {question}."),
-    batch_rows: int = typer.Option(64, "--batch-rows", help="Most question rows per batch."),
-    bank_capacity: Optional[int] = typer.Option(None, "--bank-capacity", help="Bank entries (default: from memory)."),
-    eager: bool = typer.Option(False, "--eager", help="GPU: run without CUDA graphs."),
-    batch_invariant: bool = typer.Option(False, "--batch-invariant", help="One row per batch and one document per "
-                                         "prefill: each row's probabilities do not depend on which rows share the job "
-                                         "(bit-identical across shard counts); slower."),
-    bank: Optional[Path] = typer.Option(None, "--bank", help="Keep bank entries on disk in DIR between runs."),
-    bank_max_gb: Optional[float] = typer.Option(None, "--bank-max-gb",
-                                                help="Evict least-recently-used entries to stay under N GB."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
-    window: int = typer.Option(1024, "--window", help="Documents per window: all their rows are read, scored "
-                               "and written as one part before the next window (bounds host memory)."),
-    restart: bool = typer.Option(False, "--restart", help="Discard the completed parts of an interrupted run of "
-                                 "this output instead of resuming it."),
-    skip_invalid: bool = typer.Option(False, "--skip-invalid", help="Set aside rows that cannot be scored on their "
-                                      "own (e.g. a prompt over the model's limit) into <output stem>.errors.parquet "
-                                      "instead of stopping."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bars or summary."),
-    log_json: bool = typer.Option(False, "--log-json", help="No progress bars: one JSON object per line on stdout "
-                                  "per event (start, window, wave, part, progress, warning, merged, done, error)."),
-    gpus: int = typer.Option(1, "--gpus", help="Run N processes on this machine, one per GPU, under torch's "
-                             "launcher (the same as torchrun --nproc-per-node N -m kevscore run ...)."),
+    input: str = typer.Argument(..., metavar="INPUT", help="Questions (document, question[, doc_id, question_id, "
+                                "labels]): Parquet, CSV or JSON Lines (by extension), a directory or glob of "
+                                "Parquet files, or a URI pyarrow reads (s3://...)."),
+    documents: Optional[str] = option(None, "--documents", panel=IO, metavar="FILE",
+                                      help="Documents (doc_id, document); questions then carry doc_id."),
+    output: Optional[Path] = option(None, "-o", "--output", panel=IO, metavar="FILE",
+                                    help="Default: <input stem>.scores.parquet beside the input. The extension "
+                                    "picks the format: .parquet, .csv, .jsonl; - for JSON Lines on stdout."),
+    overwrite: bool = option(False, "--overwrite", panel=IO, help="Replace an existing output file."),
+    limit: Optional[int] = option(None, "--limit", panel=IO, metavar="N",
+                                  help="Score only the input's first N rows (a quick look; only they are checked)."),
+    dry_run: bool = option(False, "--dry-run", panel=IO, help="Check the whole input and print the plan (documents, "
+                           "rows, windows, waves, tokens) with a time estimate from a short calibration run; write "
+                           "nothing."),
+    carry: bool = option(True, "--carry/--no-carry", panel=IO,
+                         help="Copy the input's other columns (all but the document text) into the output."),
+    question_column: str = option("question", "--question-column", panel=COLUMNS, metavar="NAME",
+                                  help="The input's column holding the questions."),
+    document_column: str = option("document", "--document-column", panel=COLUMNS, metavar="NAME",
+                                  help="The column holding the documents (either file)."),
+    doc_id_column: str = option("doc_id", "--doc-id-column", panel=COLUMNS, metavar="NAME",
+                                help="The column holding document ids (either file)."),
+    question_id_column: str = option("question_id", "--question-id-column", panel=COLUMNS, metavar="NAME",
+                                     help="The column holding question ids."),
+    labels_column: str = option("labels", "--labels-column", panel=COLUMNS, metavar="NAME",
+                                help="The column holding each row's labels (a list)."),
+    model: str = option("demo", "--model", panel=MODEL, metavar="MODEL",
+                        help="A checkpoint directory, or demo, kev-0.8b, kev-4b."),
+    device: str = option("auto", "--device", panel=MODEL, metavar="[cpu|cuda|auto]",
+                         help="auto: the GPU if there is one."),
+    path: str = option("indexed", "--path", panel=MODEL, metavar="[indexed|gathered]",
+                       help="How initial states are read (same probabilities)."),
+    labels: str = option("Yes,No", "--labels", panel=MODEL, metavar="LABELS",
+                         help="Comma-separated single-token labels, at least two; spaces around them are dropped "
+                         "(quote a label to keep them: '\" Yes\",\" No\"')."),
+    template: Optional[Path] = option(None, "--template", panel=MODEL, metavar="FILE",
+                                      help="Text file with {document} and {question}."),
+    window: int = option(1024, "--window", panel=LONG, metavar="N", help="Documents per window: all their rows "
+                         "are read, scored and written as one part before the next window (bounds host memory)."),
+    restart: bool = option(False, "--restart", panel=LONG, help="Discard the completed parts of an interrupted run "
+                           "of this output instead of resuming it."),
+    skip_invalid: bool = option(False, "--skip-invalid", panel=LONG, help="Set aside rows that cannot be scored on "
+                                "their own (e.g. a prompt over the model's limit) into <output stem>.errors.parquet "
+                                "instead of stopping."),
+    bank: Optional[Path] = option(None, "--bank", panel=LONG, metavar="DIR",
+                                  help="Keep bank entries on disk in DIR between runs."),
+    bank_max_gb: Optional[float] = option(None, "--bank-max-gb", panel=LONG, metavar="N",
+                                          help="Evict least-recently-used entries to stay under N GB."),
+    gpus: int = option(1, "--gpus", panel=LONG, metavar="N", help="Run N processes on this machine, one per GPU, "
+                       "under torch's launcher (the same as torchrun --nproc-per-node N -m kevscore run ...)."),
+    batch_rows: int = option(64, "--batch-rows", panel=SPEED, metavar="N", help="Most question rows per batch."),
+    bank_capacity: Optional[int] = option(None, "--bank-capacity", panel=SPEED, metavar="N",
+                                          help="Bank entries (default: from memory)."),
+    eager: bool = option(False, "--eager", panel=SPEED, help="GPU: run without CUDA graphs."),
+    batch_invariant: bool = option(False, "--batch-invariant", panel=SPEED, help="One row per batch and one document "
+                                   "per prefill: each row's probabilities do not depend on which rows share the job "
+                                   "(bit-identical across shard counts); slower."),
+    quiet: bool = option(False, "--quiet", panel=SHOW, help="No progress bars or summary."),
+    log_json: bool = option(False, "--log-json", panel=SHOW, help="No progress bars: one JSON object per line on "
+                            "stdout per event (start, window, wave, part, progress, warning, merged, done, error)."),
 ) -> None:
     """Score every question row against its document; write probabilities over the labels."""
     from kevscore.distributed import world_from_env
     from kevscore.job import RunOptions, run_job
+    from kevscore.formats import file_format
+    from kevscore.labels import parse_labels
 
+    try:
+        label_list = parse_labels(labels)
+    except KevscoreError as exc:
+        _fail(str(exc), exc.exit_code)
     opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device, path=path,
-                      labels=labels.split(","), template=template, batch_rows=batch_rows, overwrite=overwrite,
+                      labels=label_list, template=template, batch_rows=batch_rows, overwrite=overwrite,
                       bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant, bank=bank,
-                      bank_max_gb=bank_max_gb, window=window, restart=restart, skip_invalid=skip_invalid)
+                      bank_max_gb=bank_max_gb, window=window, restart=restart, skip_invalid=skip_invalid,
+                      limit=limit, carry=carry, rename={question_column: "question", document_column: "document",
+                                                        doc_id_column: "doc_id", question_id_column: "question_id",
+                                                        labels_column: "labels"})
+    if str(output) == "-" and log_json:
+        _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
+    if dry_run:
+        return _dry_run(opts, log_json)
+    if (gpus > 1 or world_from_env() is not None) and (str(output) == "-" or file_format(output or "") != "parquet"):
+        _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
     if gpus > 1 and world_from_env() is None:
         return _launch(gpus)
     if world_from_env() is not None:
         return _run_rank(opts, quiet)
     log = JsonProgress() if log_json else None
-    columns = [TextColumn("{task.description:>7}"), BarColumn(bar_width=20), MofNCompleteColumn(),
-               RateColumn(table_column=Column(no_wrap=True)),
-               TimeElapsedColumn(), EtaColumn(), TextColumn("{task.fields[info]}")]
     try:
-        with Progress(*columns, console=console, disable=quiet or log_json, transient=False) as bar:
-            result = run_job(opts, log or RichProgress(bar))
+        with progress_bars(console, disable=quiet or log_json) as bar:
+            display = log or RichProgress(bar)
+            try:
+                result = run_job(opts, display)
+            finally:
+                if display is not log:
+                    display.loaded()
     except (KevscoreError, OSError) as exc:
         error = reported(exc)
         if log:
@@ -259,7 +404,57 @@ def run(
         console.print(f"{escape(str(result.output))}: already complete (this job's output, {result.stats.rows:,} rows); "
                       "nothing to do", highlight=False, soft_wrap=True)
     else:
-        console.print(_summary(result))
+        console.print(summary_table(result))
+
+
+def _dry_run(opts, log_json: bool) -> None:
+    """--dry-run: the plan on stdout (a table, or one JSON line with --log-json)."""
+    from kevscore.dryrun import dry_run
+
+    try:
+        plan = dry_run(opts)
+    except (KevscoreError, OSError) as exc:
+        error = reported(exc)
+        _fail(str(error), error.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    if log_json:
+        typer.echo(json.dumps({"event": "plan", **plan.fields()}))
+    else:
+        Console(width=80 if not sys.stdout.isatty() else None).print(plan_table(plan))
+
+
+def plan_table(plan) -> Table:
+    table = key_value_table(f"kevscore run --dry-run · {plan.model} on {plan.device}")
+    waves = f"{plan.waves:,} {_plural(plan.waves, 'wave')} (the bank holds {plan.bank_entries:,} documents)"
+    for key, value in [
+        ("rows", f"{plan.rows:,}" + (f" ({plan.set_aside:,} set aside)" if plan.set_aside else "")),
+        ("documents", f"{plan.documents:,} ({plan.prefix_tokens:,} tokens to prefill)"),
+        ("windows", f"{plan.windows:,}, {waves}"),
+        ("model load", f"{plan.load_s:.1f} s (with tokenizing every prompt)"),
+    ]:
+        table.add_row(key, value)
+    if plan.estimate_s is not None:
+        table.add_row("calibration", f"{plan.calibration_docs} {_plural(plan.calibration_docs, 'document')}, "
+                                     f"{plan.calibration_rows} rows: prefill {plan.prefill_tokens_per_s:,.0f} "
+                                     f"tokens/s, scoring {plan.score_rows_per_s:,.1f} rows/s")
+        table.add_row("estimate", f"about {_duration(plan.estimate_s)} on {plan.device}")
+        gpu = ("without Triton autotuning and CUDA-graph capture at the start (tens of seconds)"
+               if plan.device.startswith("cuda") else "a GPU (--device cuda) is not estimated here")
+        table.add_row("assumes", f"the whole input runs at the calibrated rates; {gpu}")
+    return table
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else word + ("es" if word.endswith("ch") else "s")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _launch(gpus: int) -> None:
@@ -333,10 +528,11 @@ def _rank_work(opts, quiet: bool) -> None:
         console.print(table)
 
 
-@app.command("bank-inspect")
+@app.command("bank-inspect", cls=Command)
 def bank_inspect(
-    directory: Path = typer.Argument(..., help="A bank directory (kevscore run --bank DIR)."),
-    entry: Optional[str] = typer.Option(None, "--entry", help="Show one entry (a key or a unique key prefix)."),
+    directory: Path = typer.Argument(..., metavar="DIR", help="A bank directory (kevscore run --bank DIR)."),
+    entry: Optional[str] = option(None, "--entry", metavar="KEY", help="Show one entry (a key or a unique key "
+                                  "prefix)."),
     verify: bool = typer.Option(False, "--verify", help="Read every entry and check its checksums."),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON to stdout."),
 ) -> None:
@@ -354,22 +550,44 @@ def bank_inspect(
     if as_json:
         typer.echo(json.dumps(report, indent=1))
     else:
-        out = Console(width=None if Console().is_terminal else 200)
-        _print_inspect(out, report, detail=entry is not None)
+        out = Console(width=None if Console().is_terminal else 80)
+        print_inspect(out, report, detail=entry is not None)
     if verify and report["bad_entries"]:
         raise typer.Exit(1)
 
 
-def _when(t: float | None) -> str:
+def _when(t: float | None, short: bool = False) -> str:
     import datetime
 
-    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+    return datetime.datetime.fromtimestamp(t).strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S") if t else "-"
 
 
-def _print_inspect(out: Console, r: dict, detail: bool) -> None:
+def inspect_table(r: dict) -> Table:
+    """Entries, least recently used first, for 80 columns: a model column only when the bank holds several."""
     tot = r["totals"]
-    out.print(f"bank {escape(r['bank'])} · format {r['format']} v{r['version']} · {tot['entries']:,} entries, "
-              f"{_size(tot['file_bytes'])} · {_size(r['disk']['free_bytes'])} free on disk", highlight=False)
+    models = len(r["models"]) > 1
+    table = Table(title="entries (least recently used first)")
+    for name, justify in [("key", "left"), *([("model", "left")] if models else []), ("doc ids", "left"),
+                          ("tokens", "right"), ("size", "right"), ("last used", "left"), ("status", "left")]:
+        wraps = name in ("doc ids", "status")
+        table.add_column(name, justify=justify, no_wrap=not wraps, overflow="fold" if wraps else "ellipsis")
+    for row in sorted(r["entries"], key=lambda e: (e.get("last_used") or 0, e["key"])):
+        ids = ", ".join(row.get("doc_ids") or []) or "-"
+        status = row["status"] + ("" if row["indexed"] else " (not indexed)")
+        style = "" if row["status"] in ("ok", "unchecked") else "red"
+        model = [escape((row.get("model") or "?")[:8])] if models else []
+        table.add_row(escape(row["key"][:12]), *model, escape(ids), f"{row.get('tokens') or 0:,}", _size(row["file_bytes"]),
+                      _when(row.get("last_used"), short=True), escape(status), style=style)
+    table.add_row("total", *([""] if models else []), "", f"{tot['tokens']:,}", _size(tot["file_bytes"]), "", "",
+                  style="bold")
+    return table
+
+
+def print_inspect(out: Console, r: dict, detail: bool) -> None:
+    tot = r["totals"]
+    out.print(f"bank {escape(r['bank'])}", highlight=False, soft_wrap=True)
+    out.print(f"format {r['format']} v{r['version']} · {tot['entries']:,} entries, {_size(tot['file_bytes'])} · "
+              f"{_size(r['disk']['free_bytes'])} free on disk", highlight=False)
     for fp, m in r["models"].items():
         about = m["about"]
         name, dtype, backend = (escape(str(about.get(k, "?"))) for k in ("name", "dtype", "backend"))
@@ -382,7 +600,7 @@ def _print_inspect(out: Console, r: dict, detail: bool) -> None:
                   "in tmp/ (never used; the next run removes them if their process is gone)", highlight=False)
     if detail:
         row = r["entries"][0]
-        table = Table(title=f"entry {escape(row['key'])}", show_header=False)
+        table = key_value_table(f"entry {row['key']}")
         for key in ("key", "file", "model", "status", "tokens", "doc_ids", "bytes", "file_bytes", "indexed",
                     "tensors", "crc32", "ids_head"):
             if key in row:
@@ -391,43 +609,34 @@ def _print_inspect(out: Console, r: dict, detail: bool) -> None:
         table.add_row("last used", _when(row.get("last_used")))
         out.print(table)
         return
-    table = Table(title="entries (least recently used first)")
-    for name, justify in [("key", "left"), ("model", "left"), ("doc ids", "left"), ("tokens", "right"),
-                          ("recurrent", "right"), ("conv", "right"), ("K/V", "right"), ("file", "right"),
-                          ("last used", "left"), ("status", "left")]:
-        table.add_column(name, justify=justify, no_wrap=name not in ("doc ids", "status"))
-    for row in sorted(r["entries"], key=lambda e: (e.get("last_used") or 0, e["key"])):
-        b = row.get("bytes") or {}
-        ids = ", ".join(row.get("doc_ids") or []) or "-"
-        status = row["status"] + ("" if row["indexed"] else " (not indexed)")
-        style = "" if row["status"] in ("ok", "unchecked") else "red"
-        table.add_row(escape(row["key"][:12]), escape((row.get("model") or "?")[:12]), escape(ids),
-                      f"{row.get('tokens') or 0:,}",
-                      _size(b.get("recurrent", 0)), _size(b.get("conv", 0)), _size(b.get("kv", 0)),
-                      _size(row["file_bytes"]), _when(row.get("last_used")), escape(status), style=style)
-    table.add_row("total", "", "", f"{tot['tokens']:,}", _size(tot.get("recurrent", 0)), _size(tot.get("conv", 0)),
-                  _size(tot.get("kv", 0)), _size(tot["file_bytes"]), "", "", style="bold")
-    out.print(table)
+    out.print(inspect_table(r))
+    out.print(f"in all: recurrent state {_size(tot.get('recurrent', 0))}, conv {_size(tot.get('conv', 0))}, "
+              f"K/V {_size(tot.get('kv', 0))} (per entry: --entry KEY or --json)", highlight=False)
     if r["verified"]:
         bad = len(r["bad_entries"])
         out.print(f"verify: {tot['entries'] - bad:,} ok, {bad:,} bad", highlight=False,
                   style="red" if bad else "green")
 
 
-@app.command()
+@app.command(cls=Command)
 def compare(
-    model: str = typer.Option("demo", "--model", help="Checkpoint directory, demo, kev-0.8b or kev-4b."),
-    data: Optional[Path] = typer.Option(None, "--data", help="Rows from this Parquet instead of synthetic cases."),
-    documents: Optional[Path] = typer.Option(None, "--documents", help="With --data: its documents Parquet."),
-    reps: int = typer.Option(15, "--reps", help="Measured calls per path and case."),
-    warmup: int = typer.Option(3, "--warmup", help="Warm-up calls per path and case (graph capture included)."),
-    cases: Optional[str] = typer.Option(None, "--cases", help="Comma-separated: shared, distinct, padded, "
-                                        "long-branch, cold, mixed, warm (default all; with --data the last three)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the full report (every sample) here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the latency distributions here."),
-    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
-    batch_rows: int = typer.Option(64, "--batch-rows", help="Most question rows per batch."),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="hf: also time transformers on document + question."),
+    model: str = option("demo", "--model", metavar="MODEL", help="A checkpoint directory, or demo, kev-0.8b, kev-4b."),
+    data: Optional[Path] = option(None, "--data", metavar="FILE", help="Rows from this Parquet instead of synthetic "
+                                  "cases."),
+    documents: Optional[Path] = option(None, "--documents", metavar="FILE", help="With --data: its documents Parquet."),
+    reps: int = option(15, "--reps", metavar="N", help="Measured calls per path and case."),
+    warmup: int = option(3, "--warmup", metavar="N", help="Warm-up calls per path and case (on a GPU, graph capture "
+                         "included)."),
+    cases: Optional[str] = option(None, "--cases", metavar="CASES", help="Comma-separated: shared, distinct, padded, "
+                                  "long-branch, cold, mixed, warm (default all; with --data the last three)."),
+    json_path: Optional[Path] = option(None, "--json", metavar="FILE",
+                                       help="Write the full report (every sample) here."),
+    plot: Optional[Path] = option(None, "--plot", metavar="FILE",
+                                  help="Write a PNG of the latency distributions here."),
+    device: str = option("auto", "--device", metavar="[cpu|cuda|auto]", help="auto: the GPU if there is one."),
+    batch_rows: int = option(64, "--batch-rows", metavar="N", help="Most question rows per batch."),
+    baseline: Optional[str] = option(None, "--baseline", metavar="[hf]", help="hf: also time transformers on document "
+                                     "+ question."),
     fault: Optional[str] = typer.Option(None, "--inject-fault", hidden=True, help="Test only."),
 ) -> None:
     """Run the gathered and indexed paths on the same weights and inputs; time them and check parity.
@@ -444,36 +653,49 @@ def compare(
         _fail(str(error), error.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
-    (console if console.is_terminal else Console(stderr=True, width=170)).print(_compare_table(report))
+    (console if console.is_terminal else Console(stderr=True, width=80)).print(compare_table(report))
+    for warning in report["warnings"]:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if not report["parity"]:
         bad = [c["name"] for c in report["cases"] if not c["summary"]["parity"]]
         _fail(f"parity failed in {', '.join(bad)}: the indexed path does not reproduce the gathered path")
 
 
-def _compare_table(r: dict) -> Table:
+def compare_table(r: dict) -> Table:
+    """Per case: rows, each path's median latency (p10-p90 below), their ratio and parity; 80 columns."""
     env = r["environment"]
-    where = env.get("gpu") or f"CPU ({env.get('cpu')}, {env.get('threads')} threads)"
-    unit = "GPU-event ms" if r["timer"] == "cuda-events" else "CPU wall-clock ms"
-    table = Table(title=escape(f"kevscore compare · {r['model']} on {where} · {unit}, median [p10-p90]"))
-    for name in ("case", "rows", "gathered", "indexed", "indexed/gathered", "rows/s g | i", "max |dp|", "flips",
-                 "bank"):
-        table.add_column(name, justify="left" if name == "case" else "right")
+    where = env.get("gpu") or f"CPU, {env.get('threads')} threads"
+    unit = "GPU-event ms" if r["timer"] == "cuda-events" else "wall-clock ms"
+    table = Table(title=escape(f"kevscore compare · {r['model']} · {where}"),
+                  caption=f"{unit}: median, p10-p90 below", caption_justify="left")
+    for name in ("case", "rows", "gathered", "indexed", "i / g", "parity"):
+        words = name in ("case", "parity")
+        table.add_column(name, justify="left" if words else "right", no_wrap=not words, overflow="fold")
     for c in r["cases"]:
         s = c["summary"]
-        lat = {p: f"{s[p]['median_ms']:.2f} [{s[p]['p10_ms']:.2f}-{s[p]['p90_ms']:.2f}]" for p in ("gathered", "indexed")}
-        ok = "unchanged" if c["bank_unchanged"] else "[red]CHANGED[/]"
-        diff = f"{c['max_abs_diff']:.3g}" if c["max_abs_diff"] == 0 else f"[red]{c['max_abs_diff']:.3g}[/]"
-        flips = str(c["flips"]) if c["flips"] == 0 else f"[red]{c['flips']}[/]"
-        name = c["name"] + (f" (+{c['prefilled_in_call']} prefilled)" if c["prefilled_in_call"] else "")
-        table.add_row(name, str(c["rows"]), lat["gathered"], lat["indexed"], f"{s['indexed_over_gathered']:.3f}",
-                      f"{s['gathered']['rows_per_s']:,.0f} | {s['indexed']['rows_per_s']:,.0f}", diff, flips, ok)
+        lat = {p: f"{_ms(s[p]['median_ms'])}\n{_ms(s[p]['p10_ms'])}-{_ms(s[p]['p90_ms'])}"
+               for p in ("gathered", "indexed")}
+        name = c["name"] + (f"\n+{c['prefilled_in_call']} prefilled" if c["prefilled_in_call"] else "")
+        ratio = f"{s['indexed_over_gathered']:.3f}" + ("\n[yellow]noise[/]" if s.get("spread_overlap") else "")
+        table.add_row(escape(name), f"{c['rows']:,}", lat["gathered"], lat["indexed"], ratio, _parity(c))
     warm = ", ".join(f"{c['name']} {sum(c['warmup_s'].values()):.1f} s" for c in r["cases"])
-    table.caption = f"warm-up incl. graph capture, both paths (not in the latencies): {warm}"
+    first = "warm-up incl. graph capture" if r["timer"] == "cuda-events" else "warm-up"
+    table.caption += f"; {first} (not in the latencies): {warm}"
     if any(c.get("hf_ms") for c in r["cases"]):
-        table.caption += "\ntransformers naive: " + ", ".join(
+        table.caption += "; transformers naive: " + ", ".join(
             f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
             for c in r["cases"] if c.get("hf_ms"))
     return table
+
+
+def _ms(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def _parity(c: dict) -> str:
+    bad = ([f"max |dp| {c['max_abs_diff']:.3g}"] if c["max_abs_diff"] else []) + (
+        [f"{c['flips']} flips"] if c["flips"] else []) + ([] if c["bank_unchanged"] else ["bank changed"])
+    return "[red]" + escape(", ".join(bad)) + "[/]" if bad else "ok"
 
 
 def main() -> None:

@@ -101,7 +101,9 @@ class CaseResult:
     def summary(self) -> dict:
         out = {p: {"median_ms": self.median(p), "p10_ms": quantile(self.latency_ms[p], 0.1),
                    "p90_ms": quantile(self.latency_ms[p], 0.9), "rows_per_s": self.rows_per_s(p)} for p in PATHS}
-        out |= {"indexed_over_gathered": self.ratio, "parity": self.parity}
+        g, i = out["gathered"], out["indexed"]
+        out |= {"indexed_over_gathered": self.ratio, "parity": self.parity,
+                "spread_overlap": i["p10_ms"] <= g["p90_ms"] and g["p10_ms"] <= i["p90_ms"]}
         if self.hf_ms:
             out["hf_median_ms"] = statistics.median(self.hf_ms)
             out["hf_over_indexed"] = out["hf_median_ms"] / self.median("indexed")
@@ -141,7 +143,8 @@ def _argmax(p: list[float]) -> int:
 
 
 def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: dict, reps: int, warmup: int,
-             hf: Callable[[Encoded], Callable[[], torch.Tensor]] | None = None, hf_reps: int = 3) -> CaseResult:
+             hf: Callable[[Encoded], Callable[[], torch.Tensor]] | None = None, hf_reps: int = 3,
+             log: Callable[[str], None] = lambda s: None) -> CaseResult:
     runner, device = engine.runner, engine.runner.device
     bank = runner.bank
     docs = list(range(len(enc.prefixes)))
@@ -162,7 +165,9 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
 
     res = CaseResult(name, definition, len(rows), len(docs), len(cold_docs))
     capture0 = getattr(runner, "capture_s", 0.0)
+    first = "warm-up and graph capture" if device.type == "cuda" else "warm-up"
     for p in PATHS:  # first calls capture each path's graphs; warm-up is reported apart from latency
+        log(f"{name}: {first}, {p} path ({max(warmup, 1)} calls)")
         t0 = time.perf_counter()
         for _ in range(max(warmup, 1)):
             call(p)
@@ -173,6 +178,7 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
     snapshot = [t.clone() for t in _bank_views(bank)]
     for p in PATHS:
         res.latency_ms[p], res.wall_s[p] = [], []
+    log(f"{name}: timing {reps} calls per path, alternating")
     for i in range(reps):
         for p in (PATHS if i % 2 == 0 else PATHS[::-1]):  # A B, B A, A B, ...
             ms, wall = timed(lambda p=p: call(p), device)
@@ -186,6 +192,7 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
         res.max_abs_diff = float("inf")
     res.flips = sum(_argmax(pa) != _argmax(pb) for pa, pb in zip(a, b))
     if hf is not None:
+        log(f"{name}: transformers baseline ({hf_reps} calls)")
         fn = hf(enc)
         fn()  # warm-up
         res.hf_ms = [timed(fn, device)[0] for _ in range(hf_reps)]
@@ -235,6 +242,8 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
 
     cases = _check(opts)
     device = resolve_device(opts.device)
+    load_before = os.getloadavg()[0]
+    log(f"loading {opts.model} on {device.type}")
     ckpt = load_checkpoint(opts.model, device)
     small = device.type != "cuda"
     workloads: dict[str, tuple[Encoded, float, dict]] = {}
@@ -269,25 +278,42 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
 
     results = []
     with injected_fault(runner.model.ops, opts.fault):
-        for c in cases:
+        for k, c in enumerate(cases, start=1):
             enc, warm, definition = workloads[c]
-            log(f"case {c}: {len(enc)} rows, {len(enc.prefixes)} documents")
+            log(f"case {k}/{len(cases)} {c}: {len(enc)} rows, {len(enc.prefixes)} documents")
             results.append(run_case(engine, c, enc, warm, definition, opts.reps, opts.warmup, hf,
-                                    hf_reps=min(opts.reps, 3)))
+                                    hf_reps=min(opts.reps, 3), log=log))
     report = {
         "kind": "kevscore compare", "timer": "cuda-events" if device.type == "cuda" else "cpu-wall-clock",
         "model": ckpt.name, "options": {"reps": opts.reps, "warmup": opts.warmup, "batch_rows": opts.batch_rows,
                                         "baseline": opts.baseline, "small_cases": small,
                                         "fault": opts.fault},
-        "environment": environment(device), "load_s": load_s,
+        "environment": environment(device) | {"load_average": [load_before, os.getloadavg()[0]]}, "load_s": load_s,
         "cases": [asdict(r) | {"summary": r.summary()} for r in results],
         "parity": all(r.parity for r in results),
     }
+    report["warnings"] = spread_warnings(report)
     if opts.json_path:
         write_atomic(Path(opts.json_path), json.dumps(report, indent=1).encode())
     if opts.plot:
         plot(report, Path(opts.plot))
     return report
+
+
+def spread_warnings(report: dict) -> list[str]:
+    """Why a ratio may not be trusted: the two paths' p10-p90 ranges overlap, or the machine was busy
+    (a load average, before or after, of at least half its cores)."""
+    out = []
+    for c in report["cases"]:
+        if c["summary"]["spread_overlap"]:
+            out.append(f"case {c['name']}: the paths' p10-p90 latencies overlap, so its ratio "
+                       f"{c['summary']['indexed_over_gathered']:.3f} is within the noise")
+    cores = os.cpu_count() or 1
+    load = max(report["environment"]["load_average"])
+    if load >= cores / 2:
+        out.append(f"this machine was busy (load average {load:.1f} on {cores} cores): timings vary between runs; "
+                   "compare again on an idle machine")
+    return out
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -321,8 +347,8 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xticks([1, 2], list(PATHS))
         for i, d in enumerate(data, start=1):
             ax.scatter([i] * len(d), d, s=6, alpha=0.5)
-        ax.set_title(f"{case['name']} ({case['rows']} rows)\nratio {case['summary']['indexed_over_gathered']:.3f}",
-                     fontsize=9)
+        ax.set_title(f"{case['name']} ({case['rows']} rows)\nindexed / gathered "
+                     f"{case['summary']['indexed_over_gathered']:.3f}", fontsize=9)
     axes[0][0].set_ylabel(unit)
     fig.suptitle(f"kevscore compare · {report['model']} · {report['environment'].get('gpu', 'CPU')}", fontsize=10)
     fig.tight_layout()

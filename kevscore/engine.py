@@ -14,9 +14,6 @@ from kevscore.plan import Batch, ladder, plan_batches, plan_waves, row_bucket
 from kevscore.prompt import Encoded
 
 
-LOW_MASS = 0.1  # below this label mass the labels are not what the model would answer (" Yes", "yes")
-
-
 class Progress:
     """Callbacks for long phases; the CLI passes a rich implementation, tests and libraries this no-op."""
 
@@ -48,7 +45,6 @@ class RunStats:
     prefill_s: float = 0.0
     score_s: float = 0.0
     oom_retries: int = 0  # batches or prefill groups split after running out of memory
-    low_mass: int = 0     # rows whose labels hold less than LOW_MASS of the model's probability
     read_s: float = 0.0   # jobs: reading and tokenizing windows
     write_s: float = 0.0  # jobs: writing parts and merging the output
 
@@ -242,7 +238,6 @@ class Engine:
         for i, r in enumerate(batch.rows):
             scores.probs[r] = probs[i, : len(enc.label_ids[r])].tolist()
             scores.label_mass[r] = float(mass[i])
-        scores.stats.low_mass += int((mass < LOW_MASS).sum())
         scores.stats.batches += 1
         progress.advance("score", len(batch.rows))
 

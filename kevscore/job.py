@@ -11,31 +11,39 @@ the plan; GPU memory by the bank (waves inside a window when it does not fit).
 """
 from __future__ import annotations
 
+import hashlib
 import resource
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from kevscore.backend import build_runner, invariant_threads, resolve_device
 from kevscore.bank_store import BankStats, BankStore, check_bank_dir, model_fingerprint
-from kevscore.checkpoint import MODEL_NAMES, load_checkpoint, peek_config
-from kevscore.data import check_output_path, default_output_path, output_table
-from kevscore.engine import LOW_MASS, Engine, Progress, RunStats, Scores
+from kevscore.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
+from kevscore.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table
+from kevscore.engine import Engine, Progress, RunStats, Scores
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
+from kevscore.formats import STDOUT, Carry, Source, file_format, open_source
+from kevscore.labels import LabelTally, check_labels, low_mass_warning
 from kevscore.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, file_sha256, job_digest,
                             merged_output, output_job)
 from kevscore.plan import Windows, plan_windows
-from kevscore.prompt import encode, load_template
+from kevscore.prompt import Template, encode, load_template
 from kevscore.shard import assign_documents
-from kevscore.stream import InputScan, measure_tokens, scan_input
-from kevscore.warmup import prepare_device
+from kevscore.stream import Cursor, InputScan, measure_tokens, scan_input
+from kevscore.warmup import WarmUp, prepare_device
 
 PATHS = ("indexed", "gathered")
 WINDOW_DOCS = 1024          # documents per window (--window)
@@ -65,6 +73,29 @@ class RunOptions:
     window: int = WINDOW_DOCS     # documents per window: host memory is bounded by a window, not the input
     restart: bool = False         # discard the completed parts of an interrupted run instead of resuming it
     skip_invalid: bool = False    # rows that cannot be scored on their own go to an errors Parquet
+    limit: int | None = None      # score only the input's first rows
+    carry: bool = False           # copy the input's other columns into the output
+    rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
+
+
+@dataclass(slots=True)
+class Inputs:
+    """The input and documents as given, and the Parquet files a job streams (kevscore.formats)."""
+    questions: Source
+    documents: Source | None
+    stage: Path                   # a temporary directory for staged copies (and `-o -`'s output)
+
+    @property
+    def files(self) -> list[Path]:
+        return [f for s in (self.questions, self.documents) if s is not None for f in s.files]
+
+    def message(self, text: str) -> str:
+        """An error message about staged copies and renamed columns, told about the input as given."""
+        for source in (self.questions, self.documents):
+            text = source.message(text) if source is not None else text
+        for theirs, ours in self.questions.rename.items():
+            text = text.replace(f"column {ours!r}", f"column {theirs!r}")
+        return text
 
 
 @dataclass(slots=True)
@@ -88,6 +119,7 @@ class RunResult:
     warm_up: dict | None = None   # the GPU warm-up thread's seconds and error (kevscore.warmup)
     already_complete: bool = False  # the output was this very job's, merged by an earlier run: nothing done
     warnings: list[str] = field(default_factory=list)  # about the results (e.g. labels holding little mass)
+    labels: dict | None = None    # label mass min / median, low-mass rows, predictions per label (LabelTally)
 
 
 def check_options(opts: RunOptions) -> None:
@@ -97,10 +129,11 @@ def check_options(opts: RunOptions) -> None:
         raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
     if opts.bank_capacity is not None and opts.bank_capacity < 1:
         raise KevscoreError(f"--bank-capacity {opts.bank_capacity}: must be at least 1")
+    if opts.limit is not None and opts.limit < 1:
+        raise KevscoreError(f"--limit {opts.limit}: must be at least 1")
     if opts.window < 1:
         raise KevscoreError(f"--window {opts.window}: must be at least 1")
-    if not opts.labels or any(not label for label in opts.labels) or len(set(opts.labels)) != len(opts.labels):
-        raise KevscoreError(f"--labels {','.join(opts.labels)}: give distinct, non-empty labels")
+    check_labels(list(opts.labels))
     if opts.bank_max_gb is not None and opts.bank is None:
         raise KevscoreError("--bank-max-gb needs --bank DIR")
     if opts.bank_max_gb is not None and not opts.bank_max_gb > 0:
@@ -109,73 +142,140 @@ def check_options(opts: RunOptions) -> None:
         check_bank_dir(Path(opts.bank), create=True)
 
 
+@contextmanager
+def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
+    """The input and documents as Parquet files to stream, staged in a temporary directory when they are
+    not (kevscore.formats); errors about them name the input as given."""
+    with tempfile.TemporaryDirectory(prefix="kevscore-") as tmp:
+        stage = Path(tmp)
+        (stage / "input").mkdir()
+        (stage / "documents").mkdir()
+        questions = open_source(opts.input, stage / "input", opts.rename, opts.limit)
+        documents = open_source(opts.documents, stage / "documents", opts.rename) if opts.documents else None
+        inputs = Inputs(questions, documents, stage)
+        try:
+            yield inputs
+        except KevscoreError as exc:
+            message = inputs.message(str(exc))
+            if message == str(exc):
+                raise
+            raise type(exc)(message) from exc
+
+
+def output_path(opts: RunOptions) -> Path:
+    """The output file: -o, else <input stem>.scores.parquet beside the input."""
+    if opts.output is not None:
+        return Path(opts.output)
+    if any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
+        raise KevscoreError(f"{opts.input}: a glob or URI input needs -o/--output")
+    return default_output_path(Path(opts.input))
+
+
 def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
+    """Score the input into the output (`-o -`: JSON Lines on stdout, written at the end)."""
     with invariant_threads(resolve_device(opts.device), opts.batch_invariant):
-        return _run_job(opts, progress)
+        started = time.perf_counter()
+        check_options(opts)
+        stdout = str(opts.output) == STDOUT
+        output = None if stdout else output_path(opts)
+        file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end
+        with opened_inputs(opts) as inputs:
+            result = _run_job(opts, inputs, output or inputs.stage / "stdout.jsonl", progress or Progress(), started)
+            if stdout:
+                with open(result.output, "rb") as f:
+                    shutil.copyfileobj(f, sys.stdout.buffer)
+                sys.stdout.flush()
+                result.output = Path(STDOUT)
+        return result
 
 
-def _run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
-    started = time.perf_counter()
-    progress = progress or Progress()
-    check_options(opts)
-    output = Path(opts.output) if opts.output else default_output_path(opts.input)
-    t0 = time.perf_counter()
+class Laps:
+    """Seconds per phase of a job's start, each since the one before (RunResult.load_phases)."""
+
+    def __init__(self):
+        self.t0, self.phases = time.perf_counter(), {}
+
+    def lap(self, phase: str) -> None:
+        self.phases[phase] = time.perf_counter() - self.t0 - sum(self.phases.values())
+
+    def total(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A checked input, its model and its window plan: what a run and a dry run start from."""
+    scan: InputScan
+    device: torch.device
+    ckpt: Checkpoint
+    template: Template
+    doc_tokens: np.ndarray        # prefix tokens per document
+    doc_of_row: np.ndarray        # each row's document (-1: not scored here)
+    windows: Windows
+    laps: Laps                    # scan, checkpoint, tokens so far
+    warm_up: WarmUp | None        # the GPU warm-up thread (kevscore.warmup), joined once the runner is built
+    finished: str | None = None   # the job digest an existing output records (kevscore.parts.output_job)
+
+
+def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None) -> Prepared:
+    """Scan and check the input (and the output, when given), load the model, measure every prompt's
+    tokens and cut the documents into windows."""
+    laps = Laps()
     device = resolve_device(opts.device)
     # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights load
     warm_up = prepare_device(device, peek_config(opts.model), opts.path)
-    scan = scan_input(Path(opts.input), Path(opts.documents) if opts.documents else None, opts.skip_invalid,
-                      keep_texts=opts.shard is not None)
-    ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
-    finished = None if opts.overwrite or ours or not output.is_file() else output_job(output)
-    check_outputs(opts, scan, output, opts.overwrite or ours or finished is not None)
-    load_phases: dict[str, float] = {}
-
-    def lap(phase: str) -> None:  # the seconds since the last lap, as load_phases[phase]
-        load_phases[phase] = time.perf_counter() - t0 - sum(load_phases.values())
-
-    lap("scan")
+    scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
+                      opts.skip_invalid, keep_texts=opts.shard is not None)
+    finished = None
+    if output is not None:
+        ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
+        finished = None if opts.overwrite or ours or not output.is_file() else output_job(output)
+        check_outputs(opts, inputs.files, output, opts.overwrite or ours or finished is not None)
+    laps.lap("scan")
     if device.type == "cuda":
-        import torch
-
         torch.cuda.reset_peak_memory_stats(device)
     ckpt = load_checkpoint(opts.model, device)
-    lap("checkpoint")
+    laps.lap("checkpoint")
     template = load_template(opts.template, ckpt.tokenizer)
     max_positions = ckpt.config.max_position_embeddings
     doc_tokens = measure_tokens(scan, ckpt.tokenizer, template, opts.labels, max_positions, opts.skip_invalid)
-    lap("tokens")
+    laps.lap("tokens")
     doc_of_row = scan.doc_of_row
     if opts.shard is not None:  # one rank of a distributed job: the rows of its documents only
         doc_of_row = shard_documents(scan, *opts.shard)
     windows = plan_windows(doc_of_row, doc_tokens, opts.window, WINDOW_ROWS, WINDOW_TOKENS)
-    runner = build_runner(ckpt, device, bank_documents(windows, doc_of_row, doc_tokens), opts.bank_capacity,
+    return Prepared(scan, device, ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
+
+
+def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Progress, started: float) -> RunResult:
+    p = prepare(opts, inputs, output)
+    scan, device, ckpt, template, windows, doc_of_row = p.scan, p.device, p.ckpt, p.template, p.windows, p.doc_of_row
+    max_positions = ckpt.config.max_position_embeddings
+    runner = build_runner(ckpt, device, bank_documents(windows, doc_of_row, p.doc_tokens), opts.bank_capacity,
                           opts.eager)
-    warm_up_report = warm_up.join(WARM_UP_WAIT_S) if warm_up is not None else None
-    lap("runner")
+    warm_up_report = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
+    p.laps.lap("runner")
     backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
     fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
-    identity = job_identity(opts, scan, ckpt.name, fingerprint.digest, device.type, windows)
-    lap("identity")
-    if finished is not None:
-        return finished_job(opts, output, finished == job_digest(identity), ckpt.name, str(device), windows,
+    identity = job_identity(opts, inputs, ckpt.name, fingerprint.digest, device.type, windows)
+    p.laps.lap("identity")
+    if p.finished is not None:
+        return finished_job(opts, output, p.finished == job_digest(identity), ckpt.name, str(device), windows,
                             time.perf_counter() - started)
     parts = PartStore(output, identity, windows.rows, opts.restart, progress.warn)
     store = None
     try:
         if not opts.overwrite and output.exists() and not parts.finished():
-            check_output_path(output, scan.sources, False)  # --restart of another job over an existing output
+            check_output_path(output, inputs.files, False)  # --restart of another job over an existing output
         store = open_store(opts, fingerprint, progress) if opts.bank is not None else None
-        load_s = time.perf_counter() - t0
         result = RunResult(output, RunStats(), len(np.unique(doc_of_row[windows.of_row >= 0])), str(device),
-                           ckpt.name, load_s, windows=len(windows), resumed=len(parts.done),
-                           resumed_rows=sum(parts.done.values()), load_phases=load_phases,
+                           ckpt.name, p.laps.total(), windows=len(windows), resumed=len(parts.done),
+                           resumed_rows=sum(parts.done.values()), load_phases=p.laps.phases,
                            warm_up=warm_up_report)
         if parts.finished():
             result.stats.rows = parts.manifest["merged"]["rows"]
         else:
-            engine = Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
-                            prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, store=store,
-                            skip_failed=opts.skip_invalid)
+            engine = make_engine(opts, runner, store)
             with StopSignals(progress.warn) as stop:
                 engine.stop = stop
                 score_windows(opts, scan, windows, engine, parts, ckpt.tokenizer, template, max_positions,
@@ -184,8 +284,12 @@ def _run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
             set_aside = set_aside_table(scan) if opts.skip_invalid and (opts.shard or (0, 1))[0] == 0 else None
             if opts.skip_invalid and set_aside is None:
                 set_aside = ERRORS_SCHEMA.empty_table()
-            result.stats.rows = parts.merge(windows.of_row, set_aside)
+            tally = LabelTally()
+            carry = Carry(inputs.questions, OUTPUT_SCHEMA.names, progress.warn) if carries(opts) else None
+            result.stats.rows = parts.merge(windows.of_row, set_aside, lambda chunks: map(
+                tally.add, map(carry.add, chunks) if carry else chunks))
             result.stats.write_s += time.perf_counter() - t1
+            result.labels = tally.summary()
             progress.event("merged", output=str(output), rows=result.stats.rows)
     except Interrupted as exc:
         if parts.created and not parts.done:
@@ -205,13 +309,9 @@ def _run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
         if store is not None:
             store.close()
     parts.remove()
-    scored = result.stats.rows - result.resumed_rows
-    if result.stats.low_mass * 2 > scored:
-        result.warnings.append(f"the labels ({', '.join(map(repr, opts.labels))} unless a labels column says "
-                               f"otherwise) hold less than {LOW_MASS:.0%} of the model's probability on "
-                               f"{result.stats.low_mass:,} of {scored:,} rows: the model would answer with other "
-                               "tokens; check the labels' case and leading spaces (see label_mass)")
-        progress.warn(result.warnings[-1])
+    if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
+        result.warnings.append(warning)
+        progress.warn(warning)
     if opts.skip_invalid:
         result.errors = errors_path(output)
         result.set_aside = pq.read_metadata(result.errors).num_rows
@@ -219,16 +319,14 @@ def _run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
     result.wall_s = time.perf_counter() - started
     result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     if device.type == "cuda":
-        import torch
-
         result.peak_gpu = int(torch.cuda.max_memory_allocated(device))
     return result
 
 
-def check_outputs(opts: RunOptions, scan: InputScan, output: Path, overwrite: bool) -> None:
+def check_outputs(opts: RunOptions, sources: list[Path], output: Path, overwrite: bool) -> None:
     """The output, its errors file and its parts directory must not be (or hold) anything this run reads:
     the input files, the template, files of the model or bank directory."""
-    inputs = scan.sources + ([Path(opts.template)] if opts.template else [])
+    inputs = sources + ([Path(opts.template)] if opts.template else [])
     model = Path(opts.model)
     within = [d for d in (model if model.is_dir() and opts.model not in MODEL_NAMES else None,
                           opts.bank) if d is not None]
@@ -251,6 +349,13 @@ def finished_job(opts: RunOptions, output: Path, same: bool, model: str, device:
     if errors is not None:
         result.set_aside = pq.read_metadata(errors).num_rows
     return result
+
+
+def make_engine(opts: RunOptions, runner, store: BankStore | None = None) -> Engine:
+    """The engine a job scores with: one row per batch and one document per prefill with --batch-invariant."""
+    return Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
+                  prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, store=store,
+                  skip_failed=opts.skip_invalid)
 
 
 def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
@@ -341,19 +446,33 @@ def bank_documents(windows: Windows, doc_of_row: np.ndarray, doc_tokens: np.ndar
     return lengths + [0] * max(0, int(windows.docs.max()) - len(lengths))
 
 
-def job_identity(opts: RunOptions, scan: InputScan, model: str, fingerprint: str, device: str,
+def carries(opts: RunOptions) -> bool:
+    """Whether the output gets the input's other columns (not in a rank's part: the ranks' merge does not)."""
+    return opts.carry and opts.shard is None
+
+
+def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str, device: str,
                  windows: Windows) -> dict:
     """What a job's results depend on; a resumed run must match it exactly."""
     def file(path):
         return None if path is None else {"name": Path(path).name, "sha256": file_sha256(Path(path))}
 
+    def source(src: Source | None):
+        if src is None or len(src.files) == 1:
+            return file(src.files[0] if src else None)
+        if not src.files:  # a URI: its staged copy stands for it
+            return {"name": src.given, "sha256": file_sha256(src.path)}
+        listing = "\n".join(f"{f} {file_sha256(f)}" for f in src.files)
+        return {"name": src.given, "sha256": hashlib.sha256(listing.encode()).hexdigest()}
+
     return {
-        "input": file(scan.path), "documents": file(scan.documents_path), "template": file(opts.template),
+        "input": source(inputs.questions), "documents": source(inputs.documents), "template": file(opts.template),
         "model": {"name": model, "fingerprint": fingerprint},
         "options": {"device": device, "path": opts.path, "labels": list(opts.labels), "batch_rows": opts.batch_rows,
                     "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
                     "window": opts.window, "shard": list(opts.shard) if opts.shard else None,
-                    "skip_invalid": opts.skip_invalid},
+                    "skip_invalid": opts.skip_invalid, "limit": opts.limit, "carry": carries(opts),
+                    "rename": {k: v for k, v in sorted(opts.rename.items()) if k != v}},
         "plan": {"windows": len(windows), "rows": int(windows.rows.sum()), "digest": windows.digest()},
     }
 
@@ -364,9 +483,7 @@ def set_aside_table(scan: InputScan) -> pa.Table:
     ids = {"doc_id": [None] * len(rows), "question_id": [None] * len(rows)}
     cols = [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id)) if has]
     if cols and len(rows):
-        from kevscore.stream import _Cursor
-
-        ids.update(_Cursor(scan.path, cols).take(rows))
+        ids.update(Cursor(scan.path, cols).take(rows))
     return pa.table({"row": rows, **ids, "reason": [scan.invalid[int(r)] for r in rows]}, schema=ERRORS_SCHEMA)
 
 

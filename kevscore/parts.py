@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from kevscore import faults
 from kevscore.data import OUTPUT_SCHEMA
 from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
+from kevscore.formats import TableWriter, file_format
 
 FORMAT, VERSION = "kevscore-parts", 1
 MANIFEST, LOCK = "manifest.json", "lock"
@@ -45,7 +46,8 @@ ERRORS_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("quest
 OPTION_FLAGS = {"path": "--path", "labels": "--labels", "batch_rows": "--batch-rows", "bank_capacity": "--bank-capacity",
                 "eager": "--eager", "batch_invariant": "--batch-invariant", "window": "--window",
                 "shard": "shard (rank, world)", "device": "--device", "model": "--model",
-                "skip_invalid": "--skip-invalid"}
+                "skip_invalid": "--skip-invalid", "limit": "--limit", "carry": "--carry/--no-carry",
+                "rename": "the column options (--question-column, ...)"}
 
 
 def parts_dir(output: Path) -> Path:
@@ -123,6 +125,19 @@ def parquet_filler(schema: pa.Schema, tables: Iterable[pa.Table], hook: str | No
         with pq.ParquetWriter(f, schema) as writer:
             for table in tables:
                 writer.write_table(table, row_group_size=row_group)
+                if hook:
+                    faults.point(hook)
+    return fill
+
+
+def table_filler(tables: Iterable[pa.Table], fmt: str, metadata: dict[bytes, bytes],
+                 hook: str | None) -> Callable[[BinaryIO], None]:
+    """A `write_new` filler writing `tables` in `fmt` (kevscore.formats: Parquet with `metadata`, CSV, JSON
+    Lines); `hook` is a fault point after each table."""
+    def fill(f: BinaryIO) -> None:
+        with TableWriter(f, fmt, metadata) as writer:
+            for table in tables:
+                writer.write(table)
                 if hook:
                     faults.point(hook)
     return fill
@@ -342,9 +357,12 @@ class PartStore:
                 fsync_dir(target.parent)
         return self.output.exists() and file_sha256(self.output) == merged["sha256"].get(merged["tmp"]["output"])
 
-    def merge(self, of_row: np.ndarray, set_aside: pa.Table | None) -> int:
+    def merge(self, of_row: np.ndarray, set_aside: pa.Table | None,
+              finish: Callable[[Iterator[pa.Table]], Iterator[pa.Table]] | None = None) -> int:
         """Merge the parts into the output in input order (and the errors file when `set_aside` is given:
-        the rows the scan set aside); then remove the parts. Returns the output's row count."""
+        the rows the scan set aside); then remove the parts. Returns the output's row count. `finish`
+        turns the merged chunks into the output's (columns added, rows observed); the output's format
+        follows its extension (kevscore.formats)."""
         failed = self.failed_rows()
         of_row = of_row.copy()
         of_row[np.asarray(failed.column("row").to_pylist(), dtype=np.int64)] = -1
@@ -357,8 +375,10 @@ class PartStore:
             errors = pa.concat_tables([set_aside.cast(ERRORS_SCHEMA), failed]).sort_by("row")
             write_new(self.dir / names["errors"], parquet_filler(ERRORS_SCHEMA, [errors], None, None),
                       errors_path(self.output))
-        schema = OUTPUT_SCHEMA.with_metadata({JOB_KEY: self.job.encode()})  # a rerun finds the job complete
-        write_new(self.dir / names["output"], parquet_filler(schema, self._merged(of_row), "merge", None), self.output)
+        chunks = self._merged(of_row)
+        job = {JOB_KEY: self.job.encode()}  # in a Parquet output's metadata: a rerun finds the job complete
+        fill = table_filler(finish(chunks) if finish else chunks, file_format(self.output), job, "merge")
+        write_new(self.dir / names["output"], fill, self.output)
         self.manifest["merged"] = {"tmp": names, "rows": expected,
                                    "sha256": {n: file_sha256(self.dir / n) for n in names.values()}}
         _write_json(self.dir / MANIFEST, self.manifest)

@@ -76,7 +76,9 @@ def check_names(path: Path, names: list[str], required: Sequence[str], reject: s
     present = ", ".join(repr(c) for c in names) or "none"
     if missing:
         need = ", ".join(repr(c) for c in missing)
-        raise KevscoreError(f"{path}: missing required column(s) {need}; columns present: {present}")
+        hint = ("; its questions carry 'doc_id': give their documents with --documents FILE"
+                if missing == ["document"] and {"doc_id", "question"} <= set(names) else "")
+        raise KevscoreError(f"{path}: missing required column(s) {need}; columns present: {present}{hint}")
     if reject is not None and reject in names:
         raise KevscoreError(f"{path}: has a {reject!r} column although a documents file was given; "
                             f"use one form or the other")
@@ -343,7 +345,9 @@ def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
 
 LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not v),
                   ("null labels", "a null label", lambda v: None in v),
-                  ("repeated labels", "a repeated label", lambda v: len(set(v)) < len(v)))
+                  ("repeated labels", "a repeated label", lambda v: len(set(v)) < len(v)),
+                  ("single-label lists", "a single label (one label always gets probability 1)",
+                   lambda v: len(v) < 2))
 
 
 def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -> None:
@@ -416,7 +420,7 @@ def _check_duplicates(path: Path, file: pq.ParquetFile, qhash: np.ndarray) -> No
 
 # ---------------------------------------------------------------- reading rows
 
-class _Cursor:
+class Cursor:
     """Reads chosen rows of one Parquet file in ascending order, a record batch at a time, continuing
     from the batch it stopped in when the next rows lie ahead."""
 
@@ -481,8 +485,8 @@ class RowReader:
             cols.append("document")
             self.docs = None
         else:
-            self.docs = _Cursor(scan.documents_path, ["document"])
-        self.rows = _Cursor(scan.path, cols)
+            self.docs = Cursor(scan.documents_path, ["document"])
+        self.rows = Cursor(scan.path, cols)
 
     def read(self, rows: np.ndarray):
         """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""

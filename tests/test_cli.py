@@ -31,7 +31,10 @@ def run_ok(*args) -> None:
 
 
 def read(path: Path) -> pa.Table:
+    """The output's scoring columns (the input's other columns follow them)."""
     table = pq.read_table(path)
+    assert table.schema.names[:len(OUTPUT_SCHEMA)] == OUTPUT_SCHEMA.names, table.schema
+    table = table.select(OUTPUT_SCHEMA.names)
     assert table.schema.equals(OUTPUT_SCHEMA), table.schema
     return table
 
@@ -235,7 +238,7 @@ def test_missing_input_file(work: Path) -> None:
 
 
 def test_input_not_parquet(work: Path) -> None:
-    path = work / "questions.csv"
+    path = work / "questions.parquet"
     path.write_text("document,question\nd,q\n")
     fails(work, [str(path), "not a readable Parquet file"], path)
 

@@ -51,7 +51,24 @@ def test_report_holds_samples_parity_and_provenance(report):
     for private in (socket.gethostname(), str(Path.home()), os.getcwd(), str(out)):
         assert private not in raw
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "shared" in text and "CPU wall-clock" in text
+    assert "shared" in text and "wall-clock ms" in text and "graph capture" not in text  # not on a CPU
+
+
+def test_progress_per_case_and_phase_and_spread_warnings(report):
+    _, text, r = report
+    for line in ("loading demo on cpu", "case 1/3 shared: 96 rows", "shared: warm-up, gathered path",
+                 "padded: timing 2 calls per path", "case 3/3 mixed"):
+        assert line in text, line
+    for case in r["cases"]:
+        s = case["summary"]
+        g, i = s["gathered"], s["indexed"]
+        assert s["spread_overlap"] == (i["p10_ms"] <= g["p90_ms"] and g["p10_ms"] <= i["p90_ms"])
+        said = any(w.startswith(f"case {case['name']}: the paths' p10-p90") for w in r["warnings"])
+        assert said == s["spread_overlap"]
+    busy = max(r["environment"]["load_average"]) >= (os.cpu_count() or 1) / 2
+    assert busy == any("machine was busy" in w for w in r["warnings"])
+    for warning in r["warnings"]:
+        assert warning[:40] in " ".join(text.split())
 
 
 def test_broken_indexed_path_reports_flips_and_fails(tmp_path):

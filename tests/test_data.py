@@ -40,7 +40,7 @@ def one(tmp_path: Path) -> Path:
         "question": ["q0", "q1", "q2", "q3"],
         "doc_id": ["a", "b", "a", "c"],
         "question_id": ["x0", "x1", "x2", "x3"],
-        "labels": [["yes", "no"], ["A", "B", "C"], ["yes", "no"], ["t"]],
+        "labels": [["yes", "no"], ["A", "B", "C"], ["yes", "no"], ["t", "f"]],
     })
 
 
@@ -59,7 +59,7 @@ def test_one_file_form(one: Path) -> None:
     assert t.questions == ["q0", "q1", "q2", "q3"]
     assert t.doc_ids == ["a", "b", "a", "c"]
     assert t.question_ids == ["x0", "x1", "x2", "x3"]
-    assert t.labels == [["yes", "no"], ["A", "B", "C"], ["yes", "no"], ["t"]]
+    assert t.labels == [["yes", "no"], ["A", "B", "C"], ["yes", "no"], ["t", "f"]]
     assert t.sources == [one]
 
 

@@ -112,7 +112,8 @@ def scored(tmp_path_factory, template) -> Path:
     """The example scored with the short template in windows of two documents (three windows)."""
     d = tmp_path_factory.mktemp("scored")
     shutil.copy(EXAMPLES / "questions.parquet", d / "q.parquet")  # the input's name is part of the job
-    run_job(RunOptions(input=d / "q.parquet", output=d / "out.parquet", device="cpu", template=template, window=2))
+    run_job(RunOptions(input=d / "q.parquet", output=d / "out.parquet", device="cpu", template=template, window=2,
+                       carry=True))  # as the CLI does
     return d / "out.parquet"
 
 
@@ -379,7 +380,7 @@ def test_rerun_of_a_finished_job_is_already_complete(tmp_path, src, template):
 
 def test_labels_holding_little_mass_are_warned_about(tmp_path, src):
     """' Yes' and 'yes' are single tokens of the demo tokenizer, but not how it answers: a warning, not silence."""
-    result = invoke("run", src, "-o", tmp_path / "a.parquet", "--device", "cpu", "--labels", " Yes,yes", "--log-json")
+    result = invoke("run", src, "-o", tmp_path / "a.parquet", "--device", "cpu", "--labels", '" Yes",yes', "--log-json")
     assert result.exit_code == 0, result.stderr
     events = [json.loads(line) for line in result.stdout.splitlines()]
     warned = [e["message"] for e in events if e["event"] == "warning"]

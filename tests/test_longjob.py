@@ -77,7 +77,7 @@ def threads_env(**extra) -> dict:
 
 
 def spawn(*args, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kevscore", "run", *map(str, args), "--device", "cpu"],
+    return subprocess.run([sys.executable, "-m", "kevscore", "run", *map(str, args), "--device", "cpu", "--no-carry"],
                           env=threads_env(**env), cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -300,7 +300,7 @@ def test_resume_refuses_changed_options_or_input_and_restart_starts_over(tmp_pat
     with pytest.raises(KevscoreError, match="input q.parquet changed"):
         run_job(opts(src, out, template))
     result = cli.invoke(app, ["run", str(src), "-o", str(out), "--template", str(template), "--window", "6",
-                              "--batch-rows", "16", "--device", "cpu", "--restart"])
+                              "--batch-rows", "16", "--device", "cpu", "--restart", "--no-carry"])
     assert result.exit_code == 0, result.stderr
     assert "discarding 1 completed part(s)" in result.stderr
     changed, before = read(out).column("probs").to_pylist(), read(base).column("probs").to_pylist()

@@ -1,0 +1,87 @@
+"""`run --dry-run`: what a job would do (documents, rows, windows, waves, tokens) and how long it would take,
+estimated from scoring a few of its own documents on this machine; nothing is written."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kevscore.backend import build_runner
+from kevscore.engine import Engine
+from kevscore.job import (WARM_UP_WAIT_S, Prepared, RunOptions, bank_documents, check_options, make_engine,
+                          opened_inputs, prepare)
+from kevscore.plan import plan_waves
+from kevscore.prompt import encode
+
+CALIBRATION_DOCS = 4    # documents scored to measure the rates (after one warm-up document)
+CALIBRATION_ROWS = 64   # at most this many of their rows
+
+
+@dataclass(slots=True)
+class Plan:
+    model: str
+    device: str
+    rows: int                  # rows that would be scored
+    set_aside: int             # rows --skip-invalid would set aside
+    documents: int
+    prefix_tokens: int         # document (prefix) tokens to prefill
+    windows: int
+    waves: int                 # bank loads, summed over the windows
+    bank_entries: int          # documents the bank holds at once
+    load_s: float              # loading the model and measuring every prompt
+    calibration_docs: int = 0
+    calibration_rows: int = 0
+    prefill_tokens_per_s: float | None = None
+    score_rows_per_s: float | None = None
+    estimate_s: float | None = None  # load + prefill + scoring at the measured rates
+
+    def fields(self) -> dict:
+        return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
+
+def dry_run(opts: RunOptions) -> Plan:
+    """Check the whole input as a run would, plan it, and time a few documents of its first window."""
+    check_options(opts)
+    with opened_inputs(opts) as inputs:
+        p = prepare(opts, inputs)
+        runner = build_runner(p.ckpt, p.device, bank_documents(p.windows, p.doc_of_row, p.doc_tokens),
+                              opts.bank_capacity, opts.eager)
+        if p.warm_up is not None:
+            p.warm_up.join(WARM_UP_WAIT_S)
+        live = p.windows.of_row >= 0
+        docs = np.unique(p.doc_of_row[live])
+        plan = Plan(p.ckpt.name, str(p.device), int(live.sum()), len(p.scan.invalid), len(docs),
+                    int(p.doc_tokens[docs].sum()) if len(docs) else 0, len(p.windows),
+                    count_waves(p, runner.bank.layout.entries, runner.bank.layout.tokens),
+                    runner.bank.layout.entries, sum(p.laps.phases.values()))
+        if plan.rows:
+            calibrate(plan, opts, p, make_engine(opts, runner))
+    return plan
+
+
+def count_waves(p: Prepared, entries: int, tokens: int) -> int:
+    """Bank loads the job needs: per window, its documents in waves that fit the bank."""
+    waves = 0
+    for w in range(len(p.windows)):
+        docs = dict.fromkeys(p.doc_of_row[p.windows.rows_of(w)].tolist())
+        waves += len(plan_waves([int(p.doc_tokens[d]) for d in docs], entries, tokens))
+    return waves
+
+
+def calibrate(plan: Plan, opts: RunOptions, p: Prepared, engine: Engine) -> None:
+    """Score the first documents of the first window (after one warm-up document, not counted) and set
+    the plan's rates and estimate from them."""
+    rows = p.windows.rows_of(0)
+    docs = list(dict.fromkeys(p.doc_of_row[rows].tolist()))[:CALIBRATION_DOCS + 1]
+    reader = p.scan.reader()
+    for group in (docs[:1], docs[1:] or docs[:1]):  # the warm-up, then the measured documents
+        picked = rows[np.isin(p.doc_of_row[rows], group)][:CALIBRATION_ROWS]
+        enc = encode(reader.read(picked), p.ckpt.tokenizer, p.template, opts.labels,
+                     p.ckpt.config.max_position_embeddings)
+        stats = engine.run(enc, opts.path).stats
+    plan.calibration_docs, plan.calibration_rows = len(enc.prefixes), len(enc)
+    plan.prefill_tokens_per_s = stats.prefix_tokens / stats.prefill_s if stats.prefill_s > 0 else None
+    plan.score_rows_per_s = len(enc) / stats.score_s if stats.score_s > 0 else None
+    if plan.prefill_tokens_per_s and plan.score_rows_per_s:
+        plan.estimate_s = (plan.load_s + plan.prefix_tokens / plan.prefill_tokens_per_s
+                           + plan.rows / plan.score_rows_per_s)

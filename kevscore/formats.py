@@ -1,0 +1,217 @@
+"""File formats: Parquet, CSV and JSON Lines by extension; the output written in its file's format."""
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+
+from kevscore.errors import KevscoreError, first_line
+from kevscore.stream import Cursor
+
+FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+STDOUT = "-"  # `-o -`: JSON Lines on stdout
+
+
+def file_format(path: Path | str, default: str = "parquet") -> str:
+    """parquet, csv or jsonl from the file's extension (`default` for another one)."""
+    suffix = Path(str(path)).suffix.lower()
+    if suffix == ".json":
+        raise KevscoreError(f"{path}: .json is not a format kevscore reads or writes; use .jsonl (JSON Lines)")
+    return FORMATS.get(suffix, default)
+
+
+class TableWriter:
+    """Writes a stream of tables of one schema to an open binary file: Parquet, CSV (list columns as JSON
+    arrays) or JSON Lines (one object per row)."""
+
+    def __init__(self, file: BinaryIO, fmt: str, metadata: dict[bytes, bytes] | None = None):
+        self.file, self.fmt, self.metadata, self.writer = file, fmt, metadata, None
+
+    def write(self, table: pa.Table) -> None:
+        if self.fmt == "jsonl":
+            lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
+            self.file.write(lines.encode("utf-8"))
+            return
+        if self.fmt == "csv":
+            table = lists_as_json(table)
+        if self.writer is None and self.fmt == "parquet":
+            self.writer = pq.ParquetWriter(self.file, table.schema.with_metadata(self.metadata or {}))
+        elif self.writer is None:
+            self.writer = pacsv.CSVWriter(self.file, table.schema)
+        self.writer.write_table(table)
+
+    def __enter__(self) -> TableWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def lists_as_json(table: pa.Table) -> pa.Table:
+    """List columns turned into JSON array strings (what CSV can hold)."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_list(f.type) or pa.types.is_large_list(f.type):
+            text = [None if v is None else json.dumps(v, ensure_ascii=False) for v in table.column(i).to_pylist()]
+            table = table.set_column(i, pa.field(f.name, pa.string()), pa.array(text, pa.string()))
+    return table
+
+
+# ---------------------------------------------------------------- reading
+
+TEXT_COLUMNS = ("document", "question", "doc_id", "question_id")
+
+
+@dataclass(slots=True)
+class Source:
+    """An input as the user named it (a file, a directory or a glob of Parquet files) and the one Parquet
+    file a job streams: the file itself, or a staged copy (another format, renamed columns, --limit)."""
+    given: str          # what the user passed, for messages
+    files: list[Path]   # the files it names, sorted
+    path: Path          # the Parquet file to stream
+    staged: bool = False
+    rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
+
+    def message(self, text: str) -> str:
+        """An error message about the staged copy, told about the input as given."""
+        return text.replace(str(self.path), self.given) if self.staged else text
+
+
+def input_files(given: str) -> list[Path]:
+    """The files an input names: a file, every *.parquet file under a directory, or a glob's matches."""
+    if any(ch in given for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(given, recursive=True) if Path(p).is_file())
+        if not files:
+            raise KevscoreError(f"{given}: no file matches")
+        return files
+    path = Path(given)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+        if not files:
+            raise KevscoreError(f"{given}: a directory with no .parquet file")
+        return files
+    return [path]
+
+
+def remote_files(uri: str) -> tuple[pafs.FileSystem, list[str]]:
+    """A URI's filesystem (any pyarrow supports: s3://, gs://, hdfs://, file://) and its files: the file,
+    or every *.parquet file under it."""
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+        if fs.get_file_info(path).type != pafs.FileType.Directory:
+            return fs, [path]
+        found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise KevscoreError(f"{uri}: cannot open ({first_line(e)})") from e
+    paths = sorted(f.path for f in found if f.is_file and f.path.endswith(".parquet"))
+    if not paths:
+        raise KevscoreError(f"{uri}: a directory with no .parquet file")
+    return fs, paths
+
+
+def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | None = None,
+                limit: int | None = None) -> Source:
+    """The input `given` as one Parquet file: a local Parquet file as it is; anything else (CSV, JSON Lines,
+    several Parquet files, a URI, columns to rename, only the first `limit` rows) staged into `stage_dir`.
+    `rename`: the user's column name -> kevscore's (e.g. {'text': 'question'})."""
+    given = str(given)
+    rename = {k: v for k, v in (rename or {}).items() if k != v}
+    if "://" in given:
+        fs, paths = remote_files(given)
+        return Source(given, [], _stage(given, paths, fs, rename, limit, stage_dir), True, rename)
+    files = input_files(given)
+    if len(files) == 1 and file_format(files[0]) == "parquet" and not rename and limit is None:
+        return Source(given, files, files[0], False, rename)
+    if not files[0].is_file():
+        raise KevscoreError(f"{files[0]}: no such file")
+    return Source(given, files, _stage(given, [str(f) for f in files], None, rename, limit, stage_dir), True,
+                  rename)
+
+
+def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dict[str, str], limit: int | None,
+           stage_dir: Path) -> Path:
+    """The files (one CSV or JSON Lines file, or Parquet files) as one Parquet file in stage_dir."""
+    fmt = file_format(paths[0]) if len(paths) == 1 else "parquet"
+    staged = stage_dir / f"{Path(paths[0]).name if len(paths) == 1 else 'input'}.staged.parquet"
+    try:
+        reader = _reader(paths, fmt, rename, fs)
+        with open(staged, "xb") as f, TableWriter(f, "parquet") as writer:
+            writer.write(_as_kevscore(reader.schema.empty_table(), rename))
+            for table in _first_rows(reader, limit):
+                writer.write(_as_kevscore(table, rename))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        what = {"parquet": "Parquet", "csv": "CSV", "jsonl": "JSON Lines"}[fmt]
+        raise KevscoreError(f"{given}: not readable as {what} ({first_line(e)})") from e
+    return staged
+
+
+def _reader(paths: list[str], fmt: str, rename: dict[str, str], fs: pafs.FileSystem | None):
+    """A record-batch reader (with .schema) over the files."""
+    if fmt == "parquet":
+        return ds.dataset(paths, format="parquet", filesystem=fs).scanner(use_threads=False).to_reader()
+    stream = fs.open_input_stream(paths[0]) if fs is not None else paths[0]
+    if fmt == "jsonl":
+        return pajson.open_json(stream)
+    source = {v: k for k, v in rename.items()}
+    types = {source.get(c, c): pa.string() for c in TEXT_COLUMNS}
+    return pacsv.open_csv(stream, convert_options=pacsv.ConvertOptions(column_types=types))
+
+
+def _first_rows(reader, limit: int | None) -> Iterator[pa.Table]:
+    left = limit
+    for batch in reader:
+        if left is not None:
+            batch = batch.slice(0, left)
+            left -= batch.num_rows
+        yield pa.Table.from_batches([batch])
+        if left == 0:
+            return
+
+
+def _as_kevscore(table: pa.Table, rename: dict[str, str]) -> pa.Table:
+    """Columns renamed to kevscore's names, integer ids as strings, a CSV's labels (JSON arrays) as lists."""
+    table = table.rename_columns([rename.get(n, n) for n in table.column_names])
+    for name in ("doc_id", "question_id"):
+        if name in table.column_names and pa.types.is_integer(table.schema.field(name).type):
+            table = table.set_column(table.column_names.index(name), name, table.column(name).cast(pa.string()))
+    if "labels" in table.column_names and pa.types.is_string(table.schema.field("labels").type):
+        values = [None if v is None else json.loads(v) for v in table.column("labels").to_pylist()]
+        table = table.set_column(table.column_names.index("labels"), "labels", pa.array(values, pa.list_(pa.string())))
+    return table
+
+
+class Carry:
+    """Adds the input's other columns to the output's chunks (rows ascending), read alongside them: every
+    input column but the document text and those the output has, under the user's names."""
+
+    def __init__(self, source: Source, taken: Sequence[str], warn: Callable[[str], None]):
+        schema = pq.read_schema(source.path)
+        theirs = {v: k for k, v in source.rename.items()}
+        self.columns: list[tuple[str, pa.Field]] = []
+        for f in schema:
+            name = theirs.get(f.name, f.name)
+            if f.name in ("document", "doc_id", "question_id", "labels"):
+                continue  # the text is not repeated; the output has the others already
+            if name in taken:
+                warn(f"{source.given}: column {name!r} is not copied into the output, which has its own")
+                continue
+            self.columns.append((f.name, f.with_name(name)))
+        self.cursor = Cursor(source.path, [c for c, _ in self.columns]) if self.columns else None
+
+    def add(self, chunk: pa.Table) -> pa.Table:
+        if self.cursor is None:
+            return chunk
+        values = self.cursor.take(chunk.column("row").to_numpy()) if chunk.num_rows else {}
+        for column, f in self.columns:
+            chunk = chunk.append_column(f, pa.array(values.get(column, []), f.type))
+        return chunk

@@ -1,0 +1,74 @@
+"""Labels: reading `--labels`, and what the scores say about them (label mass, predictions per label)."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from kevscore.errors import KevscoreError
+
+LOW_MASS = 0.1  # below this label mass the labels are not what the model would answer (" Yes", "yes")
+
+
+def parse_labels(text: str) -> list[str]:
+    """`Yes,No` -> ['Yes', 'No']: split at commas, surrounding spaces stripped. A label in double quotes is
+    taken as written (`" Yes"," No"` keeps the leading spaces; a quoted label may hold a comma)."""
+    labels, rest = [], text
+    while True:
+        rest = rest.lstrip()
+        if rest.startswith('"'):
+            end = rest.find('"', 1)
+            if end < 0:
+                raise KevscoreError(f"--labels {text}: a quote is not closed")
+            label, rest = rest[1:end], rest[end + 1:].lstrip()
+            if rest and not rest.startswith(","):
+                raise KevscoreError(f"--labels {text}: text after a closing quote; quote the whole label")
+        else:
+            label = rest.partition(",")[0]
+            rest, label = rest[len(label):], label.strip()
+        labels.append(label)
+        if not rest:
+            return labels
+        rest = rest[1:]  # the comma
+
+
+def check_labels(labels: list[str], where: str = "--labels") -> None:
+    """At least two labels, distinct and non-empty (one label would always get probability 1)."""
+    shown = ",".join(labels)
+    if len(labels) < 2:
+        raise KevscoreError(f"{where} {shown}: give at least two labels (one label always gets probability 1)")
+    if any(not label for label in labels) or len(set(labels)) != len(labels):
+        raise KevscoreError(f"{where} {shown}: give distinct, non-empty labels")
+
+
+@dataclass(slots=True)
+class LabelTally:
+    """Label mass and predictions over an output's rows, counted as its chunks go by (4 bytes a row)."""
+    predictions: Counter = field(default_factory=Counter)
+    masses: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, chunk: pa.Table) -> pa.Table:
+        self.predictions.update(chunk.column("prediction").to_pylist())
+        self.masses.append(chunk.column("label_mass").to_numpy().astype(np.float32))
+        return chunk
+
+    def summary(self) -> dict:
+        """min, median and rows under LOW_MASS of the label mass; predictions per label, most first."""
+        mass = np.concatenate(self.masses) if self.masses else np.zeros(0, np.float32)
+        if not len(mass):
+            return {"label_mass_min": None, "label_mass_median": None, "low_mass_rows": 0, "predictions": {}}
+        return {"label_mass_min": float(mass.min()), "label_mass_median": float(np.median(mass)),
+                "low_mass_rows": int((mass < LOW_MASS).sum()), "predictions": dict(self.predictions.most_common())}
+
+
+def low_mass_warning(summary: dict, rows: int, labels: list[str]) -> str | None:
+    """A warning when most rows' labels hold little probability: a wrong label (case, spelling, a space)."""
+    low = summary.get("low_mass_rows", 0)
+    if not rows or low * 2 <= rows:
+        return None
+    return (f"the labels ({', '.join(map(repr, labels))} unless a labels column says otherwise) hold less than "
+            f"{LOW_MASS:.0%} of the model's probability on {low:,} of {rows:,} rows (median label mass "
+            f"{summary['label_mass_median']:.2g}): the model would answer with other tokens; check the labels' "
+            "spelling, case and leading spaces (a label with a leading space is quoted: --labels '\" Yes\",\" No\"')")

@@ -1,0 +1,59 @@
+"""CLI conventions: --version, help that names choices and values, one exit-status convention."""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from kevscore import __version__
+from kevscore.cli import app
+from kevscore.parts import LOCK, parts_dir
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def kevscore(*args, width: int = 80):
+    return CliRunner().invoke(app, [str(a) for a in args], terminal_width=width, env={"COLUMNS": str(width)})
+
+
+def test_version() -> None:
+    result = kevscore("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"kevscore {__version__}"
+
+
+def test_help_names_choices_and_values_not_types() -> None:
+    top = kevscore("--help")
+    assert top.exit_code == 0 and "--install-completion" in top.stdout and "--version" in top.stdout
+    assert "Exit status: 0" in top.stdout and "130 interrupted" in top.stdout
+    for command in ("run", "bank-inspect", "compare"):
+        text = kevscore(command, "--help").stdout
+        for bad in ("<str>", "<bool>", "<int>", "<path>", "<float>", "{input}", "{directory}", "…"):
+            assert bad not in text, (command, bad)
+    run = kevscore("run", "--help").stdout
+    assert "run [OPTIONS] INPUT" in run
+    for choice in ("[cpu|cuda|auto]", "[indexed|gathered]"):
+        assert choice in run
+    assert "<input stem>.scores.parquet" in " ".join(run.replace("│", " ").split())
+
+
+def test_exit_status_2_for_usage_and_input_errors(tmp_path: Path) -> None:
+    assert kevscore("run", "--no-such-option").exit_code == 2
+    assert kevscore("run", tmp_path / "missing.parquet", "--device", "cpu").exit_code == 2
+    assert kevscore("run", EXAMPLES / "questions.parquet", "--device", "gpu").exit_code == 2
+
+
+def test_exit_status_1_for_a_run_that_fails(tmp_path: Path) -> None:
+    """Another process holds the output's parts lock: the run cannot go on (a runtime failure)."""
+    src = Path(shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet"))
+    out = tmp_path / "out.parquet"
+    parts_dir(out).mkdir()
+    fd = os.open(parts_dir(out) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        result = kevscore("run", src, "--device", "cpu", "-o", out)
+    finally:
+        os.close(fd)
+    assert result.exit_code == 1 and "another kevscore run is writing" in result.stderr, result.stderr

@@ -1,0 +1,209 @@
+"""Users' own data as it is: input columns carried through, CSV and JSON Lines in and out, directories and
+globs of Parquet files, `-o -`, column names of their own, --limit and --dry-run; all through the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from kevscore.cli import app
+from kevscore.data import OUTPUT_SCHEMA
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+THEIRS = {"doc_id": "id", "question_id": "qid", "document": "text", "question": "ask"}
+
+
+def kevscore(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def run_ok(*args):
+    result = kevscore("run", *args, "--device", "cpu", "--quiet")
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    return result
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.fixture(scope="module")
+def source() -> pa.Table:
+    """The examples with a column of the user's own."""
+    table = pq.read_table(EXAMPLES / "questions.parquet")
+    return table.append_column("expected", pa.array(["Yes" if i % 2 else "No" for i in range(table.num_rows)]))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, source: pa.Table) -> pa.Table:
+    d = tmp_path_factory.mktemp("base")
+    pq.write_table(source, d / "q.parquet")
+    run_ok(d / "q.parquet")
+    return pq.read_table(d / "q.scores.parquet")
+
+
+def test_input_columns_are_carried_by_default(base: pa.Table, source: pa.Table) -> None:
+    assert base.schema.names == OUTPUT_SCHEMA.names + ["question", "expected"]  # not the document text
+    assert base.column("expected").equals(source.column("expected"))
+    assert base.column("question").equals(source.column("question"))
+
+
+def test_no_carry_writes_the_scoring_columns(tmp_path: Path, source: pa.Table, base: pa.Table) -> None:
+    pq.write_table(source, tmp_path / "q.parquet")
+    run_ok(tmp_path / "q.parquet", "--no-carry")
+    out = pq.read_table(tmp_path / "q.scores.parquet")
+    assert out.schema.equals(OUTPUT_SCHEMA) and out.equals(base.select(OUTPUT_SCHEMA.names))
+
+
+def test_csv_with_own_column_names_in_and_out(tmp_path: Path, source: pa.Table, base: pa.Table) -> None:
+    pacsv.write_csv(source.rename_columns([THEIRS.get(n, n) for n in source.column_names]), tmp_path / "q.csv")
+    run_ok(tmp_path / "q.csv", "-o", tmp_path / "out.csv", "--question-column", "ask", "--document-column", "text",
+           "--doc-id-column", "id", "--question-id-column", "qid")
+    out = pacsv.read_csv(tmp_path / "out.csv")
+    assert out.column_names == OUTPUT_SCHEMA.names + ["ask", "expected"]  # carried under the user's names
+    assert [json.loads(p) for p in out.column("probs").to_pylist()] == base.column("probs").to_pylist()
+    assert [json.loads(v) for v in out.column("labels").to_pylist()] == base.column("labels").to_pylist()
+    assert out.column("doc_id").to_pylist() == base.column("doc_id").to_pylist()
+
+
+def test_errors_name_the_file_and_columns_as_given(tmp_path: Path, source: pa.Table) -> None:
+    rows = source.to_pylist()
+    rows[2]["question"] = None
+    pq.write_table(pa.Table.from_pylist(rows).rename_columns(
+        [THEIRS.get(n, n) for n in source.column_names]), tmp_path / "q.parquet")
+    result = kevscore("run", tmp_path / "q.parquet", "--device", "cpu", "--question-column", "ask",
+                      "--document-column", "text")
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert line.startswith(f"error: {tmp_path / 'q.parquet'}: column 'ask' has nulls at row 2"), line
+    assert "staged" not in line and listing(tmp_path) == ["q.parquet"]
+
+
+def test_jsonl_in_and_stdout_out(tmp_path: Path, source: pa.Table, base: pa.Table) -> None:
+    with open(tmp_path / "q.jsonl", "w") as f:
+        for row in source.to_pylist():
+            f.write(json.dumps(row) + "\n")
+    result = run_ok(tmp_path / "q.jsonl", "-o", "-")
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert rows == base.to_pylist()
+    assert listing(tmp_path) == ["q.jsonl"]
+
+
+def test_jsonl_output_file(tmp_path: Path, source: pa.Table, base: pa.Table) -> None:
+    pq.write_table(source, tmp_path / "q.parquet")
+    run_ok(tmp_path / "q.parquet", "-o", tmp_path / "out.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert rows == base.to_pylist()
+
+
+def test_directory_and_glob_of_parquet_files(tmp_path: Path, source: pa.Table, base: pa.Table) -> None:
+    (tmp_path / "parts").mkdir()
+    pq.write_table(source.slice(0, 6), tmp_path / "parts" / "a.parquet")
+    pq.write_table(source.slice(6), tmp_path / "parts" / "b.parquet")
+    run_ok(tmp_path / "parts", "-o", tmp_path / "dir.parquet")
+    run_ok(str(tmp_path / "parts" / "*.parquet"), "-o", tmp_path / "glob.parquet")
+    for name in ("dir", "glob"):
+        out = pq.read_table(tmp_path / f"{name}.parquet")
+        assert out.select(["row", "question_id", "prediction"]).equals(base.select(["row", "question_id",
+                                                                                    "prediction"]))
+    assert "needs -o" in kevscore("run", str(tmp_path / "parts" / "*.parquet"), "--device", "cpu").stderr
+
+
+def test_two_file_input_given_alone_suggests_documents(tmp_path: Path) -> None:
+    result = kevscore("run", EXAMPLES / "two-file" / "questions.parquet", "--device", "cpu")
+    assert result.exit_code == 2 and "--documents FILE" in result.stderr, result.stderr
+
+
+def test_limit_scores_the_first_rows(tmp_path: Path, source: pa.Table) -> None:
+    rows = source.to_pylist()
+    rows[9]["question"] = None  # beyond the limit: not checked
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "q.parquet")
+    run_ok(tmp_path / "q.parquet", "--limit", "4")
+    out = pq.read_table(tmp_path / "q.scores.parquet")
+    assert out.column("row").to_pylist() == [0, 1, 2, 3]
+    assert kevscore("run", tmp_path / "q.parquet", "--device", "cpu", "--limit", "0").exit_code == 2
+
+
+def test_a_changed_limit_does_not_resume(tmp_path: Path) -> None:
+    src = Path(shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet"))
+    out = tmp_path / "out.parquet"
+    killed = subprocess.run([sys.executable, "-m", "kevscore", "run", str(src), "-o", str(out), "--device", "cpu",
+                             "--window", "1", "--limit", "8", "--quiet"], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", KEVSCORE_TEST_KILL="part-done:1"), timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    result = kevscore("run", src, "-o", out, "--device", "cpu", "--window", "1", "--limit", "9")
+    assert result.exit_code == 2 and "--limit 8 -> 9" in result.stderr, result.stderr
+    resumed = kevscore("run", src, "-o", out, "--device", "cpu", "--window", "1", "--limit", "8")
+    assert resumed.exit_code == 0 and pq.read_table(out).num_rows == 8, resumed.stderr
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path: Path) -> None:
+    src = Path(shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet"))
+    result = kevscore("run", src, "--device", "cpu", "--dry-run", "--window", "2")
+    assert result.exit_code == 0, result.stderr
+    for words in ("rows", "15", "documents", "windows", "wave", "tokens to prefill", "calibration", "estimate",
+                  "assumes"):
+        assert words in result.stdout, words
+    plan = json.loads(kevscore("run", src, "--device", "cpu", "--dry-run", "--log-json").stdout)
+    assert plan["event"] == "plan" and plan["rows"] == 15 and plan["windows"] == 1 and plan["estimate_s"] > 0
+    assert plan["prefix_tokens"] > 0 and plan["waves"] >= 1 and plan["calibration_rows"] > 0
+    assert listing(tmp_path) == ["q.parquet"]
+
+
+def test_dry_run_checks_the_whole_input(tmp_path: Path, source: pa.Table) -> None:
+    rows = source.to_pylist()
+    rows[14]["question"] = None
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "q.parquet")
+    result = kevscore("run", tmp_path / "q.parquet", "--device", "cpu", "--dry-run")
+    assert result.exit_code == 2 and "row 14" in result.stderr
+
+
+def test_json_extension_and_stdout_with_log_json_are_refused(tmp_path: Path) -> None:
+    src = EXAMPLES / "questions.parquet"
+    assert ".jsonl" in kevscore("run", src, "--device", "cpu", "-o", tmp_path / "o.json").stderr
+    both = kevscore("run", src, "--device", "cpu", "-o", "-", "--log-json")
+    assert both.exit_code == 2 and "choose one" in both.stderr
+
+
+def test_uri_inputs_through_pyarrow_filesystems(tmp_path: Path, source: pa.Table, base: pa.Table) -> None:
+    pq.write_table(source, tmp_path / "q.parquet")
+    uri = (tmp_path / "q.parquet").as_uri()
+    run_ok(uri, "-o", tmp_path / "out.parquet")
+    assert pq.read_table(tmp_path / "out.parquet").select(["row", "prediction"]).equals(
+        base.select(["row", "prediction"]))
+    assert "needs -o" in kevscore("run", uri, "--device", "cpu").stderr
+    bad = kevscore("run", "nosuchfs://bucket/q.parquet", "--device", "cpu", "-o", tmp_path / "x.parquet")
+    assert bad.exit_code == 2 and "error: nosuchfs://bucket/q.parquet: cannot open" in bad.stderr, bad.stderr
+
+
+def test_clashing_input_columns_are_not_carried(tmp_path: Path, source: pa.Table) -> None:
+    pq.write_table(source.append_column("prediction", pa.array(["mine"] * source.num_rows)), tmp_path / "q.parquet")
+    result = kevscore("run", tmp_path / "q.parquet", "--device", "cpu")
+    assert result.exit_code == 0 and "column 'prediction' is not copied" in result.stderr, result.stderr
+    out = pq.read_table(tmp_path / "q.scores.parquet")
+    assert out.column_names.count("prediction") == 1 and "mine" not in out.column("prediction").to_pylist()
+
+
+def test_csv_labels_column_holds_json_arrays(tmp_path: Path, source: pa.Table) -> None:
+    labels = [json.dumps(["No", "Yes"] if i % 2 else ["Yes", "No"]) for i in range(source.num_rows)]
+    pacsv.write_csv(source.append_column("labels", pa.array(labels)), tmp_path / "q.csv")
+    run_ok(tmp_path / "q.csv", "-o", tmp_path / "out.parquet")
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.column("labels").to_pylist() == [json.loads(v) for v in labels]
+
+
+def test_several_gpus_write_parquet_only(tmp_path: Path) -> None:
+    result = kevscore("run", EXAMPLES / "questions.parquet", "--gpus", "2", "-o", tmp_path / "out.csv")
+    assert result.exit_code == 2 and "give -o a .parquet name" in result.stderr, result.stderr
+    assert listing(tmp_path) == []
