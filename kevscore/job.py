@@ -12,6 +12,7 @@ the plan; GPU memory by the bank (waves inside a window when it does not fit).
 from __future__ import annotations
 
 import hashlib
+import os
 import resource
 import shutil
 import sys
@@ -182,11 +183,19 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
         with opened_inputs(opts) as inputs:
             result = _run_job(opts, inputs, output or inputs.stage / "stdout.jsonl", progress or Progress(), started)
             if stdout:
-                with open(result.output, "rb") as f:
-                    shutil.copyfileobj(f, sys.stdout.buffer)
-                sys.stdout.flush()
+                to_stdout(result.output)
                 result.output = Path(STDOUT)
         return result
+
+
+def to_stdout(path: Path) -> None:
+    """Copy a file to stdout; a reader that stops early (`| head`) has all it wanted."""
+    try:
+        with open(path, "rb") as f:
+            shutil.copyfileobj(f, sys.stdout.buffer)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
 
 
 class Laps:

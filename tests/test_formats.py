@@ -207,3 +207,15 @@ def test_several_gpus_write_parquet_only(tmp_path: Path) -> None:
     result = kevscore("run", EXAMPLES / "questions.parquet", "--gpus", "2", "-o", tmp_path / "out.csv")
     assert result.exit_code == 2 and "give -o a .parquet name" in result.stderr, result.stderr
     assert listing(tmp_path) == []
+
+
+def test_stdout_reader_that_stops_early_is_not_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kevscore.job import to_stdout
+
+    (tmp_path / "big.jsonl").write_bytes(b"{}\n" * 200_000)  # more than a pipe holds
+    read, write = os.pipe()
+    os.close(read)  # `| head` has gone
+    with open(write, "w") as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe)
+        to_stdout(tmp_path / "big.jsonl")  # no BrokenPipeError
+        pipe.write("more")  # and later writes go nowhere, quietly
