@@ -40,6 +40,19 @@ def test_chunked_matches_token_recurrence(t):
     assert torch.allclose(final.double(), final_ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("t", [1, 17, 40, 64])
+def test_a_short_sequence_as_one_chunk_of_its_length_matches_the_recurrence(t):
+    """The CPU path's chunk_size(t): the same rule without the padding of a 64-token chunk."""
+    q, k, v, g, beta = inputs(3, t, seed=t)
+    h0 = torch.randn(3, 4, 32, 16)
+    assert gdr_ref.chunk_size(t) == t
+    o, final = gdr_ref.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              chunk=gdr_ref.chunk_size(t))
+    o_ref, final_ref = recurrent(q, k, v, g, beta, h0)
+    assert torch.allclose(o.double(), o_ref, atol=2e-5, rtol=1e-5)
+    assert torch.allclose(final.double(), final_ref, atol=2e-5, rtol=1e-5)
+
+
 def test_strong_decay_stays_finite():
     q, k, v, g, beta = inputs(2, 130)
     o, final = gdr_ref.chunk_gated_delta_rule(q, k, v, g * 200, beta, output_final_state=True)

@@ -18,8 +18,9 @@ CHUNK = 64
 
 
 def chunk_size(t: int) -> int:
-    """FLA's 64-token chunks; a sequence of fewer tokens is one chunk of its own length (a short branch
-    then costs t x t blocks, not 64 x 64: the same arithmetic, none of it on padding)."""
+    """For a sequence of t tokens: FLA's 64-token chunks, or one chunk of its own length when shorter (the
+    CPU path's choice: a short branch costs t x t blocks, not 64 x 64, the same arithmetic without padding).
+    Every stage takes `chunk` (default FLA's 64, which the reference and the demo's training keep)."""
     return max(1, min(CHUNK, t))
 
 
@@ -43,10 +44,10 @@ def repeat_heads(k: torch.Tensor, hv: int) -> torch.Tensor:
     return k.repeat_interleave(hv // k.shape[2], dim=2) if k.shape[2] != hv else k
 
 
-def chunk_cumsum(g: torch.Tensor) -> torch.Tensor:
+def chunk_cumsum(g: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """Chunk-local cumulative sum of the log decay, scaled to log2 space: [R, T, HV]."""
     t = g.shape[1]
-    gc = _chunks(g, chunk_size(t)).cumsum(2) * RCP_LN2
+    gc = _chunks(g, chunk).cumsum(2) * RCP_LN2
     return gc.flatten(1, 2)[:, :t]
 
 
@@ -58,9 +59,10 @@ def _masked_decay(gc: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.exp2(diff.masked_fill(~keep, -math.inf))
 
 
-def wy_repr(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def wy_repr(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """w = A (beta k exp2(g)), u = A (beta v) with A = (I + strictly_lower(beta k k^T exp2(g_i - g_j)))^-1."""
-    t, hv, c = k.shape[1], v.shape[2], chunk_size(k.shape[1])
+    t, hv, c = k.shape[1], v.shape[2], chunk
     kc = _chunks(repeat_heads(k, hv), c)  # [R, NT, C, HV, K]
     vc, gc, bc = _chunks(v, c), _chunks(g, c, gate=True), _chunks(beta, c)
     kk = torch.einsum("rnihk,rnjhk->rnhij", kc, kc)
@@ -70,17 +72,17 @@ def wy_repr(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tenso
     a = a + torch.eye(c, device=k.device)
     kb = (kc * (bc * torch.exp2(gc)).unsqueeze(-1)).permute(0, 1, 3, 2, 4)  # [R, NT, HV, C, K]
     vb = (vc * bc.unsqueeze(-1)).permute(0, 1, 3, 2, 4)
-    # one solve for both right-hand sides: each column is solved on its own, the same as two solves
-    w, u = torch.linalg.solve_triangular(a, torch.cat([kb, vb], -1), upper=False, unitriangular=True).split(
-        [kb.shape[-1], vb.shape[-1]], -1)
+    w = torch.linalg.solve_triangular(a, kb, upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(a, vb, upper=False, unitriangular=True)
     unchunk = lambda x: x.permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :t]  # noqa: E731
     return unchunk(w), unchunk(u)
 
 
-def _scan(k, w, u, g, h0: torch.Tensor | None, final: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _scan(k, w, u, g, h0: torch.Tensor | None, final: bool,
+          c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(h entering each chunk, v_new, the final state when `final`: the last chunk's update feeds only it)."""
     r, t, hv, vd = u.shape
-    kd, c = k.shape[-1], chunk_size(t)
+    kd = k.shape[-1]
     kc, wc, uc, gc = _chunks(repeat_heads(k, hv), c), _chunks(w, c), _chunks(u, c), _chunks(g, c, gate=True)
     h = torch.zeros(r, hv, kd, vd, device=k.device) if h0 is None else h0.float()  # never updated in place
     hs, vnew = [], []
@@ -98,9 +100,10 @@ def _scan(k, w, u, g, h0: torch.Tensor | None, final: bool) -> tuple[torch.Tenso
     return torch.stack(hs, 1), v_new, (h if final else None)
 
 
-def state_scan(k, w, u, g, initial_state: torch.Tensor | None = None, output_final_state: bool = False):
+def state_scan(k, w, u, g, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+               chunk: int = CHUNK):
     """The state scan with a row-buffer initial state: returns (h, v_new, final_state or None)."""
-    return _scan(k, w, u, g, initial_state, output_final_state)
+    return _scan(k, w, u, g, initial_state, output_final_state, chunk)
 
 
 def bank_rows(index: torch.Tensor, rows: int, index_stride: int | None = None) -> torch.Tensor:
@@ -109,16 +112,17 @@ def bank_rows(index: torch.Tensor, rows: int, index_stride: int | None = None) -
     return index.as_strided((rows,), (stride,)).long()
 
 
-def state_scan_indexed(k, w, u, g, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None):
+def state_scan_indexed(k, w, u, g, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
+                       chunk: int = CHUNK):
     """The state scan reading row r's initial state from `bank[index[r * index_stride]]`; never writes the bank."""
     slots = bank_rows(index, u.shape[0], index_stride)
-    h, v_new, _ = _scan(k, w, u, g, bank[slots], False)
+    h, v_new, _ = _scan(k, w, u, g, bank[slots], False, chunk)
     return h, v_new
 
 
-def chunk_output(q, k, v_new, h, g, scale: float) -> torch.Tensor:
+def chunk_output(q, k, v_new, h, g, scale: float, chunk: int = CHUNK) -> torch.Tensor:
     """o = scale * (q h exp2(g) + causal(q k^T exp2(g_i - g_j)) v_new): [R, T, HV, V]."""
-    t, hv, c = q.shape[1], v_new.shape[2], chunk_size(q.shape[1])
+    t, hv, c = q.shape[1], v_new.shape[2], chunk
     qc, kc = _chunks(repeat_heads(q, hv), c), _chunks(repeat_heads(k, hv), c)
     vc, gc = _chunks(v_new, c), _chunks(g, c, gate=True)
     inter = torch.einsum("rnihk,rnhkv->rnihv", qc, h) * torch.exp2(gc).unsqueeze(-1)
@@ -130,13 +134,12 @@ def chunk_output(q, k, v_new, h, g, scale: float) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale: float | None = None, initial_state=None,
-                           output_final_state: bool = False, use_qk_l2norm: bool = True):
+                           output_final_state: bool = False, use_qk_l2norm: bool = True, chunk: int = CHUNK):
     """The whole forward: (o [R, T, HV, V] fp32, final state or None). `g` is the natural-log decay."""
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    q, k = repeat_heads(q, v.shape[2]), repeat_heads(k, v.shape[2])  # once, not in every stage
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    gc = chunk_cumsum(g)
-    w, u = wy_repr(k, v.float(), gc, beta.float())
-    h, v_new, final = state_scan(k, w, u, gc, initial_state, output_final_state)
-    return chunk_output(q, k, v_new, h, gc, scale), final
+    gc = chunk_cumsum(g, chunk)
+    w, u = wy_repr(k, v.float(), gc, beta.float(), chunk)
+    h, v_new, final = state_scan(k, w, u, gc, initial_state, output_final_state, chunk)
+    return chunk_output(q, k, v_new, h, gc, scale, chunk), final

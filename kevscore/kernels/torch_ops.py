@@ -119,21 +119,42 @@ def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, 
     return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(), False
 
 
-def _gdr_parts(q, k, v, g, beta):
+def _gdr_parts(q, k, v, g, beta, chunk: int):
     q, k = (gdr_ref.repeat_heads(gdr_ref.l2norm(x), v.shape[2]) for x in (q, k))  # once, not in every stage
-    gc = gdr_ref.chunk_cumsum(g)
-    w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float())
+    gc = gdr_ref.chunk_cumsum(g, chunk)
+    w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float(), chunk)
     return q, k, w, u, gc
 
 
 def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every document of the pack from a zero state at once: padding has k = 0 and a decay of 1 (g = 0),
-    so it leaves each document's final state as it was. (output [1, N, hv, dv], final states [D, ...] fp32)."""
+    """The pack's documents from a zero state, as padded batches of documents with as many 64-token chunks
+    (the engine sorts a pack by length, so these are runs): padding has k = 0 and a decay of 1 (g = 0), so
+    it leaves each document's final state as it was. (output [1, N, hv, dv], final states [D, ...] fp32)."""
     assert not qk_normed
-    docs = Padded(ctx.cu_seqlens)
-    o, final = gdr_ref.chunk_gated_delta_rule(*map(docs.pad, (q, k, v, gdn_decay(gate), beta)),
-                                              output_final_state=True)
-    return docs.pack(o).to(v.dtype), final
+    q, k = (gdr_ref.repeat_heads(gdr_ref.l2norm(x), v.shape[2]) for x in (q, k))  # once, not in every stage
+    g = gdn_decay(gate)
+    outs, finals = [], []
+    for s, e, cu in _runs(ctx.cu_seqlens):
+        docs = Padded(cu)
+        o, final = gdr_ref.chunk_gated_delta_rule(*(docs.pad(x[:, s:e]) for x in (q, k, v, g, beta)),
+                                                  output_final_state=True, use_qk_l2norm=False,
+                                                  chunk=gdr_ref.chunk_size(docs.t))
+        outs.append(docs.pack(o))
+        finals.append(final)
+    return torch.cat(outs, 1).to(v.dtype), torch.cat(finals, 0)
+
+
+def _runs(cu_seqlens: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+    """(first token, end token, cu_seqlens from 0) of each run of consecutive documents that span as many
+    chunks: padding within a run stays under one chunk a document."""
+    bounds = cu_seqlens.tolist()
+    chunks = [-(-(e - s) // gdr_ref.CHUNK) for s, e in zip(bounds[:-1], bounds[1:])]
+    out, first = [], 0
+    for d in range(1, len(chunks) + 1):
+        if d == len(chunks) or chunks[d] != chunks[first]:
+            out.append((bounds[first], bounds[d], cu_seqlens[first:d + 1] - bounds[first]))
+            first = d
+    return out
 
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
@@ -141,13 +162,14 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
     """Rows start from bank entries `slots`; `gathered` copies them into a row buffer first.
     gate = (a, A_log, dt_bias), see `gdn_decay`."""
     assert not qk_normed
-    q, k, w, u, gc = _gdr_parts(q, k, v, gdn_decay(gate), beta)
+    c = gdr_ref.chunk_size(q.shape[1])  # a short branch: one chunk of its own length
+    q, k, w, u, gc = _gdr_parts(q, k, v, gdn_decay(gate), beta, c)
     if path == "gathered":
         h0 = bank.index_select(0, slots.long())
-        h, v_new, _ = gdr_ref.state_scan(k, w, u, gc, initial_state=h0)
+        h, v_new, _ = gdr_ref.state_scan(k, w, u, gc, initial_state=h0, chunk=c)
     else:
-        h, v_new = gdr_ref.state_scan_indexed(k, w, u, gc, bank, slots, slots.stride(0))
-    return gdr_ref.chunk_output(q, k, v_new, h, gc, q.shape[-1] ** -0.5).to(v.dtype)
+        h, v_new = gdr_ref.state_scan_indexed(k, w, u, gc, bank, slots, slots.stride(0), chunk=c)
+    return gdr_ref.chunk_output(q, k, v_new, h, gc, q.shape[-1] ** -0.5, c).to(v.dtype)
 
 
 def _sdpa(q, k, v, mask):
