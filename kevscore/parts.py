@@ -24,8 +24,8 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import BinaryIO
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
