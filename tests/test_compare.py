@@ -101,6 +101,7 @@ def test_data_rows_at_every_temperature(tmp_path):
     (["--cases", "shared,nope"], "--cases nope: choose among"),
     (["--data", str(EXAMPLES / "questions.parquet"), "--cases", "shared"], "with --data, the cases are"),
     (["--reps", "0"], "need reps >= 1"),
+    (["--batch-rows", "0"], "--batch-rows 0: must be at least 1"),  # as `run` refuses it
     (["--baseline", "vllm"], "the only baseline is hf"),
     (["--json", "/nonexistent-dir/r.json"], "its folder does not exist"),
 ])
