@@ -16,8 +16,9 @@ value head, block of BV value columns), grid (V / BV, R * HV), computes for each
 
 Only o is written. Values are rounded where FLA's pipeline stores them between its kernels (A, w, u,
 v_new and the state entering a chunk, in the input dtype), so with bf16 inputs the two differ in
-accumulation order only. Where things live (Triton decides; ptxas at the Kev-4B shape, defaults: 255
-registers, no spills, 72 KB of shared memory, one 8-warp program per SM): the state block [K, BV] is read
+accumulation order only. Where things live (Triton decides; ptxas at the Kev-4B shape, defaults, no
+spills, 72 KB of shared memory: T <= 64 with BV = V 218 registers, up to 128 with BV = 64 255; one 8-warp
+program per SM either way, so occupancy is the first thing to measure): the state block [K, BV] is read
 from the bank once, rounded to the input dtype, and held in registers as the dots' operand; it is fp32
 only while the second chunk's state is formed, from the entry read again (L2) rather than kept through
 the first chunk. The gate, beta, the [64, 64] A, S = q k^T and (I + A)^-1 and the 16x16 blocks of the
@@ -167,7 +168,8 @@ def _chunk(q, k, v, beta, o, p_a, sa_t, A_log, dt_bias, h1, h2, i_t, T, o_v, m_v
 @triton.jit(do_not_specialize=["T"])
 def _branch_gdr_kernel(q, k, v, a, sa_r, sa_t, A_log, dt_bias, beta, bank, index, index_stride, bank_stride, o,
                        T, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+                       SHORT: tl.constexpr):
     i_v, i_rh = tl.program_id(0), tl.program_id(1)
     i_r, i_h = i_rh // HV, i_rh % HV
     slot = tl.load(index + i_r * index_stride).to(tl.int64)
@@ -189,7 +191,9 @@ def _branch_gdr_kernel(q, k, v, a, sa_r, sa_t, A_log, dt_bias, beta, bank, index
     h2 = h1
     if K > BK:
         h2 = tl.load(p_h + BK * V, mask=m_v[None, :], other=0.0).to(k.dtype.element_ty)
-    if T > BT:  # two chunks: the first, then the state entering the second from the entry read again
+    if SHORT:  # T <= BT: compiled without the second chunk, which would take registers it does not need
+        _chunk(q, k, v, beta, o, p_a, sa_t, A_log, dt_bias, h1, h2, 0, T, o_v, m_v, scale, H, HV, K, V, BT, BK, PREC)
+    elif T > BT:  # the first chunk, then the state entering the second from the entry read again
         b_vd, g_last = _chunk(q, k, v, beta, o, p_a, sa_t, A_log, dt_bias, h1, h2, 0, T, o_v, m_v, scale,
                               H, HV, K, V, BT, BK, PREC)
         o_t = tl.arange(0, BT)
@@ -201,20 +205,20 @@ def _branch_gdr_kernel(q, k, v, a, sa_r, sa_t, A_log, dt_bias, beta, bank, index
             b_h += tl.dot(tl.trans(_tile(k, o_t, o_t < T, BK + o_k, H * K)), b_vd)
             h2 = b_h.to(k.dtype.element_ty)
         _chunk(q, k, v, beta, o, p_a, sa_t, A_log, dt_bias, h1, h2, 1, T, o_v, m_v, scale, H, HV, K, V, BT, BK, PREC)
-    else:
+    else:  # (a runtime branch, not a second variant: this form compiles without spills at the Kev-4B shape)
         _chunk(q, k, v, beta, o, p_a, sa_t, A_log, dt_bias, h1, h2, 0, T, o_v, m_v, scale, H, HV, K, V, BT, BK, PREC)
 
-
 def branch_gdr(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate, beta: torch.Tensor, bank: torch.Tensor,
-               index: torch.Tensor, index_stride: int | None = None, block_k: int = 128, block_v: int = 64,
-               num_warps: int = 8, num_stages: int = 1) -> torch.Tensor:
+               index: torch.Tensor, index_stride: int | None = None, block_k: int = 128,
+               block_v: int | None = None, num_warps: int = 8, num_stages: int = 1) -> torch.Tensor:
     """o [R, T, HV, V] (v's dtype) of branches of T <= 128 tokens, row r from `bank[index[r * index_stride]]`.
 
     q, k [R, T, H, K] l2-normalized, v [R, T, HV, V], beta [R, T, HV]: contiguous, as `branch_conv` writes
     them; gate = (a, A_log, dt_bias): a [R, T, HV] at any row and token stride (a slice of the projection
     output), A_log and dt_bias [HV]; bank [E, HV, K, V] fp32 (any entry stride), never written; index: int
-    tensor read at `r * index_stride`. Launch: block_k key and block_v value columns per program step and
-    program, at the Kev-4B shape the one configuration without spills (benchmarks/sm90_build.py)."""
+    tensor read at `r * index_stride`. Launch: block_k key columns per step, block_v value columns per
+    program (default: 128 for one chunk, 64 for two); one compiled variant for T <= 64, one for T <= 128. At
+    the Kev-4B shape the defaults are the 8-warp configurations without spills (benchmarks/sm90_build.py)."""
     a, A_log, dt_bias = gate
     r, t, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
@@ -223,10 +227,12 @@ def branch_gdr(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate, beta: to
     assert a.shape == (r, t, hv) and a.stride(2) == 1
     assert bank.shape[1:] == (hv, kd, vd) and bank.stride()[1:] == (kd * vd, vd, 1) and bank.dtype == torch.float32
     stride = index.stride(0) if index_stride is None else index_stride
-    bv = min(block_v, triton.next_power_of_2(vd))
+    short = t <= CHUNK
+    bv = min(block_v or (128 if short else 64), triton.next_power_of_2(vd))
     o = torch.empty_like(v)
     grid = (triton.cdiv(vd, bv), r * hv)
     _branch_gdr_kernel[grid](q, k, v, a, a.stride(0), a.stride(1), A_log, dt_bias, beta, bank, index, stride,
                              bank.stride(0), o, t, kd ** -0.5, H=h, HV=hv, K=kd, V=vd, BT=CHUNK,
-                             BK=min(kd, block_k), BV=bv, PREC="tf32", num_warps=num_warps, num_stages=num_stages)
+                             BK=min(kd, block_k), BV=bv, PREC="tf32", SHORT=short, num_warps=num_warps,
+                             num_stages=num_stages)
     return o

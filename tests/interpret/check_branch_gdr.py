@@ -2,7 +2,8 @@
 `torch_ops.gdr_branch` (both paths) on the CPU, for one and two chunks (T up to 128, the second chunk partly
 masked), the decay input a strided slice of a projection output, bank slots a strided upload-buffer column
 with repeated entries; the bank is never written, and the gathered form (the rows' states copied out, an
-identity index) gives the indexed bits."""
+identity index) gives the indexed bits. fp32 only: Triton 3.8's interpreter multiplies bf16 dot operands as their
+raw bits (the bf16 rounding points are checked on the GPU, tests/test_cuda_branch_gdr.py)."""
 import time
 
 import torch
