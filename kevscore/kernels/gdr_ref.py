@@ -153,6 +153,7 @@ def branch_gdr(q, k, v, gate, beta, bank: torch.Tensor, index: torch.Tensor,
                index_stride: int | None = None) -> torch.Tensor:
     """The four stages composed for branches: q, k l2-normalized, gate = (a, A_log, dt_bias), row r starting
     from `bank[index[r * index_stride]]` (never written). Returns o [R, T, HV, V] in v's dtype."""
+    q, k = (repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
     gc = chunk_cumsum(gate_decay(*gate))
     w, u = wy_repr(k, v.float(), gc, beta.float())
     h, v_new = state_scan_indexed(k, w, u, gc, bank, index, index_stride)
