@@ -205,7 +205,7 @@ def _branch_gdr_kernel(q, k, v, a, sa_r, sa_t, A_log, dt_bias, beta, bank, index
             b_h += tl.dot(tl.trans(_tile(k, o_t, o_t < T, BK + o_k, H * K)), b_vd)
             h2 = b_h.to(k.dtype.element_ty)
         _chunk(q, k, v, beta, o, p_a, sa_t, A_log, dt_bias, h1, h2, 1, T, o_v, m_v, scale, H, HV, K, V, BT, BK, PREC)
-    else:  # (a runtime branch, not a second variant: this form compiles without spills at the Kev-4B shape)
+    else:  # not launched (the launcher sends T <= BT to SHORT), but with it this variant compiles spill-free
         _chunk(q, k, v, beta, o, p_a, sa_t, A_log, dt_bias, h1, h2, 0, T, o_v, m_v, scale, H, HV, K, V, BT, BK, PREC)
 
 def branch_gdr(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate, beta: torch.Tensor, bank: torch.Tensor,
