@@ -95,7 +95,8 @@ def child(args) -> None:
         phases = [(name, origin.elapsed_time(a) / 1000, origin.elapsed_time(b) / 1000) for name, a, b in timeline.marks]
     s = result.stats
     out = {"import_s": import_s, "process_s": time.perf_counter() - t0, "wall_s": result.wall_s,
-           "load_s": result.load_s, "load_phases": result.load_phases, "warm_up": result.warm_up, "read_s": s.read_s, "prefill_s": s.prefill_s, "score_s": s.score_s,
+           "load_s": result.load_s, "load_phases": result.load_phases, "warm_up": result.warm_up,
+           "read_s": s.read_s, "prefill_s": s.prefill_s, "score_s": s.score_s,
            "write_s": s.write_s, "rows": s.rows, "documents": result.documents, "prefix_tokens": s.prefix_tokens,
            "branch_tokens": s.branch_tokens, "batches": s.batches, "waves": s.waves,
            "gpu_idle_between_phases_s": idle_between(phases), "phases": len(phases),
@@ -199,8 +200,6 @@ def prefill_alone(args, cfg_name: str, tflops: float, doc_tokens: int) -> dict:
            "ms": ms, "tokens_per_s": tokens / ms * 1000, "roof_share": roof_ms / ms}
     if args.profile:
         out["profile_ms"] = bench.profile(call, reps=1)
-    del engine, runner
-    torch.cuda.empty_cache()
     return out
 
 
@@ -268,7 +267,10 @@ def run(args) -> dict:
         if cuda and args.baseline_docs:
             report["baselines"] = baselines(args, data)
         if cuda and args.prefill_docs:
-            report["prefill"] = [prefill_alone(args, args.model, tflops, int(n)) for n in args.prefill_docs.split(",")]
+            report["prefill"] = []
+            for n in args.prefill_docs.split(","):
+                report["prefill"].append(prefill_alone(args, args.model, tflops, int(n)))
+                torch.cuda.empty_cache()  # the run's model and bank, freed with its locals
     return report
 
 

@@ -116,7 +116,7 @@ class RunResult:
     wall_s: float = 0.0
     peak_rss: int = 0             # bytes: this process's peak resident set size (getrusage)
     peak_gpu: int | None = None   # bytes: torch.cuda.max_memory_allocated, on a GPU
-    load_phases: dict[str, float] = field(default_factory=dict)  # load_s in parts: scan, checkpoint, tokens, runner, identity
+    load_phases: dict[str, float] = field(default_factory=dict)  # load_s in parts (scan, checkpoint, tokens, ...)
     warm_up: dict | None = None   # the GPU warm-up thread's seconds and error (kevscore.warmup)
     already_complete: bool = False  # the output was this very job's, merged by an earlier run: nothing done
     warnings: list[str] = field(default_factory=list)  # about the results (e.g. labels holding little mass)

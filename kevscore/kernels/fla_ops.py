@@ -33,6 +33,7 @@ from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
+from kevscore.kernels.branch_gdr import MAX_T, branch_gdr  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
 
@@ -41,6 +42,8 @@ FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch
 # prefill through FLA's whole ops (its conv, `chunk_gated_delta_rule`, padded SDPA) instead: A/B and oracle
 FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"
 PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
+# kernels/branch_gdr.py for branches of <= 128 tokens: one kernel instead of the four stages (not yet measured)
+FUSED_GDR = os.environ.get("KEVSCORE_FUSED_GDR", "0") == "1"
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -187,7 +190,14 @@ def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
                qk_normed: bool = False) -> torch.Tensor:
-    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan."""
+    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan. With KEVSCORE_FUSED_GDR=1,
+    branches of up to 128 tokens run the fused kernel instead; `gathered` gives it the rows' states copied
+    out and an identity index, so both paths compute alike to the bit."""
+    if FUSED_GDR and qk_normed and q.shape[1] <= MAX_T:
+        if path == "gathered":
+            rows = torch.arange(slots.shape[0], device=slots.device)
+            return branch_gdr(q, k, v, gate, beta, bank.index_select(0, slots), rows)
+        return branch_gdr(q, k, v, gate, beta, bank, slots, slots.stride(0))
     q, k, w, u, gc = gdr_parts(q, k, v, gate_cumsum(gate), beta, qk_normed)
     if path == "gathered":
         h0 = bank.index_select(0, slots)

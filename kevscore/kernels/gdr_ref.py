@@ -5,13 +5,15 @@ gate cumsum (log2 space) -> WY representation (w, u) -> state scan (h, v_new) ->
 Shapes: q, k [R, T, H, K]; v, u [R, T, HV, V]; w [R, T, HV, K]; g, beta [R, T, HV];
 h [R, NT, HV, K, V] (the state entering each chunk); states [N, HV, K, V] in fp32.
 Every function computes in fp32. `state_scan_indexed` has the exact interface of the Triton kernel
-in `kevscore.kernels.state_scan`: it reads row r's initial state from `bank[index[r * index_stride]]`.
+in `kevscore.kernels.state_scan`: it reads row r's initial state from `bank[index[r * index_stride]]`;
+`branch_gdr`, the stages composed, that of the fused short-branch kernel in `kevscore.kernels.branch_gdr`.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 RCP_LN2 = 1.0 / math.log(2.0)
 CHUNK = 64
@@ -143,3 +145,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float | None = None, initial
     w, u = wy_repr(k, v.float(), gc, beta.float(), chunk)
     h, v_new, final = state_scan(k, w, u, gc, initial_state, output_final_state, chunk)
     return chunk_output(q, k, v_new, h, gc, scale, chunk), final
+
+
+def gate_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """The DeltaNet log decay of each token and value head: -exp(A_log) * softplus(a + dt_bias), [R, T, HV]."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+
+
+def branch_gdr(q, k, v, gate, beta, bank: torch.Tensor, index: torch.Tensor,
+               index_stride: int | None = None) -> torch.Tensor:
+    """The four stages composed for branches: q, k l2-normalized, gate = (a, A_log, dt_bias), row r starting
+    from `bank[index[r * index_stride]]` (never written). Returns o [R, T, HV, V] in v's dtype."""
+    q, k = (repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
+    gc = chunk_cumsum(gate_decay(*gate))
+    w, u = wy_repr(k, v.float(), gc, beta.float())
+    h, v_new = state_scan_indexed(k, w, u, gc, bank, index, index_stride)
+    return chunk_output(q, k, v_new, h, gc, q.shape[-1] ** -0.5).to(v.dtype)

@@ -54,8 +54,7 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_sc
 
 def gdn_decay(gate) -> torch.Tensor:
     """Log decay of each token and value head from gate = (a, A_log, dt_bias): -exp(A_log) * softplus(a + dt_bias)."""
-    a, A_log, dt_bias = gate
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return gdr_ref.gate_decay(*gate)
 
 
 def _conv(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
