@@ -556,6 +556,53 @@ def bank_inspect(
         raise typer.Exit(1)
 
 
+@app.command(cls=Command)
+def info(
+    output: Path = typer.Argument(..., metavar="FILE", help="A Parquet output of kevscore run."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole record as JSON to stdout."),
+) -> None:
+    """How a Parquet output was made: kevscore's version, the inputs and their SHA-256s, the template, the
+    model and its fingerprint, the device, dtype, path, labels and options."""
+    from kevscore.parts import output_provenance
+
+    try:
+        record = output_provenance(output)
+    except (KevscoreError, OSError) as exc:
+        error = reported(exc)
+        _fail(str(error), error.exit_code)
+    if record is None:
+        _fail(f"{output}: records no provenance (not written by kevscore run, or not as Parquet)", 2)
+    if as_json:
+        typer.echo(json.dumps(record, indent=1))
+    else:
+        Console(width=None if Console().is_terminal else 80).print(provenance_table(record))
+
+
+def provenance_table(record: dict) -> Table:
+    """The record in two columns, the figures a reader checks first."""
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    opts = record.get("options", {})
+
+    def file(entry) -> str:
+        return "-" if not entry else f"{entry['name']} (sha256 {entry['sha256'][:16]})"
+
+    model, plan = record.get("model", {}), record.get("plan", {})
+    rows = [("kevscore", f"{record.get('kevscore')}, {record.get('created')}"),
+            ("input", file(record.get("input"))), ("documents", file(record.get("documents"))),
+            ("template", file(record.get("template")) if record.get("template") else "the model's chat template"),
+            ("model", f"{model.get('name')} (fingerprint {str(model.get('fingerprint'))[:16]})"),
+            ("device", f"{opts.get('device')}, {record.get('dtype')}, path {opts.get('path')}"),
+            ("labels", ", ".join(repr(label) for label in opts.get("labels", []))),
+            ("rows", f"{plan.get('rows', 0):,} in {plan.get('windows', 0):,} window{'s' * (plan.get('windows') != 1)}"),
+            ("options", ", ".join(f"{k} {v}" for k, v in opts.items() if k not in ("device", "path", "labels"))),
+            ("job", str(record.get("job")))]
+    for name, value in rows:
+        table.add_row(name, markup_escape(value))
+    return table
+
+
 def _when(t: float | None, short: bool = False) -> str:
     import datetime
 

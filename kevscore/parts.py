@@ -33,12 +33,13 @@ import pyarrow.parquet as pq
 
 from kevscore import faults
 from kevscore.data import OUTPUT_SCHEMA
-from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
+from kevscore.errors import KevscoreError, KevscoreFailure, first_line, os_failure
 from kevscore.formats import TableWriter, file_format
 
 FORMAT, VERSION = "kevscore-parts", 1
 MANIFEST, LOCK = "manifest.json", "lock"
 JOB_KEY = b"kevscore.job"
+PROVENANCE_KEY = b"kevscore.provenance"  # how the output was made: version, inputs, model, options (`kevscore info`)
 PART_ROW_GROUP = 1024   # rows per row group in part files: a merge keeps about one per open part
 MERGE_ROWS = 16384      # input rows per merge chunk
 ERRORS_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("question_id", pa.string()),
@@ -193,6 +194,28 @@ def output_job(output: Path) -> str | None:
         return None
     job = meta.get(JOB_KEY)
     return job.decode("ascii", "replace") if job else None
+
+
+def provenance(identity: dict) -> dict:
+    """What an output records of how it was made: the job's identity (inputs and their SHA-256s, template,
+    model and its fingerprint, options, plan), kevscore's version, the weights' dtype and when."""
+    from kevscore import __version__
+
+    dtype = "bfloat16" if identity["options"]["device"] == "cuda" else "float32"
+    return {"kevscore": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dtype": dtype,
+            "job": job_digest(identity), **identity}
+
+
+def output_provenance(output: Path) -> dict | None:
+    """The provenance a kevscore Parquet output records (None: a Parquet file without it)."""
+    fmt = file_format(output)
+    if fmt != "parquet":
+        raise KevscoreError(f"{output}: a {fmt} file; only Parquet outputs record how they were made")
+    try:
+        meta = pq.read_schema(output).metadata or {}
+        return json.loads(meta[PROVENANCE_KEY]) if PROVENANCE_KEY in meta else None
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise KevscoreError(f"{output}: not a readable Parquet file ({first_line(exc)})") from exc
 
 
 def differences(old: dict, new: dict) -> list[str]:
@@ -376,7 +399,8 @@ class PartStore:
             write_new(self.dir / names["errors"], parquet_filler(ERRORS_SCHEMA, [errors], None, None),
                       errors_path(self.output))
         chunks = self._merged(of_row)
-        job = {JOB_KEY: self.job.encode()}  # in a Parquet output's metadata: a rerun finds the job complete
+        # in a Parquet output's metadata: the job, so a rerun finds it complete, and how it was made
+        job = {JOB_KEY: self.job.encode(), PROVENANCE_KEY: json.dumps(provenance(self.identity)).encode()}
         fill = table_filler(finish(chunks) if finish else chunks, file_format(self.output), job, "merge")
         write_new(self.dir / names["output"], fill, self.output)
         self.manifest["merged"] = {"tmp": names, "rows": expected,

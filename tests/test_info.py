@@ -1,0 +1,58 @@
+"""Provenance: a Parquet output records how it was made, and `kevscore info` prints it (80 columns, or JSON)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from rich.console import Console
+from typer.testing import CliRunner
+
+from kevscore.cli import app, provenance_table
+from kevscore.job import RunOptions, run_job
+from kevscore.parts import output_provenance
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "demo-task.parquet"
+
+
+def scored(tmp_path: Path, suffix: str = ".parquet", **options) -> Path:
+    src = tmp_path / "q.parquet"
+    shutil.copy(EXAMPLE, src)
+    out = tmp_path / f"out{suffix}"
+    run_job(RunOptions(input=src, output=out, device="cpu", limit=12, **options))
+    return out
+
+
+def test_an_output_records_how_it_was_made(tmp_path):
+    out = scored(tmp_path, labels=["No", "Yes"], batch_rows=5)
+    record = output_provenance(out)
+    assert record["kevscore"] and record["dtype"] == "float32" and len(record["job"]) == 64
+    assert record["input"]["name"] == "q.parquet" and len(record["input"]["sha256"]) == 64
+    assert record["model"]["name"] == "demo" and record["model"]["fingerprint"]
+    opts = record["options"]
+    assert (opts["device"], opts["path"], opts["labels"], opts["batch_rows"], opts["limit"]) == \
+        ("cpu", "indexed", ["No", "Yes"], 5, 12)
+    assert record["plan"]["rows"] == 12
+
+
+def test_info_prints_it_at_80_columns_or_as_json(tmp_path):
+    out = scored(tmp_path)
+    res = CliRunner().invoke(app, ["info", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "q.parquet" in res.output and "demo" in res.output and "'Yes', 'No'" in res.output
+    console = Console(width=80, record=True)
+    console.print(provenance_table(output_provenance(out)))
+    text = console.export_text()
+    assert "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= 80
+    res = CliRunner().invoke(app, ["info", str(out), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output) == output_provenance(out)
+
+
+def test_info_on_other_files_is_one_line(tmp_path):
+    csv = scored(tmp_path, suffix=".csv")
+    for path, words in ((csv, "only Parquet outputs record"), (EXAMPLE, "records no provenance"),
+                        (Path(__file__), "not a readable Parquet file"), (tmp_path / "none.parquet", "")):
+        res = CliRunner().invoke(app, ["info", str(path)])
+        assert res.exit_code == 2, (path, res.output)
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], res.output
