@@ -589,7 +589,7 @@ def provenance_table(record: dict) -> Table:
         return "-" if not entry else f"{entry['name']} (sha256 {entry['sha256'][:16]})"
 
     model, plan = record.get("model", {}), record.get("plan", {})
-    rows = [("kevscore", f"{record.get('kevscore')}, {record.get('created')}"),
+    rows = [("kevscore", str(record.get("kevscore"))),
             ("input", file(record.get("input"))), ("documents", file(record.get("documents"))),
             ("template", file(record.get("template")) if record.get("template") else "the model's chat template"),
             ("model", f"{model.get('name')} (fingerprint {str(model.get('fingerprint'))[:16]})"),

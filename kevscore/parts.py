@@ -198,12 +198,12 @@ def output_job(output: Path) -> str | None:
 
 def provenance(identity: dict) -> dict:
     """What an output records of how it was made: the job's identity (inputs and their SHA-256s, template,
-    model and its fingerprint, options, plan), kevscore's version, the weights' dtype and when."""
+    model and its fingerprint, options, plan), kevscore's version and the weights' dtype. No time: the same
+    job writes the same bytes, so a resumed run's output equals an uninterrupted one's."""
     from kevscore import __version__
 
     dtype = "bfloat16" if identity["options"]["device"] == "cuda" else "float32"
-    return {"kevscore": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "dtype": dtype,
-            "job": job_digest(identity), **identity}
+    return {"kevscore": __version__, "dtype": dtype, "job": job_digest(identity), **identity}
 
 
 def output_provenance(output: Path) -> dict | None:

@@ -1,5 +1,6 @@
 import os
 import random
+from pathlib import Path
 
 # One torch thread in the tests and the processes they start (unless the caller chose): these small ops gain
 # little from a second thread, and on a shared 2-core machine a second, spinning one made runs up to 10x slower.
@@ -15,6 +16,14 @@ from kevscore.kernels import torch_ops
 from kevscore.model import KevModel
 from kevscore.prompt import Encoded
 from kevscore.runner import EagerRunner
+
+@pytest.fixture(scope="session")
+def example_rows() -> list[dict]:
+    """The rows of examples/questions.parquet."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(Path(__file__).resolve().parent.parent / "examples" / "questions.parquet").to_pylist()
+
 
 @pytest.fixture(scope="session")
 def demo():
@@ -102,3 +111,13 @@ def transformers_states(ckpt, doc: list[int]) -> tuple[list, list, list]:
         else:
             kvs.append(torch.stack([layer.keys[0], layer.values[0]]).transpose(1, 2))
     return states, convs, kvs
+
+
+def with_switch(ckpt, monkeypatch, switch: str, enc) -> tuple[list, dict]:
+    """The GPU engine's probabilities with `fla_ops.<switch>` off (indexed), then on (both paths)."""
+    from kevscore.kernels import fla_ops
+
+    monkeypatch.setattr(fla_ops, switch, False)
+    base = gpu_engine(ckpt, enc.prefixes, max_rows=8).run(enc, "indexed").probs
+    monkeypatch.setattr(fla_ops, switch, True)
+    return base, {p: gpu_engine(ckpt, enc.prefixes, max_rows=8).run(enc, p).probs for p in ("indexed", "gathered")}

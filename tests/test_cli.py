@@ -67,11 +67,6 @@ def fails(directory: Path, parts: list[str], *args) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def example_rows() -> list[dict]:
-    return pq.read_table(EXAMPLES / "questions.parquet").to_pylist()
-
-
 @pytest.fixture
 def work(tmp_path: Path) -> Path:
     """A copy of the examples: questions.parquet and two-file/{questions,documents}.parquet."""

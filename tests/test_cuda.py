@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from conftest import gpu_engine, synthetic
+from conftest import gpu_engine, synthetic, with_switch
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -312,13 +312,8 @@ def test_fused_branch_conv_matches_fla_conv_and_l2norm(dims, t):
 
 
 def test_fused_branch_conv_in_the_model_keeps_paths_bitwise(tiny, monkeypatch):
-    from kevscore.kernels import fla_ops
-
     enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 130])
-    monkeypatch.setattr(fla_ops, "FUSED_CONV", False)
-    base = gpu_engine(tiny, enc.prefixes, max_rows=8).run(enc, "indexed").probs
-    monkeypatch.setattr(fla_ops, "FUSED_CONV", True)
-    out = {p: gpu_engine(tiny, enc.prefixes, max_rows=8).run(enc, p).probs for p in ("indexed", "gathered")}
+    base, out = with_switch(tiny, monkeypatch, "FUSED_CONV", enc)
     assert out["indexed"] == out["gathered"]
     assert max(abs(a - b) for ra, rb in zip(base, out["indexed"]) for a, b in zip(ra, rb)) < 0.02
 

@@ -4,7 +4,7 @@ KEVSCORE_FUSED_GDR, graph replays with new slots, and the model with the switch 
 import pytest
 import torch
 
-from conftest import gpu_engine, synthetic
+from conftest import synthetic, with_switch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -81,12 +81,7 @@ def test_graph_replays_read_new_slots():
 def test_model_with_the_switch_keeps_paths_bitwise(tiny, monkeypatch):
     """Branches of 1-128 tokens through the fused kernel (longer ones through the stages): indexed ==
     gathered, and close to the stages' probabilities."""
-    from kevscore.kernels import fla_ops
-
     enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 100, 128])
-    monkeypatch.setattr(fla_ops, "FUSED_GDR", False)
-    base = gpu_engine(tiny, enc.prefixes, max_rows=8).run(enc, "indexed").probs
-    monkeypatch.setattr(fla_ops, "FUSED_GDR", True)
-    out = {p: gpu_engine(tiny, enc.prefixes, max_rows=8).run(enc, p).probs for p in ("indexed", "gathered")}
+    base, out = with_switch(tiny, monkeypatch, "FUSED_GDR", enc)
     assert out["indexed"] == out["gathered"]
     assert max(abs(a - b) for ra, rb in zip(base, out["indexed"]) for a, b in zip(ra, rb)) < 0.02

@@ -89,11 +89,6 @@ def not_utf8(values: list, at: int, typ: pa.DataType = pa.string()) -> pa.Array:
     return pa.array(raw, pa.list_(pa.binary())).view(pa.list_(pa.string()))
 
 
-@pytest.fixture(scope="module")
-def rows() -> list[dict]:
-    return pq.read_table(EXAMPLES / "questions.parquet").to_pylist()
-
-
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
     shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet")
@@ -313,8 +308,8 @@ def test_output_directory_removed_mid_run(tmp_path, src, template, monkeypatch):
 # ---------------------------------------------------------------- 4-6: undecodable and ambiguous input
 
 @pytest.mark.parametrize("column", ["document", "question", "doc_id", "question_id", "labels"])
-def test_invalid_utf8_in_a_column(tmp_path, rows, column):
-    table = pa.Table.from_pylist([{**r, "labels": ["Yes", "No"]} for r in rows])
+def test_invalid_utf8_in_a_column(tmp_path, example_rows, column):
+    table = pa.Table.from_pylist([{**r, "labels": ["Yes", "No"]} for r in example_rows])
     values = table.column(column).to_pylist()
     typ = pa.list_(pa.string()) if column == "labels" else pa.string()
     table = table.set_column(table.schema.get_field_index(column), column, not_utf8(values, 3, typ))
@@ -338,8 +333,8 @@ def test_template_that_is_not_utf8(tmp_path, src):
     refused(tmp_path, 2, [str(t), "not UTF-8", "0xff", "offset 11"], src, "--template", t)
 
 
-def test_duplicate_column_names(tmp_path, rows):
-    cols = [pa.array([r[c] for r in rows]) for c in ("document", "question", "question")]
+def test_duplicate_column_names(tmp_path, example_rows):
+    cols = [pa.array([r[c] for r in example_rows]) for c in ("document", "question", "question")]
     path = put(tmp_path / "in.parquet", pa.Table.from_arrays(cols, names=["document", "question", "question"]))
     refused(tmp_path, 2, [str(path), "'question'", "more than once"], path)
 
