@@ -18,7 +18,7 @@ from triton.testing import do_bench
 from kevscore.measure import environment
 
 DEV = "cuda"
-KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan"]
+KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused gdr"]
 
 
 def timed(fn) -> float | None:
@@ -204,6 +204,26 @@ def main() -> None:
         for final in sweep((False, True)):  # the default first
             record("scan", "ours, last update run" if final else "ours, last update skipped", timed(
                 lambda: state_scan_indexed(ks, w, u, gc, bank, slots, final_update=final)), delta_layers, floor)
+
+    if "fused gdr" in args.only:
+        # one fused kernel per DeltaNet layer (kernels/branch_gdr.py) against the stages it replaces: FLA's gate
+        # cumsum and WY representation, our indexed scan, FLA's output; at --t and at an 85-token branch
+        from kevscore.kernels.branch_gdr import branch_gdr
+
+        for tt in (t, 85):
+            qs, ks = (torch.nn.functional.normalize(rand(r, tt, hk, dk).float(), dim=-1).to(torch.bfloat16)
+                      for _ in range(2))
+            vs = rand(r, tt, hv, dv)
+            beta = torch.rand(r, tt, hv, device=DEV, generator=gen).to(torch.bfloat16)
+            a = rand(r, tt, 3 * hv)[..., hv: 2 * hv]  # a strided slice, as the projection gives it
+            gate = (a, torch.randn(hv, device=DEV), torch.randn(hv, device=DEV))
+            bank = torch.randn(16, hv, dk, dv, device=DEV, generator=gen)
+            slots = torch.arange(r, device=DEV) % 16
+            record("fused gdr", f"T {tt}: stages (gate, WY, scan, output)", timed(lambda: fla_ops.gdr_branch(
+                qs, ks, vs, gate, beta, bank, slots, "indexed", qk_normed=True)), delta_layers)
+            for bk, bv, wp in sweep(((128, None, 8), (64, 64, 4), (64, 16, 4))):  # the default first
+                record("fused gdr", f"T {tt}: fused BK {bk} BV {bv} warps {wp}", timed(lambda: branch_gdr(
+                    qs, ks, vs, gate, beta, bank, slots, block_k=bk, block_v=bv, num_warps=wp)), delta_layers)
 
     best = {}
     for res in results:
