@@ -6,6 +6,10 @@ import sys
 
 def main() -> None:
     try:
+        line = starting_line(sys.argv[1:], sys.stderr.isatty())
+        if line:  # the imports below take a second or more before the progress display can start
+            sys.stderr.write(line)
+            sys.stderr.flush()
         with _deferred_interrupt():
             # A SIGINT inside a C extension's import can surface as an ImportError that a library catches
             # and works around: the heavy imports run with it held, and it is raised once they are done.
@@ -15,6 +19,15 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         raise SystemExit(130) from None
+
+
+def starting_line(args: list[str], terminal: bool) -> str | None:
+    """What `kevscore run` shows on a terminal before its imports: the progress display then writes over it.
+    Nothing where nothing else is shown (--quiet, --log-json, --help) or where stderr is not a terminal."""
+    quiet = {"--quiet", "--log-json", "--help", "-h", "--dry-run"}
+    if not terminal or not args or args[0] != "run" or quiet & set(args):
+        return None
+    return "kevscore: starting\r"
 
 
 class _deferred_interrupt:

@@ -57,3 +57,15 @@ def test_exit_status_1_for_a_run_that_fails(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert result.exit_code == 1 and "another kevscore run is writing" in result.stderr, result.stderr
+
+
+def test_run_shows_a_line_at_once_on_a_terminal():
+    """Before its imports (a second or more), `kevscore run` writes a line the progress display writes over;
+    nothing when it shows nothing else, or when stderr is not a terminal."""
+    from kevscore.__main__ import starting_line
+
+    assert starting_line(["run", "q.parquet"], True) == "kevscore: starting\r"
+    for args in (["run", "q.parquet", "--quiet"], ["run", "q.parquet", "--log-json"], ["run", "--help"],
+                 ["bank-inspect", "DIR"], []):
+        assert starting_line(args, True) is None, args
+    assert starting_line(["run", "q.parquet"], False) is None
