@@ -315,7 +315,7 @@ def run(
     labels_column: str = option("labels", "--labels-column", panel=COLUMNS, metavar="NAME",
                                 help="The column holding each row's labels (a list)."),
     model: str = option("demo", "--model", panel=MODEL, metavar="MODEL",
-                        help="A checkpoint directory, or demo, kev-0.8b, kev-4b."),
+                        help="A checkpoint directory, a hub id (ORG/NAME, ORG/NAME@REV), demo, kev-0.8b or kev-4b."),
     device: str = option("auto", "--device", panel=MODEL, metavar="[cpu|cuda|auto]",
                          help="auto: the GPU if there is one."),
     path: str = option("indexed", "--path", panel=MODEL, metavar="[indexed|gathered]",
@@ -667,7 +667,8 @@ def print_inspect(out: Console, r: dict, detail: bool) -> None:
 
 @app.command(cls=Command)
 def compare(
-    model: str = option("demo", "--model", metavar="MODEL", help="A checkpoint directory, or demo, kev-0.8b, kev-4b."),
+    model: str = option("demo", "--model", metavar="MODEL", help="A checkpoint directory, a hub id (ORG/NAME, "
+                        "ORG/NAME@REV), demo, kev-0.8b or kev-4b."),
     data: Optional[Path] = option(None, "--data", metavar="FILE", help="Rows from this Parquet instead of synthetic "
                                   "cases."),
     documents: Optional[Path] = option(None, "--documents", metavar="FILE", help="With --data: its documents Parquet."),

@@ -36,14 +36,16 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> None:
     small = small_model(cfg)
     ckpt = Checkpoint("warm-up", small, random_weights(small, 0, torch.bfloat16, device),
                       SimpleNamespace(pad_token_id=0, eos_token_id=0))
+    runner = build_runner(ckpt, device, max(PREFILL_GROUPS, key=sum), None, eager=True)  # holds either group
+    engine = Engine(runner, max_rows=4, prefill_tokens=1 << 16)
     for docs in PREFILL_GROUPS:
         prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
-        rows = [(d, rows, length) for d in range(len(docs)) for rows, length in BRANCHES]
-        enc = Encoded(prefixes, [d for d, n, _ in rows for _ in range(n)],
-                      [[7] * length for _, n, length in rows for _ in range(n)],
-                      [["a", "b"]] * sum(n for _, n, _ in rows), [[3, 4]] * sum(n for _, n, _ in rows))
-        runner = build_runner(ckpt, device, docs, None, eager=True)
-        Engine(runner, max_rows=4, prefill_tokens=1 << 16).run(enc, path)
+        batches = [(d, rows, length) for d in range(len(docs)) for rows, length in BRANCHES]
+        n_rows = sum(rows for _, rows, _ in batches)
+        enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)],
+                      [[7] * length for _, rows, length in batches for _ in range(rows)],
+                      [["a", "b"]] * n_rows, [[3, 4]] * n_rows)
+        engine.run(enc, path)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
