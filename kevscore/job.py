@@ -233,6 +233,7 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None) -> Pre
     device = resolve_device(opts.device)
     # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights load
     warm_up = prepare_device(device, peek_config(opts.model), opts.path)
+    laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
                       opts.skip_invalid, keep_texts=opts.shard is not None)
     finished = None

@@ -6,6 +6,7 @@ thread time that the load hides."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ from types import SimpleNamespace
 import torch
 
 from kevscore.config import FULL, LINEAR, KevConfig
+
+# KEVSCORE_PARALLEL_COMPILE=0: compile in the warm-up thread alone (kevscore.kernels.precompile's A/B)
+PARALLEL_COMPILE = os.environ.get("KEVSCORE_PARALLEL_COMPILE", "1") != "0"
 
 # token counts whose divisibility by 16 differs (Triton specializes integer arguments on it), and the
 # branch buckets of both kinds: prefill groups and scoring batches of the shapes a job meets
@@ -26,8 +30,9 @@ def small_model(cfg: KevConfig) -> KevConfig:
     return dataclasses.replace(cfg, layer_types=(LINEAR, FULL), vocab_size=min(cfg.vocab_size, 1024))
 
 
-def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> None:
-    """Run every kernel of a job on `path` once, at the layer shapes of `cfg` (on a CPU: the torch ops)."""
+def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> dict:
+    """Run every kernel of a job on `path` once, at the layer shapes of `cfg` (on a CPU: the torch ops). On a
+    GPU the kernels are first compiled side by side (kevscore.kernels.precompile). Returns seconds by step."""
     from kevscore.backend import build_runner
     from kevscore.checkpoint import Checkpoint, random_weights
     from kevscore.engine import Engine
@@ -38,16 +43,27 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> None:
                       SimpleNamespace(pad_token_id=0, eos_token_id=0))
     runner = build_runner(ckpt, device, max(PREFILL_GROUPS, key=sum), None, eager=True)  # holds either group
     engine = Engine(runner, max_rows=4, prefill_tokens=1 << 16)
-    for docs in PREFILL_GROUPS:
-        prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
-        batches = [(d, rows, length) for d in range(len(docs)) for rows, length in BRANCHES]
-        n_rows = sum(rows for _, rows, _ in batches)
-        enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)],
-                      [[7] * length for _, rows, length in batches for _ in range(rows)],
-                      [["a", "b"]] * n_rows, [[3, 4]] * n_rows)
-        engine.run(enc, path)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+
+    def run_each_shape() -> None:
+        for docs in PREFILL_GROUPS:
+            prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
+            batches = [(d, rows, length) for d in range(len(docs)) for rows, length in BRANCHES]
+            n_rows = sum(rows for _, rows, _ in batches)
+            enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)],
+                          [[7] * length for _, rows, length in batches for _ in range(rows)],
+                          [["a", "b"]] * n_rows, [[3, 4]] * n_rows)
+            engine.run(enc, path)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    steps = {}
+    if device.type == "cuda" and PARALLEL_COMPILE:
+        from kevscore.kernels.precompile import precompile
+        steps["precompile"] = dataclasses.asdict(precompile(run_each_shape))
+    t0 = time.perf_counter()
+    run_each_shape()
+    steps["run_s"] = time.perf_counter() - t0
+    return steps
 
 
 @dataclass(slots=True)
@@ -56,10 +72,11 @@ class WarmUp:
     thread: threading.Thread
     seconds: float | None = None  # how long it ran (None: still running when the job stopped waiting)
     error: str | None = None      # why it stopped early; the job meets the same error where it reports it
+    steps: dict = dataclasses.field(default_factory=dict)  # seconds of the context and of compile_kernels' steps
 
     def join(self, timeout: float) -> dict:
         self.thread.join(timeout)
-        return {"seconds": self.seconds, "error": self.error}
+        return {"seconds": self.seconds, "error": self.error, **self.steps}
 
 
 def prepare_device(device: torch.device, cfg: KevConfig | None, path: str) -> WarmUp | None:
@@ -75,8 +92,9 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str) -> Wa
         t0 = time.perf_counter()
         try:
             torch.ones(1, device=device).sum()
+            warm.steps["context_s"] = time.perf_counter() - t0
             if cfg is not None:
-                compile_kernels(cfg, device, path)
+                warm.steps.update(compile_kernels(cfg, device, path))
         except Exception as exc:  # noqa: BLE001 - reported with the job's load, never fatal
             warm.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
         warm.seconds = time.perf_counter() - t0

@@ -107,6 +107,36 @@ def test_warm_up_thread_compiles_the_kernels_without_error(tiny):
     assert report["error"] is None and report["seconds"] is not None
 
 
+COLD_START = """
+import json, torch, triton
+from kevscore.config import SHAPES
+from kevscore.kernels import tuning
+from kevscore.warmup import compile_kernels
+tuning.pin_for(torch.cuda.get_device_name())
+own = []
+triton.knobs.compilation.listener = lambda *, cache_hit, **_: own.append(cache_hit)
+steps = compile_kernels(SHAPES["kev-0.8b"], torch.device("cuda"), "indexed")
+print(json.dumps({"precompile": steps["precompile"], "own_compiles": own.count(False)}))
+"""
+
+
+def test_a_cold_start_compiles_every_kernel_in_the_workers(tmp_path):
+    """A fresh process with an empty Triton cache: the forked workers compile every kernel the warm-up model
+    meets (on a pinned GPU), so its real pass compiles none itself."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), KEVSCORE_PARALLEL_COMPILE="1")
+    out = subprocess.run([sys.executable, "-c", COLD_START], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    pre = report["precompile"]
+    assert pre["skipped"] is None and pre["kernels"] >= 10 and pre["compiled"] == pre["kernels"], pre
+    assert report["own_compiles"] == 0, report
+
+
 def test_gpu_prefill_close_to_transformers_states(tiny):
     """The GPU's packed bf16 prefill against transformers' own fp32 cache after each document (CPU)."""
     enc = synthetic([1, 5, 70, 300], [4])

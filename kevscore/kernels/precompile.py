@@ -1,0 +1,108 @@
+"""Triton kernels compiled side by side: a dry pass of a run records every kernel it would compile (nothing
+is compiled or launched), forked worker processes compile them into Triton's cache, and the run itself
+then finds each one there.
+
+Triton compiles one kernel at a time and holds the GIL while it does, so a cold start compiles ~40 kernels
+in a row; the workers spread them over the CPU's cores. Everything here is an optimization: a kernel the
+workers could not compile is compiled by the run as usual, and any surprise ends the dry pass early.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+# the kernels the dry pass met, read by the forked workers from their copy of this process's memory
+_PENDING: list[tuple] = []
+
+
+class Unpinned(RuntimeError):
+    """The dry pass met an autotuner with several configurations: timing them needs real launches."""
+
+
+@dataclass(slots=True)
+class Precompiled:
+    kernels: int = 0        # specializations the dry pass met
+    compiled: int = 0       # of those, compiled (or found in the cache) by the workers
+    workers: int = 0
+    dry_s: float = 0.0      # the dry pass
+    compile_s: float = 0.0  # the workers, start to end
+    skipped: str | None = None  # why there was no parallel compilation
+
+
+@contextlib.contextmanager
+def _recording(found: dict):
+    """Triton's launches record their compilation instead of compiling, and launch nothing."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    do_compile, tune = JITFunction._do_compile, Autotuner.run
+
+    def record(self, key, signature, device, constexprs, options, attrs, warmup):
+        target = self.device_caches[device][2]
+        found.setdefault((self.module, self.fn.__qualname__, str(key)),
+                         (self, signature, constexprs, options, attrs, target))
+        # Triton's launcher returns without launching when there is no kernel
+
+    def refuse_timing(self, *args, **kwargs):
+        if len(self.configs) > 1:
+            raise Unpinned(getattr(self.fn, "__name__", str(self.fn)))
+        return tune(self, *args, **kwargs)
+
+    JITFunction._do_compile, Autotuner.run = record, refuse_timing
+    try:
+        yield
+    finally:
+        JITFunction._do_compile, Autotuner.run = do_compile, tune
+
+
+def _compile_one(i: int) -> bool:
+    """In a worker: compile pending kernel `i` into Triton's cache (a hit there returns at once)."""
+    from triton.compiler import ASTSource, compile
+    jit, signature, constexprs, options, attrs, target = _PENDING[i]
+    try:
+        compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+        return True
+    except Exception:  # noqa: BLE001 - the run compiles it in its own process and reports any error there
+        return False
+
+
+def workers_for(kernels: int) -> int:
+    return max(0, min(kernels, (os.cpu_count() or 1) - 1, 16))
+
+
+def precompile(dry_run: Callable[[], None], timeout_s: float = 120.0) -> Precompiled:
+    """Call `dry_run` (a run whose output is thrown away) with compilation recorded, then compile what it
+    met in forked workers. On a surprise (an autotuner to time, an error in the dry run, a worker stuck)
+    it stops and says why in `skipped`; the caller's real run then compiles what is left."""
+    global _PENDING
+    report, found = Precompiled(), {}
+    t0 = time.perf_counter()
+    try:
+        with _recording(found):
+            dry_run()
+    except Exception as exc:  # noqa: BLE001 - the dry run's output is garbage anyway; the real run decides
+        report.skipped = f"dry pass: {type(exc).__name__}: {exc}".splitlines()[0]
+    report.dry_s, report.kernels = time.perf_counter() - t0, len(found)
+    report.workers = workers_for(len(found))
+    if report.skipped or not report.workers:
+        report.skipped = report.skipped or "no kernels to compile"
+        return report
+    t1 = time.perf_counter()
+    _PENDING = list(found.values())
+    # a tokenizer used before the fork would print a warning in each worker unless this is set (its default)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    try:
+        # fork: the workers share this process's imported kernels; they never touch the GPU
+        with multiprocessing.get_context("fork").Pool(report.workers) as pool:
+            done = pool.map_async(_compile_one, range(len(_PENDING)), chunksize=1)
+            report.compiled = sum(done.get(timeout_s))
+    except Exception as exc:  # noqa: BLE001 - a timeout or a failed fork: the run compiles the rest
+        report.skipped = f"workers: {type(exc).__name__}: {exc}".splitlines()[0]
+    finally:
+        _PENDING = []
+    report.compile_s = time.perf_counter() - t1
+    return report

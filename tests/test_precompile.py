@@ -1,0 +1,79 @@
+"""The parallel compile of a run's Triton kernels (kevscore.kernels.precompile), on a CPU: Triton compiles for
+an sm90 target without a GPU, so the dry pass's record, the forked workers and Triton's cache are all real;
+only the launch that a GPU run would make is simulated (the call Triton's launcher makes on a miss)."""
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile, make_backend  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from kevscore.kernels import precompile as pc  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+@triton.jit
+def _double(x, y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y + i, tl.load(x + i, mask=i < n) * 2, mask=i < n)
+
+
+@triton.jit
+def _broken(x, y, n, BLOCK: tl.constexpr):
+    tl.static_assert(BLOCK < 0)
+
+
+def launch_miss(block: int, kernel=_double) -> None:
+    """What Triton's launcher does when `kernel` at this BLOCK is in no cache: ask `_do_compile` for it."""
+    backend = make_backend(TARGET)
+    kernel.device_caches[0] = ({}, {}, TARGET, backend, None)
+    signature = {"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    kernel._do_compile(("key", block), signature, 0, {(3,): block}, backend.parse_options({"num_warps": 4}), {},
+                       False)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    return tmp_path / "triton"
+
+
+def test_workers_compile_what_the_dry_pass_met_into_tritons_cache(cache):
+    report = pc.precompile(lambda: [launch_miss(b) for b in (128, 256, 128)])
+    assert report.skipped is None, report.skipped
+    assert (report.kernels, report.compiled) == (2, 2) and report.workers >= 1
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 2  # one cache group per specialization
+    assert JITFunction._do_compile.__name__ == "_do_compile"  # Triton's own again after the pass
+    hits = []
+    backend = make_backend(TARGET)
+    import triton as tr
+    tr.knobs.compilation.listener = lambda *, cache_hit, **_: hits.append(cache_hit)
+    try:
+        compile(ASTSource(_double, {"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {(3,): 256}, {}),
+                target=TARGET, options=backend.parse_options({"num_warps": 4}).__dict__)
+    finally:
+        tr.knobs.compilation.listener = None
+    assert hits == [True]  # the run finds the workers' kernel
+
+
+def test_a_failing_dry_pass_or_an_autotuner_to_time_ends_it_with_a_reason(cache):
+    def boom():
+        raise ValueError("no such shape")
+
+    assert pc.precompile(boom).skipped == "dry pass: ValueError: no such shape"
+    tuner = Autotuner.__new__(Autotuner)
+    tuner.configs, tuner.fn = [triton.Config({}), triton.Config({})], _double
+    report = pc.precompile(lambda: tuner.run())
+    assert report.skipped.startswith("dry pass: Unpinned") and report.kernels == 0
+    assert Autotuner.run.__name__ == "run"
+    assert pc.precompile(lambda: None).skipped == "no kernels to compile"
+
+
+def test_a_kernel_the_workers_cannot_compile_is_left_to_the_run(cache):
+    report = pc.precompile(lambda: (launch_miss(64, _broken), launch_miss(64)))
+    assert (report.kernels, report.compiled, report.skipped) == (2, 1, None)
