@@ -17,14 +17,10 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # always FLA's own T
 import torch  # noqa: E402
 import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from fla.modules.activations import swiglu_fwd  # noqa: E402
-from fla.modules.conv.causal_conv1d import causal_conv1d  # noqa: E402
-from fla.modules.fused_norm_gate import rms_norm_gated  # noqa: E402
-from fla.modules.layernorm import rms_norm as fla_rms_norm  # noqa: E402
-from fla.modules.l2norm import l2norm_fwd  # noqa: E402
+# FLA's ops that only the A/B switches and the tests' oracles use are imported where they are called: the
+# default path then never imports FLA's modules package (several seconds, `fla_packages`)
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h  # noqa: E402
 from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
-from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
 from fla.ops.gated_delta_rule.chunk_fwd import (  # noqa: E402
     chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_kkt_solve_kernel)
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd  # noqa: E402
@@ -58,6 +54,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, e
 
 def rms_norm_fla(x: torch.Tensor, scale: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """FLA's own kernel: the oracle of `rms_norm` / `add_rms_norm` in the tests."""
+    from fla.modules.layernorm import rms_norm as fla_rms_norm
     if residual is None:
         return fla_rms_norm(x, scale, None, eps=eps)
     return fla_rms_norm(x, scale, None, residual=residual, eps=eps, prenorm=True)
@@ -68,6 +65,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     which copies it first, is the oracle in the tests."""
     if x.is_contiguous() and gate.stride(-1) == 1 and gate.stride(-2) == gate.shape[-1]:
         return gated_rms_norm_heads(x, gate, weight, eps)
+    from fla.modules.fused_norm_gate import rms_norm_gated
+
     return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
 
 
@@ -78,6 +77,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 def swiglu_fla(gate_up: torch.Tensor) -> torch.Tensor:
     """FLA's own kernel (flat indexing); kept as the oracle of `swiglu` and for A/B benchmarks."""
+    from fla.modules.activations import swiglu_fwd
+
     gate, up = gate_up.chunk(2, -1)
     return swiglu_fwd(gate, up, output_contiguous=True)
 
@@ -91,6 +92,8 @@ def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_sc
 
 def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
     """x [R, T, C] (may be a strided slice), init [R, C, k-1] -> silu(causal conv) [R, T, C]."""
+    from fla.modules.conv.causal_conv1d import causal_conv1d
+
     state = F.pad(init.to(x.dtype), (1, 0))  # FLA's conv state is [N, C, k]; its first column is unused
     y, _ = causal_conv1d(x, weight, activation="silu", initial_state=state)
     return y
@@ -112,6 +115,8 @@ def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor,
 
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    from fla.modules.conv.causal_conv1d import causal_conv1d
+
     y, _ = causal_conv1d(x.contiguous(), weight, activation="silu", cu_seqlens=cu_seqlens.long())
     return y
 
@@ -135,6 +140,8 @@ def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torc
     a, A_log, dt_bias = gate
     cu, chunks = ctx.cu_seqlens_long, ctx.chunk_indices
     if not qk_normed:  # FLA's whole op (FLA_PREFILL)
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
         return chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
                                       beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
                                       use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
@@ -182,6 +189,8 @@ def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tens
 def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
     """FLA's forward up to the state scan, given the gate cumsum: l2norm (unless done), WY representation."""
     if not qk_normed:
+        from fla.modules.l2norm import l2norm_fwd
+
         q, _ = l2norm_fwd(q.contiguous())
         k, _ = l2norm_fwd(k.contiguous())
     w, u = wy_repr(k.contiguous(), v.contiguous(), gc, beta.contiguous())

@@ -64,10 +64,15 @@ def _compile_one(i: int) -> bool:
     from triton.compiler import ASTSource, compile
     jit, signature, constexprs, options, attrs, target = _PENDING[i]
     try:
-        compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
-        return True
+        kernel = compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
     except Exception:  # noqa: BLE001 - the run compiles it in its own process and reports any error there
         return False
+    try:  # Triton versions that build a C launcher per signature (3.6) keep it in the same cache
+        from triton.runtime import driver
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 - the run builds it
+        pass
+    return True
 
 
 def workers_for(kernels: int) -> int:
