@@ -370,8 +370,9 @@ def make_engine(opts: RunOptions, runner, store: BankStore | None = None) -> Eng
 
 def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
                   tokenizer, template, max_positions: int, stats: RunStats, progress: Progress) -> None:
-    """Score every window without a completed part, writing each window's part as it completes. The next
-    window is read and tokenized on a worker thread while this one is scored (two windows in memory)."""
+    """Score every window without a completed part. The next window is read and tokenized on one worker
+    thread while this one is scored, and the last window's part is written on another (at most two windows'
+    inputs and one window's output in memory); a failure on either thread ends the run with its error."""
     todo = [w for w in range(len(windows)) if w not in parts.done]
     resumed_rows = sum(parts.done.values())
     total_rows = int(windows.rows.sum())
@@ -385,27 +386,37 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
         table = reader.read(windows.rows_of(w))
         return table, encode(table, tokenizer, template, opts.labels, max_positions)
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="kevscore-read")
+    def write(w: int, table, enc, scores: Scores) -> None:  # on the writing thread
+        t0 = time.perf_counter()
+        parts.write(w, *_part_tables(table, enc, scores))
+        stats.write_s += time.perf_counter() - t0  # only this thread adds to it while windows are scored
+        progress.event("part", window=w, rows=len(enc) - len(scores.failed), failed=len(scores.failed),
+                       windows_done=len(parts.done), windows=len(windows))
+
+    reading = ThreadPoolExecutor(1, thread_name_prefix="kevscore-read")
+    writing = ThreadPoolExecutor(1, thread_name_prefix="kevscore-write")
+    last_write = None
     try:
-        upcoming = pool.submit(load, todo[0]) if todo else None
+        upcoming = reading.submit(load, todo[0]) if todo else None
         for k, w in enumerate(todo):
             t0 = time.perf_counter()
             table, enc = upcoming.result()
             stats.read_s += time.perf_counter() - t0  # the time scoring waited for its window
-            upcoming = pool.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
+            upcoming = reading.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
             progress.event("window", window=w, rows=len(enc), documents=len(enc.prefixes))
             if engine.store is not None:
                 engine.store.note_documents(enc.prefixes, _doc_ids(table, enc))
             scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
             engine.run_waves(enc, opts.path, scores, progress)
             progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
-            t1 = time.perf_counter()
-            parts.write(w, *_part_tables(table, enc, scores))
-            stats.write_s += time.perf_counter() - t1
-            progress.event("part", window=w, rows=len(enc) - len(scores.failed), failed=len(scores.failed),
-                           windows_done=len(parts.done), windows=len(windows))
+            if last_write is not None:
+                last_write.result()  # the previous part is on disk (or its error is raised here)
+            last_write = writing.submit(write, w, table, enc, scores)
+        if last_write is not None:
+            last_write.result()
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        reading.shutdown(wait=False, cancel_futures=True)
+        writing.shutdown(wait=True)  # a stopped or failed run keeps the part being written
 
 
 def _part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table | None]:
