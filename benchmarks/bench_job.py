@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -175,6 +176,40 @@ def baselines(args, data: Path) -> dict:
     return out
 
 
+def scoring_budgets(args, data: Path, tflops: float) -> list[dict]:
+    """The scoring phase alone at each batch budget (rows x padded branch tokens) on the rows of the input's
+    first documents, prefilled once: ms, rows/s and x its matmul floor, median of 3 after a warm-up (which
+    captures the budget's graphs). What `--batch-rows` (and the engine's token cap) should be."""
+    import torch
+
+    from kevscore.cuda_runner import build_cuda_runner
+    from kevscore.engine import Engine, Scores
+    from kevscore.measure import events_ms
+    from kevscore.plan import plan_batches
+
+    enc, ckpt = sample_rows(data, args.budget_docs, args.model)
+    runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(p) for p in enc.prefixes], None, False)
+    slot_of = Engine(runner, prefill_tokens=runner.prefill_tokens).prefill_wave(
+        enc, list(range(len(enc.prefixes))), Scores.empty(0).stats)
+    rows = list(range(len(enc)))
+    branch_len = [len(b) for b in enc.branches]
+    prefix_len = [len(enc.prefixes[d]) for d in enc.row_prefix]
+    floor_ms = _bench_score().matmul_flops(ckpt.config, sum(branch_len), len(rows)) / tflops / 1e9
+    out = []
+    for budget in args.budgets.split(","):
+        max_rows, max_tokens = map(int, budget.split("x"))
+        engine = Engine(runner, max_rows=max_rows, max_tokens=max_tokens)
+        scores = Scores.empty(len(rows))
+        ms = statistics.median(events_ms(partial(engine.score_rows, enc, rows, slot_of, "indexed", scores),
+                                         reps=3, warmup=1))
+        out.append({"max_rows": max_rows, "max_tokens": max_tokens, "rows": len(rows),
+                    "batches": len(plan_batches(rows, branch_len, prefix_len, max_rows, max_tokens)),
+                    "ms": ms, "rows_per_s": len(rows) / ms * 1000, "x_floor": ms / floor_ms})
+    del runner
+    torch.cuda.empty_cache()
+    return out
+
+
 def prefill_alone(args, cfg_name: str, tflops: float, doc_tokens: int) -> dict:
     """Prefill of synthetic documents of `doc_tokens` tokens through the engine's own groups: tokens/s and the
     share of the matmul roof, median of 3 after a warm-up, with a profile by kernel group."""
@@ -216,6 +251,9 @@ def main() -> None:
     ap.add_argument("--baseline-docs", type=int, default=8, help="documents whose rows the baselines score; 0: none")
     ap.add_argument("--baseline-batch", type=int, default=16)
     ap.add_argument("--baseline-reps", type=int, default=3)
+    ap.add_argument("--budgets", default="32x4096,64x8192,96x12288,128x16384,192x24576",
+                    help="scoring batch budgets (max rows x max padded tokens) to time alone; '' skips them")
+    ap.add_argument("--budget-docs", type=int, default=128, help="documents whose rows the budgets score")
     ap.add_argument("--prefill-docs", default="1700,8192", help="document lengths of the prefill-alone runs")
     ap.add_argument("--prefill-tokens", type=int, default=131072, help="tokens per prefill-alone run")
     ap.add_argument("--profile", action="store_true", help="profile the prefill-alone runs by kernel group")
@@ -266,6 +304,8 @@ def run(args) -> dict:
                 job["prefill_roof_share"] = report["floor_s"]["prefill"] / job["prefill_s"]
         if cuda and args.baseline_docs:
             report["baselines"] = baselines(args, data)
+        if cuda and args.budgets:
+            report["budgets"] = scoring_budgets(args, data, tflops)
         if cuda and args.prefill_docs:
             report["prefill"] = []
             for n in args.prefill_docs.split(","):
@@ -298,6 +338,9 @@ def print_table(r: dict) -> None:
             for start, j in jobs.items():
                 line += f"; kevscore {start} {j['rows'] / j['wall_s'] / base[name]['rows_per_s']:.1f}x"
             print(line)
+    for b in r.get("budgets", []):
+        print(f"scoring alone, {b['rows']} rows in batches of <= {b['max_rows']} rows x {b['max_tokens']} tokens "
+              f"({b['batches']} batches): {b['ms']:.0f} ms, {b['rows_per_s']:.0f} rows/s, {b['x_floor']:.2f}x floor")
     for p in r.get("prefill", []):
         print(f"prefill alone, {p['documents']} x {p['doc_tokens']} tokens in groups of {p['group_tokens']}: "
               f"{p['ms']:.0f} ms, {p['tokens_per_s'] / 1000:.1f}k tokens/s, {p['roof_share']:.0%} of the roof")

@@ -158,5 +158,5 @@ def test_job_benchmark_runs_a_job_on_the_cpu(tmp_path):
     job = json.loads(out.read_text())["jobs"]["warm"]
     assert job["rows"] == 12 and job["documents"] == 3
     assert 0 < job["prefill_s"] + job["score_s"] < job["wall_s"] < job["process_s"]
-    assert set(job["load_phases"]) == {"scan", "checkpoint", "tokens", "runner", "identity"}
+    assert set(job["load_phases"]) == {"gpu imports", "scan", "checkpoint", "tokens", "runner", "identity"}
     assert "warm" in res.stdout and "rows/s" in res.stdout
