@@ -170,7 +170,7 @@ def main() -> None:
             record("attention", f"bm {bm} bn {bn} warps {wp} stages {st}", ms, attn_layers, flops / 760e12 * 1000)
 
     if "decay" in args.only:
-        # the DeltaNet decay: FLA's fused gate + cumsum against torch's chain + FLA's cumsum
+        # the DeltaNet decay: our gate + cumsum, FLA's, and torch's chain + FLA's cumsum
         from fla.ops.utils import chunk_local_cumsum
         from fla.ops.utils.constant import RCP_LN2
 
@@ -180,7 +180,11 @@ def main() -> None:
         g_args = (a, torch.randn(hv, device=DEV), torch.randn(hv, device=DEV))
         record("decay", "torch decay + fla cumsum", timed(lambda: chunk_local_cumsum(
             torch_ops.gdn_decay(g_args), chunk_size=64, scale=RCP_LN2)), delta_layers)
-        record("decay", "fla gdn_gate_chunk_cumsum", timed(lambda: fla_ops.gate_cumsum(g_args)), delta_layers)
+        from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
+
+        record("decay", "fla gdn_gate_chunk_cumsum (on a copy)", timed(lambda: gdn_gate_chunk_cumsum(
+            a.contiguous(), g_args[1], chunk_size=64, scale=RCP_LN2, dt_bias=g_args[2])), delta_layers)
+        record("decay", "ours, in place (kernels/gate.py)", timed(lambda: fla_ops.gate_cumsum(g_args)), delta_layers)
 
     if "scan" in args.only:
         # the state scan of a branch: ours reading the bank in place, FLA's on gathered states

@@ -354,8 +354,30 @@ def test_qk_norm_rotary_close_to_torch(dims):
         assert torch.allclose(a.float(), b, rtol=2 ** -8, atol=1e-5)
 
 
+def test_our_gate_cumsum_equals_flas_kernel_bit_for_bit():
+    """kernels/gate.py reads `a` in place; FLA's kernel reads a contiguous copy: same arithmetic, same bits, on
+    branch rows and on packed documents."""
+    from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from kevscore.kernels.gate import gate_cumsum
+
+    gen = torch.Generator(DEV).manual_seed(0)
+    proj = (torch.randn(6, 130, 40, device=DEV, generator=gen) * 4).to(torch.bfloat16)
+    a, A_log, dt_bias = proj[..., 8:40], torch.randn(32, device=DEV, generator=gen), torch.randn(32, device=DEV)
+    fla = gdn_gate_chunk_cumsum(a.contiguous(), A_log, chunk_size=64, scale=RCP_LN2, dt_bias=dt_bias)
+    assert torch.equal(gate_cumsum(a, A_log, dt_bias, 64, RCP_LN2), fla)
+    lens = [5, 64, 65, 300, 1]
+    packed = (torch.randn(1, sum(lens), 40, device=DEV, generator=gen) * 4).to(torch.bfloat16)[..., 8:40]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEV)
+    chunks = torch.tensor([[d, c] for d, n in enumerate(lens) for c in range(-(-n // 64))], device=DEV)
+    fla = gdn_gate_chunk_cumsum(packed.contiguous(), A_log, chunk_size=64, scale=RCP_LN2, dt_bias=dt_bias,
+                                cu_seqlens=cu, chunk_indices=chunks)
+    assert torch.equal(gate_cumsum(packed, A_log, dt_bias, 64, RCP_LN2, cu, chunks), fla)
+
+
 def test_fla_gate_cumsum_close_to_torch_decay():
-    """FLA's fused gate + chunk cumsum (approximate exp2/log2 in its softplus) against the fp32 torch decay."""
+    """Our gate + chunk cumsum (FLA's approximate exp2/log2 in its softplus) against the fp32 torch decay."""
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 

@@ -24,12 +24,12 @@ from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
 from fla.ops.gated_delta_rule.chunk_fwd import (  # noqa: E402
     chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_kkt_solve_kernel)
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd  # noqa: E402
-from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum  # noqa: E402
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
 from kevscore.kernels.branch_gdr import MAX_T, branch_gdr  # noqa: E402
+from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
 
@@ -145,8 +145,7 @@ def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torc
         return chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
                                       beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
                                       use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
-    gc = gdn_gate_chunk_cumsum(a, A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias, cu_seqlens=cu,
-                               chunk_indices=chunks)
+    gc = decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2, cu, chunks)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_size=CHUNK,
                                                chunk_indices=chunks)
     h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
@@ -157,9 +156,10 @@ def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torc
 
 
 def gate_cumsum(gate) -> torch.Tensor:
-    """The per-chunk cumulative log2 decay from gate = (a, A_log, dt_bias): FLA's fused gate + cumsum kernel."""
+    """The per-chunk cumulative log2 decay from gate = (a, A_log, dt_bias): FLA's gate + cumsum arithmetic
+    in our kernel (`kernels/gate.py`), reading `a` in place."""
     a, A_log, dt_bias = gate
-    return gdn_gate_chunk_cumsum(a, A_log, chunk_size=CHUNK, scale=RCP_LN2, dt_bias=dt_bias)
+    return decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2)
 
 
 _ZERO_A: dict[tuple, torch.Tensor] = {}

@@ -23,7 +23,6 @@ PINS: dict[str, dict[tuple[str, str], dict]] = {
         ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"):
             {"BV": 32, "num_warps": 4, "num_stages": 2},
         ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o"): {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3},
-        ("fla.ops.gated_delta_rule.gate", "gdn_gate_chunk_cumsum_scalar_kernel"): {"num_warps": 1, "num_stages": 3},
     },
 }
 
