@@ -38,7 +38,9 @@ from pathlib import Path
 
 import torch
 
-from kevscore.errors import KevscoreError
+from kevscore import faults
+from kevscore.durable import bytes_filler, cached_sha256, fsync_dir, write_atomic, write_new
+from kevscore.errors import KevscoreError, KevscoreFailure, first_line
 from kevscore.prompt import prefix_key
 
 FORMAT, VERSION = "kevscore-bank", 1
@@ -59,20 +61,6 @@ class EntryError(Exception):
 
 class VersionError(KevscoreError):
     pass
-
-
-def _test_hook(point: str) -> None:
-    """Test-only: with KEVSCORE_TEST_BANK_HOOKS=DIR, touch DIR/<point> on reaching `point`; when
-    KEVSCORE_TEST_BANK_PAUSE (comma-separated) names the point, wait there until DIR/<point>.go exists,
-    so a test can kill or release the process at a known place."""
-    where = os.environ.get("KEVSCORE_TEST_BANK_HOOKS")
-    if not where:
-        return
-    Path(where, point).touch()
-    if point in os.environ.get("KEVSCORE_TEST_BANK_PAUSE", "").split(","):
-        go, deadline = Path(where, point + ".go"), time.monotonic() + 120
-        while not go.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
 
 
 # ---------------------------------------------------------------- model fingerprint
@@ -104,7 +92,7 @@ def weights_digest(ckpt) -> str:
     over names, dtypes, shapes and the tensors' bytes, sampled for large tensors (seeded random weights)."""
     if ckpt.path is not None:
         files = sorted(Path(ckpt.path).glob("*.safetensors"))
-        return hashlib.sha256("".join(f"{f.name}:{_file_sha256(f)};" for f in files).encode()).hexdigest()
+        return hashlib.sha256("".join(f"{f.name}:{cached_sha256(f)};" for f in files).encode()).hexdigest()
     digest = hashlib.sha256()
     for name in sorted(ckpt.weights):
         t = ckpt.weights[name].detach()
@@ -117,84 +105,11 @@ def weights_digest(ckpt) -> str:
     return "mem:" + digest.hexdigest()
 
 
-_FILE_DIGESTS: dict[str, str] = {}
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("KEVSCORE_CACHE") or Path.home() / ".cache" / "kevscore")
-
-
-def _file_sha256(path: Path) -> str:
-    st = path.stat()
-    ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    if ident in _FILE_DIGESTS:
-        return _FILE_DIGESTS[ident]
-    cache = _cache_root() / "weights-sha256.json"
-    try:
-        known = json.loads(cache.read_text())
-        assert isinstance(known, dict)
-    except (OSError, ValueError, AssertionError):
-        known = {}
-    if not isinstance(known.get(ident), str):
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
-        known = {k: v for k, v in known.items() if os.path.exists(k.rsplit(":", 3)[0])}  # gone: forget
-        known[ident] = digest.hexdigest()
-        with contextlib.suppress(OSError):  # a cache only: a failed write costs a rehash next time
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f".{cache.name}.{secrets.token_hex(4)}.tmp")
-            tmp.write_text(json.dumps(known))
-            os.replace(tmp, cache)
-    _FILE_DIGESTS[ident] = known[ident]
-    return known[ident]
-
-
 def entry_key(model: str, prefix_sha256: str) -> str:
     return hashlib.sha256(f"{model}:{prefix_sha256}".encode()).hexdigest()
 
 
 # ---------------------------------------------------------------- files
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, data, hook: str | None = None) -> None:
-    """Write `data` to a new file and fsync it; `hook` names a test pause point halfway through."""
-    view = memoryview(data).cast("B")
-    if not os.environ.get("KEVSCORE_TEST_BANK_HOOKS"):
-        hook = None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        half = len(view) // 2 if hook else len(view)
-        for part in (view[:half], view[half:]):
-            while part:
-                part = part[os.write(fd, part):]
-            if hook and half:
-                os.fsync(fd)
-                _test_hook(hook)
-                hook = None
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes, tmp_dir: Path, hook: str | None = None) -> None:
-    """temp file in `tmp_dir` (same filesystem), fsync, rename over `path`, fsync the directory."""
-    tmp = tmp_dir / f"{path.name}.{secrets.token_hex(4)}.tmp"
-    try:
-        _write_file(tmp, data, hook)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
 
 @dataclass(slots=True)
 class EntryFile:
@@ -435,7 +350,7 @@ def _read_index(root: Path) -> dict:
 
 @contextlib.contextmanager
 def _flock(root: Path, exclusive: bool, purpose: str) -> Iterator[None]:
-    _test_hook(f"lock-wait-{purpose}")
+    faults.point(f"bank-lock-wait-{purpose}")
     path = root / LOCK
     if not exclusive and not path.exists():
         yield  # a read-only look at a bank without a lock file (nothing can be writing to it)
@@ -484,12 +399,12 @@ class BankStore:
                 self._make_owner()
                 if not (self.root / MARKER).exists():
                     marker = json.dumps({"format": FORMAT, "version": VERSION}).encode()
-                    _atomic_write(self.root / MARKER, marker, self.tmp)
+                    write_atomic(self.root / MARKER, bytes_filler(marker), self.tmp)
                 index = self._load_index(reconcile=True)
                 index["models"][model.digest] = model.about
                 for path in self._evict(index):
                     path.unlink(missing_ok=True)
-                self._write_index(index, "index-write-open")
+                self._write_index(index, "bank-index-write-open")
                 self.index = index
         except BaseException:
             self._release()
@@ -573,7 +488,7 @@ class BankStore:
             raise
         except (OSError, ValueError, TypeError) as exc:
             index = None
-            self.warn(f"bank {self.root}: {INDEX} is unreadable ({str(exc).splitlines()[0][:120]}); "
+            self.warn(f"bank {self.root}: {INDEX} is unreadable ({first_line(exc)[:120]}); "
                       f"rebuilding it from {len(files)} entry files")
         if index is None:
             index, reconcile = {"format": FORMAT, "version": VERSION, "entries": {}, "models": {}}, True
@@ -601,7 +516,7 @@ class BankStore:
         return index
 
     def _write_index(self, index: dict, hook: str) -> None:
-        _atomic_write(self.root / INDEX, json.dumps(index, indent=0).encode(), self.tmp, hook=hook)
+        write_atomic(self.root / INDEX, bytes_filler(json.dumps(index, indent=0).encode(), hook), self.tmp)
 
     def _evict(self, index: dict) -> list[Path]:
         """Drop least-recently-used records until the entries fit `max_bytes`; returns their files."""
@@ -621,9 +536,9 @@ class BankStore:
     def _commit(self, written: list[tuple[str, Path, dict]]) -> None:
         """Under the lock: rename written entries into place, merge this run's records and uses into the
         freshly read index, evict, write the index, then remove evicted files."""
-        _test_hook("before-commit")
+        faults.point("bank-before-commit")
         with _flock(self.root, True, "commit"):
-            _test_hook("commit-locked")
+            faults.point("bank-commit-locked")
             index = self._load_index(reconcile=False)
             dirs = set()
             for key, tmp, _ in written:
@@ -632,10 +547,10 @@ class BankStore:
                 os.replace(tmp, final)
                 dirs.add(final.parent)
             for d in dirs:
-                _fsync_dir(d)
+                fsync_dir(d)
             if dirs:
-                _fsync_dir(self.root / ENTRIES)
-            _test_hook("renamed")
+                fsync_dir(self.root / ENTRIES)
+            faults.point("bank-renamed")
             entries = index["entries"]
             index["models"][self.model.digest] = self.model.about
             for key, used in self._touched.items():
@@ -646,7 +561,7 @@ class BankStore:
                 rec["doc_ids"] = _merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
                 entries[key] = rec
             evicted = self._evict(index)
-            self._write_index(index, "index-write")
+            self._write_index(index, "bank-index-write")
             for path in evicted:
                 path.unlink(missing_ok=True)
             self.index = index
@@ -729,7 +644,7 @@ class BankStore:
                     pending.append(pool.submit(fn, nxt))
                 try:
                     yield fut.result()
-                except (OSError, EntryError) as exc:
+                except (OSError, EntryError, KevscoreFailure) as exc:
                     yield exc
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int]):
@@ -777,7 +692,7 @@ class BankStore:
             data = entry_bytes(key, self.model.digest, prefix, *host)
             tmp = self.tmp / f"{key}{SUFFIX}.tmp"
             tmp.unlink(missing_ok=True)
-            _write_file(tmp, data, hook="entry-write")
+            write_new(tmp, bytes_filler(data, "bank-entry-write"), self._path(key))
             return key, tmp, _record(read_header(tmp), self._path(key), self.root, time.time())
 
         written = []
@@ -798,7 +713,7 @@ class BankStore:
         """A failed commit (disk full, I/O error) costs the bank these entries, not the run its scores."""
         try:
             self._commit(written)
-        except OSError as exc:
+        except (OSError, KevscoreFailure) as exc:
             self._touched.clear()
             for _, tmp, _ in written:
                 tmp.unlink(missing_ok=True)
@@ -826,7 +741,7 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
             notes.append(f"{INDEX} is missing: entries listed from their files (the next run rebuilds it)")
         except (OSError, ValueError, TypeError) as exc:
             index = None
-            notes.append(f"{INDEX} is unreadable ({str(exc).splitlines()[0][:120]}): entries listed from "
+            notes.append(f"{INDEX} is unreadable ({first_line(exc)[:120]}): entries listed from "
                          "their files (the next run rebuilds it)")
         records = dict(index["entries"]) if index else {}
         models = dict(index["models"]) if index else {}

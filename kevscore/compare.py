@@ -13,7 +13,6 @@ import math
 import os
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kevscore.baselines import naive_call
+from kevscore.durable import bytes_filler, write_atomic
 from kevscore.engine import Engine, Scores
 from kevscore.errors import KevscoreError
 from kevscore.measure import environment, quantile, timed
@@ -294,7 +294,7 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     }
     report["warnings"] = spread_warnings(report)
     if opts.json_path:
-        write_atomic(Path(opts.json_path), json.dumps(report, indent=1).encode())
+        write_atomic(Path(opts.json_path), bytes_filler(json.dumps(report, indent=1).encode()))
     if opts.plot:
         plot(report, Path(opts.plot))
     return report
@@ -314,19 +314,6 @@ def spread_warnings(report: dict) -> list[str]:
         out.append(f"this machine was busy (load average {load:.1f} on {cores} cores): timings vary between runs; "
                    "compare again on an idle machine")
     return out
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def plot(report: dict, path: Path) -> None:
@@ -352,13 +339,7 @@ def plot(report: dict, path: Path) -> None:
     axes[0][0].set_ylabel(unit)
     fig.suptitle(f"kevscore compare · {report['model']} · {report['environment'].get('gpu', 'CPU')}", fontsize=10)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
     finally:
         plt.close(fig)

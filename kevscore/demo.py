@@ -26,7 +26,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from kevscore import checkpoint
 from kevscore.config import FULL, LINEAR, KevConfig
 from kevscore.errors import KevscoreError
-from kevscore.parts import file_sha256
+from kevscore.durable import cache_root, file_sha256
 
 DEMO_NAME = "demo-v3"
 TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo_train)
@@ -352,12 +352,12 @@ def _complete(path: Path) -> bool:
     return all((path / f).is_file() for f in FILES)
 
 
-def demo_checkpoint_dir(cache_root: Path | None = None) -> Path:
+def demo_checkpoint_dir(root: Path | None = None) -> Path:
     """The demo checkpoint in the cache ($KEVSCORE_CACHE or ~/.cache/kevscore), built atomically on first use.
 
     Builders serialize on a flock and re-check under it, so a complete directory is never moved while another
     process reads it (parallel test workers all ask for it at once); only an incomplete one is replaced."""
-    root = Path(cache_root or os.environ.get("KEVSCORE_CACHE") or Path.home() / ".cache" / "kevscore")
+    root = Path(root or cache_root())
     target = root / DEMO_NAME
     if _complete(target):
         return target

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from kevscore import demo, demo_task
 from kevscore.config import FULL, LINEAR, KevConfig
 from kevscore.kernels import gdr_ref
-from kevscore.parts import file_sha256
+from kevscore.durable import file_sha256
 
 SMALL = dataclasses.replace(demo.DEMO_CONFIG, hidden_size=64, intermediate_size=128,
                             layer_types=(LINEAR, LINEAR, LINEAR, FULL), num_attention_heads=2, num_key_value_heads=1,

@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kevscore.data import OUTPUT_SCHEMA, check_output_path, default_output_path
+from kevscore.durable import bytes_filler, write_atomic
 from kevscore.engine import Progress
 from kevscore.errors import KevscoreError
 from kevscore.job import RunOptions, check_options, run_job
@@ -100,13 +101,7 @@ def _reusable(part: Path, fingerprint: str) -> dict | None:
 
 
 def _write_manifest(part: Path, meta: dict) -> None:
-    man = manifest_path(part)
-    tmp = man.with_name(f".{man.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, man)
+    write_atomic(manifest_path(part), bytes_filler(json.dumps(meta).encode()))
 
 
 def _score_part(opts: RunOptions, output: Path, rank: int, world: int, progress: Progress | None) -> RankStatus:

@@ -6,6 +6,9 @@
   `KEVSCORE_TEST_KILL=POINT[:N]` makes the process SIGKILL itself the N-th time (default 1st) it reaches
   POINT; `KEVSCORE_TEST_SIGINT=POINT[:N]` sends it a SIGINT there instead (a Ctrl-C at a known place);
   `KEVSCORE_TEST_ENOSPC=POINT[:N]` raises OSError(ENOSPC) there (a full disk inside a write);
+  `KEVSCORE_TEST_MARKS=DIR` touches DIR/POINT at every point reached, and where `KEVSCORE_TEST_PAUSE`
+  (comma-separated) names the point, waits there (at most 120 s) until DIR/POINT.go exists, so a test
+  can kill, release or interleave processes at a known place;
   `KEVSCORE_TEST_OOM_ROWS=N` raises `torch.OutOfMemoryError` for every scoring batch of more than N rows,
   `KEVSCORE_TEST_OOM_DOCS=N` for every prefill group of more than N documents.
   `KEVSCORE_TEST_WRONG_ENTRY=1` makes every row read the bank entry of another document of its wave (the
@@ -14,7 +17,11 @@
   Points: `prefill` (after a prefill group), `score` (after a batch), `part-write` (inside a part file's
   write, before its footer), `part-done` (a part renamed into place, the manifest not yet updated),
   `merge` (inside the final output's write), `merged` (the output renamed into place, the parts not yet
-  removed), `manifest-write` (inside a write of the parts' manifest).
+  removed), `manifest-write` (inside a write of the parts' manifest); the persistent bank's
+  `bank-entry-write` and `bank-index-write` (halfway through an entry's or the index's temporary file;
+  `bank-index-write-open` when a run opens the bank), `bank-lock-wait-PURPOSE` (before taking its lock),
+  `bank-before-commit`, `bank-commit-locked` (the lock held, nothing renamed) and `bank-renamed` (entries
+  renamed into place, the index not yet written).
 """
 from __future__ import annotations
 
@@ -22,11 +29,15 @@ import errno
 import os
 import signal
 import threading
+import time
 from collections import Counter
+from pathlib import Path
 
 KILL, SIGINT, ENOSPC = "KEVSCORE_TEST_KILL", "KEVSCORE_TEST_SIGINT", "KEVSCORE_TEST_ENOSPC"
 OOM = {"rows": "KEVSCORE_TEST_OOM_ROWS", "docs": "KEVSCORE_TEST_OOM_DOCS"}
 WRONG_ENTRY = "KEVSCORE_TEST_WRONG_ENTRY"
+MARKS, PAUSE = "KEVSCORE_TEST_MARKS", "KEVSCORE_TEST_PAUSE"
+PAUSE_S = 120
 _reached: Counter[tuple[str, str]] = Counter()  # (hook setting, point) -> times reached in this process
 
 
@@ -46,13 +57,25 @@ def _reach(spec: str | None, point: str) -> bool:
 
 
 def point(name: str) -> None:
-    """A place a test may kill or interrupt the process at (no-op unless a test hook names it)."""
+    """A place a test may mark, pause, kill or interrupt the process at, or fail a write (no-op unless a
+    test hook names it)."""
+    if marks := os.environ.get(MARKS):
+        _mark(Path(marks), name)
     if _reach(os.environ.get(KILL), name):
         os.kill(os.getpid(), signal.SIGKILL)
     if _reach(os.environ.get(SIGINT), name):
         os.kill(os.getpid(), signal.SIGINT)
     if _reach(os.environ.get(ENOSPC), name):
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {ENOSPC})")
+
+
+def _mark(where: Path, name: str) -> None:
+    """Touch where/name; pause until where/name.go exists when KEVSCORE_TEST_PAUSE names the point."""
+    (where / name).touch()
+    if name in os.environ.get(PAUSE, "").split(","):
+        go, deadline = where / f"{name}.go", time.monotonic() + PAUSE_S
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def inject_oom(unit: str, n: int) -> None:

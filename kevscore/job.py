@@ -38,8 +38,9 @@ from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
 from kevscore.formats import STDOUT, Carry, Source, file_format, open_source
 from kevscore.labels import LabelTally, check_labels, low_mass_warning
-from kevscore.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, file_sha256, job_digest,
-                            merged_output, output_job)
+from kevscore.durable import file_sha256
+from kevscore.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, job_digest, merged_output,
+                            output_job)
 from kevscore.plan import Windows, plan_windows
 from kevscore.prompt import Template, encode, load_template
 from kevscore.shard import assign_documents

@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -33,6 +32,7 @@ import pyarrow.parquet as pq
 
 from kevscore import faults
 from kevscore.data import OUTPUT_SCHEMA
+from kevscore.durable import Filler, bytes_filler, file_sha256, replace_into, temp_path, write_atomic, write_new
 from kevscore.errors import KevscoreError, KevscoreFailure, first_line, os_failure
 from kevscore.formats import TableWriter, file_format
 
@@ -72,55 +72,8 @@ def errors_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.errors.parquet")
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in `directory` durable (best effort: some filesystems refuse a directory fsync)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_new(tmp: Path, fill: Callable[[BinaryIO], None], what: Path) -> None:
-    """Create `tmp`, let `fill` write it and fsync it; on any failure remove it. An OSError (disk full,
-    the directory gone) becomes a KevscoreFailure naming `what`, the file being written."""
-    try:
-        with open(tmp, "xb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise os_failure(f"{what}: cannot write", e) from e
-        raise
-
-
-def replace_into(tmp: Path, path: Path) -> None:
-    """Rename a complete temporary file over `path` and make the rename durable."""
-    try:
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise os_failure(f"{path}: cannot write", e) from e
-    fsync_dir(path.parent)
-
-
 def parquet_filler(schema: pa.Schema, tables: Iterable[pa.Table], hook: str | None,
-                   row_group: int | None = PART_ROW_GROUP) -> Callable[[BinaryIO], None]:
+                   row_group: int | None = PART_ROW_GROUP) -> Filler:
     """A `write_new` filler writing `tables` as one Parquet file; `hook` is a fault point after each table."""
     def fill(f: BinaryIO) -> None:
         with pq.ParquetWriter(f, schema) as writer:
@@ -132,7 +85,7 @@ def parquet_filler(schema: pa.Schema, tables: Iterable[pa.Table], hook: str | No
 
 
 def table_filler(tables: Iterable[pa.Table], fmt: str, metadata: dict[bytes, bytes],
-                 hook: str | None) -> Callable[[BinaryIO], None]:
+                 hook: str | None) -> Filler:
     """A `write_new` filler writing `tables` in `fmt` (kevscore.formats: Parquet with `metadata`, CSV, JSON
     Lines); `hook` is a fault point after each table."""
     def fill(f: BinaryIO) -> None:
@@ -146,20 +99,12 @@ def table_filler(tables: Iterable[pa.Table], fmt: str, metadata: dict[bytes, byt
 
 def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], tmp_dir: Path,
                   hook: str | None = None) -> None:
-    """Write `tables` to a temporary file in tmp_dir (fsynced), then rename it to `path`."""
-    tmp = tmp_dir / f".{path.name}.{secrets.token_hex(4)}.tmp"
-    write_new(tmp, parquet_filler(schema, tables, hook), path)
-    replace_into(tmp, path)
+    """Write `tables` atomically as one Parquet file (the temporary file in tmp_dir)."""
+    write_atomic(path, parquet_filler(schema, tables, hook), tmp_dir)
 
 
 def _write_json(path: Path, data: dict) -> None:
-    def fill(f: BinaryIO) -> None:
-        f.write(json.dumps(data, indent=1).encode())
-        faults.point("manifest-write")
-
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    write_new(tmp, fill, path)
-    replace_into(tmp, path)
+    write_atomic(path, bytes_filler(json.dumps(data, indent=1).encode(), "manifest-write"))
 
 
 def _read_json(path: Path) -> dict | None:
@@ -376,8 +321,7 @@ class PartStore:
                    (("errors", errors_path(self.output)), ("output", self.output)) if merged["tmp"].get(name)]
         for tmp, target in pending:  # killed between recording the merge and renaming it
             if tmp.exists() and file_sha256(tmp) == merged["sha256"][tmp.name]:
-                os.replace(tmp, target)
-                fsync_dir(target.parent)
+                replace_into(tmp, target)
         return self.output.exists() and file_sha256(self.output) == merged["sha256"].get(merged["tmp"]["output"])
 
     def merge(self, of_row: np.ndarray, set_aside: pa.Table | None,
@@ -392,9 +336,9 @@ class PartStore:
         expected = int((of_row >= 0).sum())
         if sum(self.done.values()) != expected:
             raise KevscoreFailure(f"{self.dir}: the parts hold {sum(self.done.values())} rows, the plan {expected}")
-        names = {"output": f".{self.output.name}.{secrets.token_hex(4)}.tmp"}
+        names = {"output": temp_path(self.output).name}
         if set_aside is not None:
-            names["errors"] = f".{errors_path(self.output).name}.{secrets.token_hex(4)}.tmp"
+            names["errors"] = temp_path(errors_path(self.output)).name
             errors = pa.concat_tables([set_aside.cast(ERRORS_SCHEMA), failed]).sort_by("row")
             write_new(self.dir / names["errors"], parquet_filler(ERRORS_SCHEMA, [errors], None, None),
                       errors_path(self.output))
@@ -407,9 +351,8 @@ class PartStore:
                                    "sha256": {n: file_sha256(self.dir / n) for n in names.values()}}
         _write_json(self.dir / MANIFEST, self.manifest)
         if set_aside is not None:
-            os.replace(self.dir / names["errors"], errors_path(self.output))
-        os.replace(self.dir / names["output"], self.output)
-        fsync_dir(self.output.parent)
+            replace_into(self.dir / names["errors"], errors_path(self.output))
+        replace_into(self.dir / names["output"], self.output)
         faults.point("merged")
         return expected
 

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,6 +19,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kevscore import faults
 from kevscore.bank_store import INDEX, MARKER, inspect_bank
 from kevscore.cli import app
 from kevscore.job import RunOptions, run_job
@@ -287,16 +289,9 @@ def test_bank_option_errors(tmp_path, src):
 
 
 def test_failed_index_write_costs_the_bank_not_the_run(tmp_path, src, warm, monkeypatch):
-    from kevscore.bank_store import BankStore
-
-    original = BankStore._write_index
-
-    def disk_full(self, index, hook):
-        if hook == "index-write":  # the commit's index write, after the entry files were renamed in
-            raise OSError(28, "No space left on device")
-        original(self, index, hook)
-
-    monkeypatch.setattr(BankStore, "_write_index", disk_full)
+    # the disk fills inside the commit's index write, after the entry files were renamed in
+    monkeypatch.setenv("KEVSCORE_TEST_ENOSPC", "bank-index-write")
+    monkeypatch.setattr(faults, "_reached", Counter())
     result = cli.invoke(app, ["run", str(src), "--device", "cpu", "--bank", str(tmp_path / "bank"), "-o",
                               str(tmp_path / "out.parquet")])
     assert result.exit_code == 0, (result.stderr, result.exception)
@@ -304,7 +299,7 @@ def test_failed_index_write_costs_the_bank_not_the_run(tmp_path, src, warm, monk
     assert len(warnings) == 1 and "No space left on device" in warnings[0], result.stderr
     assert "0 saved" in result.stderr and "6 saved" not in result.stderr  # the summary counts kept entries
     assert probs(tmp_path / "out.parquet") == warm[1]
-    monkeypatch.setattr(BankStore, "_write_index", original)
+    monkeypatch.delenv("KEVSCORE_TEST_ENOSPC")
     again = run(src, tmp_path / "bank", tmp_path / "again.parquet")  # the renamed files are adopted
     assert (again.bank.loaded, again.stats.prefilled, again.bank.warnings) == (6, 0, [])
     verify_ok(tmp_path / "bank", 6)
@@ -412,7 +407,7 @@ def test_inspect_one_entry_and_errors(bank, tmp_path):
 def _spawn(src: Path, bank: Path, out: Path, hooks: Path, pause: str) -> subprocess.Popen:
     hooks.mkdir(parents=True, exist_ok=True)
     # one thread each: two of these may run at once, and tiny demo runs gain nothing from more
-    env = dict(os.environ, KEVSCORE_TEST_BANK_HOOKS=str(hooks), KEVSCORE_TEST_BANK_PAUSE=pause,
+    env = dict(os.environ, KEVSCORE_TEST_MARKS=str(hooks), KEVSCORE_TEST_PAUSE=pause,
                OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "kevscore", "run", str(src), "--device", "cpu", "--bank",
                              str(bank), "-o", str(out), "--quiet"], env=env, cwd=ROOT,
@@ -428,7 +423,7 @@ def _wait_for(marker: Path, proc: subprocess.Popen, timeout: float = 180) -> Non
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("point", ["entry-write", "renamed", "index-write"])
+@pytest.mark.parametrize("point", ["bank-entry-write", "bank-renamed", "bank-index-write"])
 def test_run_killed_during_a_bank_write(tmp_path, src, rows, warm, point):
     bank, out = tmp_path / "bank", tmp_path / "out.parquet"
     proc = _spawn(src, bank, out, tmp_path / "hooks", point)
@@ -439,10 +434,10 @@ def test_run_killed_during_a_bank_write(tmp_path, src, rows, warm, point):
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL and not out.exists()
-    complete = 0 if point == "entry-write" else 6
+    complete = 0 if point == "bank-entry-write" else 6
     assert len(entry_files(bank)) == complete
     # a half-written temporary file (entry or index) stays in tmp/, never under entries/
-    assert bool(list((bank / "tmp").rglob("*.tmp"))) == (point != "renamed")
+    assert bool(list((bank / "tmp").rglob("*.tmp"))) == (point != "bank-renamed")
     assert index(bank)["entries"] == {}  # the killed run's entries never reached the index
     report = verify_ok(bank, complete)  # bank-inspect --verify accepts what the killed run left
     assert report["temporary"] and len(report["unindexed"]) == complete
@@ -468,20 +463,20 @@ def test_concurrent_runs_do_not_lose_or_corrupt_entries(tmp_path, rows, warm):
     a_docs, b_docs = {"market", "train", "garden", "meeting"}, {"garden", "meeting", "trip", "recipe"}
     ha, hb = tmp_path / "hooks-a", tmp_path / "hooks-b"
     a = _spawn(subset(rows, a_docs, tmp_path / "a.parquet"), bank, tmp_path / "a.out.parquet", ha,
-               "before-commit,commit-locked")
+               "bank-before-commit,bank-commit-locked")
     try:
-        _wait_for(ha / "before-commit", a)  # A created the bank and prefilled; B opens it next
+        _wait_for(ha / "bank-before-commit", a)  # A created the bank and prefilled; B opens it next
         b = _spawn(subset(rows, b_docs, tmp_path / "b.parquet"), bank, tmp_path / "b.out.parquet", hb,
-                   "before-commit")
+                   "bank-before-commit")
         try:
-            _wait_for(hb / "before-commit", b)
-            (ha / "before-commit.go").touch()
-            _wait_for(ha / "commit-locked", a)  # A holds the lock with the index read, nothing written
-            (hb / "before-commit.go").touch()
-            _wait_for(hb / "lock-wait-commit", b)
+            _wait_for(hb / "bank-before-commit", b)
+            (ha / "bank-before-commit.go").touch()
+            _wait_for(ha / "bank-commit-locked", a)  # A holds the lock with the index read, nothing written
+            (hb / "bank-before-commit.go").touch()
+            _wait_for(hb / "bank-lock-wait-commit", b)
             time.sleep(0.3)  # B is blocked in flock
-            assert not (hb / "commit-locked").exists()
-            (ha / "commit-locked.go").touch()
+            assert not (hb / "bank-commit-locked").exists()
+            (ha / "bank-commit-locked.go").touch()
             assert a.wait(120) == 0, a.stderr.read().decode()
             assert b.wait(120) == 0, b.stderr.read().decode()
         finally:

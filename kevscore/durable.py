@@ -1,0 +1,129 @@
+"""Files that survive a kill: atomic writes, SHA-256s of files (cached for large ones), kevscore's cache directory.
+
+A write goes to a temporary file (beside its target, or in a directory on the same filesystem), is
+fsynced, renamed over the target, and the directory is fsynced: a reader sees the old file or the new
+one, never part of either. A write that fails removes its temporary file and raises a one-line
+`KevscoreFailure` naming the target. Writers may call `kevscore.faults.point` inside a write, so tests
+kill the process or fill the disk there.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from kevscore import faults
+from kevscore.errors import KevscoreFailure, os_failure
+
+Filler = Callable[[BinaryIO], None]  # writes a file's contents into the open temporary file
+_DIGESTS: dict[str, str] = {}       # this process's cached_sha256 results, by file identity
+
+
+def cache_root() -> Path:
+    """kevscore's cache directory: $KEVSCORE_CACHE, else ~/.cache/kevscore (read now, not at import)."""
+    return Path(os.environ.get("KEVSCORE_CACHE") or Path.home() / ".cache" / "kevscore")
+
+
+def temp_path(path: Path, tmp_dir: Path | None = None) -> Path:
+    """A fresh hidden temporary name for a write of `path`, in `tmp_dir` (default: path's directory)."""
+    return Path(tmp_dir or path.parent) / f".{path.name}.{secrets.token_hex(4)}.tmp"
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in `directory` durable (best effort: some filesystems refuse a directory fsync)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_new(tmp: Path, fill: Filler, what: Path) -> None:
+    """Create `tmp`, let `fill` write it and fsync it; on any failure remove it. An OSError (disk full,
+    the directory gone) becomes a KevscoreFailure naming `what`, the file being written."""
+    try:
+        with open(tmp, "xb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise os_failure(f"{what}: cannot write", e) from e
+        raise
+
+
+def replace_into(tmp: Path, path: Path) -> None:
+    """Rename a complete temporary file over `path` and make the rename durable."""
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise os_failure(f"{path}: cannot write", e) from e
+    fsync_dir(path.parent)
+
+
+def write_atomic(path: Path, fill: Filler, tmp_dir: Path | None = None) -> None:
+    """Write `path` whole or not at all: `fill` into a temporary file in tmp_dir (default: path's
+    directory; it must be on path's filesystem), fsync, rename over `path`, fsync the directory."""
+    path = Path(path)
+    tmp = temp_path(path, tmp_dir)
+    write_new(tmp, fill, path)
+    replace_into(tmp, path)
+
+
+def bytes_filler(data: bytes | memoryview, point: str | None = None) -> Filler:
+    """A filler writing `data`; `point` is a fault point halfway, with the first half in the file."""
+    def fill(f: BinaryIO) -> None:
+        view = memoryview(data).cast("B")
+        half = len(view) // 2 if point else len(view)
+        f.write(view[:half])
+        if point:
+            f.flush()
+            faults.point(point)
+        f.write(view[half:])
+    return fill
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file's bytes, read 16 MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cached_sha256(path: Path) -> str:
+    """file_sha256, remembered in `cache_root()/weights-sha256.json` by (path, size, mtime, inode), so a large
+    file (a checkpoint's weights) is hashed once per version. The cache is best effort: a failed write
+    costs a rehash next time."""
+    st = path.stat()
+    ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    if ident in _DIGESTS:
+        return _DIGESTS[ident]
+    cache = cache_root() / "weights-sha256.json"
+    try:
+        known = json.loads(cache.read_text())
+        assert isinstance(known, dict)
+    except (OSError, ValueError, AssertionError):
+        known = {}
+    if not isinstance(known.get(ident), str):
+        known = {k: v for k, v in known.items() if os.path.exists(k.rsplit(":", 3)[0])}  # gone: forget
+        known[ident] = file_sha256(path)
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(cache, bytes_filler(json.dumps(known).encode()))
+        except (OSError, KevscoreFailure):
+            pass
+    _DIGESTS[ident] = known[ident]
+    return known[ident]
