@@ -76,30 +76,80 @@ def prefix_key(ids: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()
 
 
-def _tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+def tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens."""
     if not texts:
         return []
     # verbose=False: no transformers warning about the tokenizer's model_max_length; lengths are
-    # checked against the model's positions in _check_lengths, with a one-line error
+    # checked against the model's positions by PromptCheck, with a one-line error
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
 
 
-def label_token_ids(tokenizer, labels: Sequence[str], where: str) -> list[int]:
-    out = []
+def label_problem(tokenizer, labels: Sequence[str]) -> str | None:
+    """Why `labels` cannot be scored (a label of several tokens), or None."""
     for label in labels:
         ids = tokenizer.encode(label, add_special_tokens=False)
         if len(ids) != 1:
             pieces = tokenizer.convert_ids_to_tokens(ids)
-            raise KevscoreError(f"{where}: label {label!r} is {len(ids)} tokens {pieces} ({ids}); "
-                                "each label must be a single token")
-        out.append(ids[0])
-    return out
+            return f"label {label!r} is {len(ids)} tokens {pieces} ({ids}); each label must be a single token"
+    return None
+
+
+def label_token_ids(tokenizer, labels: Sequence[str], where: str) -> list[int]:
+    if reason := label_problem(tokenizer, labels):
+        raise KevscoreError(f"{where}: {reason}")
+    return [tokenizer.encode(label, add_special_tokens=False)[0] for label in labels]
+
+
+class PromptCheck:
+    """The checks a row's prompt must pass, for the streaming token pass and `encode` alike: per row, the
+    reason it cannot be scored (or None); at the end, the one-line error naming every such input row."""
+
+    def __init__(self, tokenizer, source: str, max_positions: int):
+        self.tokenizer, self.source, self.max_positions = tokenizer, source, max_positions
+        self.empty: list[int] = []    # input rows whose branch has no token
+        self.long: list[int] = []     # input rows whose prompt exceeds the model's positions
+        self.longest = 0
+        self._labels: dict[tuple[str, ...], str | None] = {}
+
+    def labels(self, labels: Sequence[str]) -> str | None:
+        """Why a row's labels cannot be scored, or None (checked once per distinct list)."""
+        key = tuple(labels)
+        if key not in self._labels:
+            self._labels[key] = label_problem(self.tokenizer, key)
+        return self._labels[key]
+
+    def label_error(self, row: int, reason: str) -> KevscoreError:
+        return KevscoreError(f"{self.source}: column 'labels' (row {row}): {reason}")
+
+    def prompt(self, row: int, prefix_tokens: int, branch_tokens: int) -> str | None:
+        """Why input row `row`'s prompt cannot be scored (an empty branch, too many tokens), or None."""
+        if branch_tokens == 0:
+            self.empty.append(row)
+            return "the prompt branch (template and question) is empty"
+        n = prefix_tokens + branch_tokens
+        if n <= self.max_positions:
+            return None
+        self.long.append(row)
+        self.longest = max(self.longest, n)
+        return f"prompt (document + question) is {n} tokens, longer than the model's {self.max_positions} positions"
+
+    def error(self) -> KevscoreError | None:
+        """The error for the rows `prompt` found wanting (empty branches first), or None."""
+        if self.empty:
+            return KevscoreError(f"{self.source}: column 'question': the prompt branch is empty at "
+                                 f"{rows_phrase(self.empty)}")
+        if self.long:
+            return KevscoreError(f"{self.source}: prompt (document + question) longer than the model's "
+                                 f"{self.max_positions} positions at {rows_phrase(self.long)} "
+                                 f"(longest {self.longest} tokens)")
+        return None
 
 
 def encode(table, tokenizer, template: Template, default_labels: Sequence[str], max_positions: int) -> Encoded:
     """Tokenize an `InputTable`; documents are tokenized once per distinct text, then deduplicated by ids."""
     texts = list(dict.fromkeys(table.documents))
-    text_ids = dict(zip(texts, _tokenize(tokenizer, [template.prefix(t) for t in texts])))
+    text_ids = dict(zip(texts, tokenize(tokenizer, [template.prefix(t) for t in texts])))
     keys: dict[str, int] = {}
     prefixes: list[list[int]] = []
     row_prefix = []
@@ -109,10 +159,14 @@ def encode(table, tokenizer, template: Template, default_labels: Sequence[str], 
         if slot == len(prefixes):
             prefixes.append(ids)
         row_prefix.append(slot)
-    branches = _tokenize(tokenizer, [template.branch(q) for q in table.questions])
+    branches = tokenize(tokenizer, [template.branch(q) for q in table.questions])
     labels = table.labels or [list(default_labels)] * len(table)
     label_ids = _label_ids(tokenizer, labels, table)
-    _check_lengths(prefixes, row_prefix, branches, max_positions, table)
+    check = PromptCheck(tokenizer, table.sources[0].name if table.sources else "input", max_positions)
+    for i, b in enumerate(branches):
+        check.prompt(i, len(prefixes[row_prefix[i]]), len(b))
+    if error := check.error():
+        raise error
     return Encoded(prefixes, row_prefix, branches, [list(x) for x in labels], label_ids)
 
 
@@ -127,15 +181,3 @@ def _label_ids(tokenizer, labels: list[list[str]], table) -> list[list[int]]:
             cache[key] = label_token_ids(tokenizer, row, where)
         out.append(cache[key])
     return out
-
-
-def _check_lengths(prefixes, row_prefix, branches, max_positions: int, table) -> None:
-    name = table.sources[0].name if table.sources else "input"
-    empty = [i for i, b in enumerate(branches) if not b]
-    if empty:
-        raise KevscoreError(f"{name}: column 'question': the prompt branch is empty at {rows_phrase(empty)}")
-    long = [i for i, b in enumerate(branches) if len(prefixes[row_prefix[i]]) + len(b) > max_positions]
-    if long:
-        worst = max(len(prefixes[row_prefix[i]]) + len(branches[i]) for i in long)
-        raise KevscoreError(f"{name}: prompt (document + question) longer than the model's {max_positions} "
-                            f"positions at {rows_phrase(long)} (longest {worst} tokens)")

@@ -511,24 +511,21 @@ class RowReader:
 def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequence[str], max_positions: int,
                    skip_invalid: bool = False) -> np.ndarray:
     """Tokenize every document (once) and question, keeping only lengths: each document's prefix length
-    (int32; -1 for a document no row uses). Checks what `prompt.encode` checks, with its messages and
-    input row numbers: labels of one token, no empty branch, no prompt longer than the model's positions;
-    with skip_invalid such rows are set aside instead."""
-    from kevscore.prompt import _tokenize, label_token_ids
+    (int32; -1 for a document no row uses). Every row passes `prompt.PromptCheck`, the checks `encode`
+    makes, named by input row; with skip_invalid a row that fails is set aside with its reason instead."""
+    from kevscore.prompt import PromptCheck, label_token_ids, tokenize
 
-    name = scan.path.name
+    check = PromptCheck(tokenizer, scan.path.name, max_positions)
     doc_tokens = np.full(scan.documents, -1, dtype=np.int32)
     if scan.documents_path is not None:
         wanted = {int(r): d for d, r in enumerate(scan.doc_row) if r >= 0}
         file = open_parquet(scan.documents_path)
         for start, cols in batches(scan.documents_path, file, ["document"]):
             todo = [(wanted[start + j], t) for j, t in enumerate(cols["document"]) if start + j in wanted]
-            for (d, _), ids in zip(todo, _tokenize(tokenizer, [template.prefix(t) for _, t in todo])):
+            for (d, _), ids in zip(todo, tokenize(tokenizer, [template.prefix(t) for _, t in todo])):
                 doc_tokens[d] = len(ids)
     if not scan.has_labels:
         label_token_ids(tokenizer, default_labels, "--labels")
-    label_ok: dict[tuple[str, ...], str | None] = {}  # label list -> None, or why it is not usable
-    empty, long, worst = [], [], 0
     file = open_parquet(scan.path)
     columns = ["question"] + (["document"] if scan.documents_path is None else []) + (
         ["labels"] if scan.has_labels else [])
@@ -541,38 +538,20 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
             for j in live:
                 first.setdefault(int(docs[j]), j)
             texts = [template.prefix(cols["document"][first[d]]) for d in new]
-            for d, ids in zip(new, _tokenize(tokenizer, texts)):
+            for d, ids in zip(new, tokenize(tokenizer, texts)):
                 doc_tokens[d] = len(ids)
-        if scan.has_labels:
-            for j in live:
-                key = tuple(cols["labels"][j])
-                if key not in label_ok:
-                    try:
-                        label_token_ids(tokenizer, key, f"{name}: column 'labels' (row {start + j})")
-                        label_ok[key] = None
-                    except KevscoreError as exc:
-                        if not skip_invalid:
-                            raise
-                        label_ok[key] = str(exc).split("): ", 1)[-1]
-                if label_ok[key] is not None:
-                    scan.set_aside([start + j], label_ok[key])
-            live = [j for j in live if scan.doc_of_row[start + j] >= 0]
-        branches = _tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
+        for j in live if scan.has_labels else ():
+            if (reason := check.labels(cols["labels"][j])) and not skip_invalid:
+                raise check.label_error(start + j, reason)
+            if reason:
+                scan.set_aside([start + j], reason)
+        live = [j for j in live if scan.doc_of_row[start + j] >= 0]
+        branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
         for j, ids in zip(live, branches):
-            i, n = start + j, len(ids) + int(doc_tokens[docs[j]])
-            if not ids:
-                empty.append(i)
-            elif n > max_positions:
-                long.append(i)
-                worst = max(worst, n)
-                if skip_invalid:
-                    scan.set_aside([i], f"prompt (document + question) is {n} tokens, longer than the model's "
-                                        f"{max_positions} positions")
-    if empty:
-        if not skip_invalid:
-            raise KevscoreError(f"{name}: column 'question': the prompt branch is empty at {rows_phrase(empty)}")
-        scan.set_aside(empty, "the prompt branch (template and question) is empty")
-    if long and not skip_invalid:
-        raise KevscoreError(f"{name}: prompt (document + question) longer than the model's {max_positions} "
-                            f"positions at {rows_phrase(long)} (longest {worst} tokens)")
+            reason = check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids))
+            if reason and skip_invalid:
+                scan.set_aside([start + j], reason)
+    if (error := check.error()) and not skip_invalid:
+        raise error
     return doc_tokens
+
