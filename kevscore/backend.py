@@ -40,13 +40,6 @@ def invariant_threads(device: torch.device, batch_invariant: bool) -> Iterator[N
         torch.set_num_threads(before)
 
 
-def pad_id(tokenizer) -> int:
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if tid is not None:
-            return int(tid)
-    return 0
-
-
 def build_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int],
                  capacity: int | None = None, eager: bool = False):
     """The CPU runner (torch ops, fp32) or, on a GPU, the fused runner (bf16, FLA, CUDA graphs)."""
@@ -60,4 +53,4 @@ def build_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int],
     model = KevModel.from_weights(ckpt.config, ckpt.weights, torch_ops, torch.float32, device)
     layout = BankLayout.plan(ckpt.config, torch.float32, doc_tokens, CPU_BANK_BUDGET, capacity)
     bank = StateBank(ckpt.config, layout, device, torch.float32)
-    return EagerRunner(model, bank, pad_id(ckpt.tokenizer))
+    return EagerRunner(model, bank, ckpt.pad_id)

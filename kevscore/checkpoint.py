@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kevscore.config import SHAPES, KevConfig
+from kevscore.config import SHAPES, KevConfig, weight_shapes
 from kevscore.errors import KevscoreError, first_line
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name or org/name@revision
@@ -27,6 +27,14 @@ class Checkpoint:
     weights: dict[str, torch.Tensor]  # text-model names: model.embed_tokens.weight, model.layers.N..., lm_head.weight
     tokenizer: object                  # a transformers PreTrainedTokenizerBase
     path: Path | None = None
+
+    @property
+    def pad_id(self) -> int:
+        """The token that pads a batch's rows: the tokenizer's pad token, else its end of sequence, else 0."""
+        for tid in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
+            if tid is not None:
+                return int(tid)
+        return 0
 
 
 def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Checkpoint:
@@ -158,33 +166,6 @@ def normalize_names(weights: dict[str, torch.Tensor], cfg: KevConfig, path: Path
     if missing:
         raise KevscoreError(f"{path}: weights missing {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
     return out
-
-
-def weight_shapes(cfg: KevConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of every text-model tensor of `Qwen3_5ForCausalLM` for this config."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
-              "lm_head.weight": (cfg.vocab_size, h)}
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-                       p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-                       p + "mlp.down_proj.weight": (h, cfg.intermediate_size)})
-        if kind == "linear_attention":
-            a, hv = p + "linear_attn.", cfg.linear_num_value_heads
-            shapes.update({a + "in_proj_qkv.weight": (cfg.conv_dim, h), a + "in_proj_z.weight": (cfg.value_dim, h),
-                           a + "in_proj_b.weight": (hv, h), a + "in_proj_a.weight": (hv, h),
-                           a + "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
-                           a + "A_log": (hv,), a + "dt_bias": (hv,),
-                           a + "norm.weight": (cfg.linear_value_head_dim,),
-                           a + "out_proj.weight": (h, cfg.value_dim)})
-        else:
-            a, nh, nkv = p + "self_attn.", cfg.num_attention_heads, cfg.num_key_value_heads
-            shapes.update({a + "q_proj.weight": (2 * nh * d, h), a + "k_proj.weight": (nkv * d, h),
-                           a + "v_proj.weight": (nkv * d, h), a + "o_proj.weight": (h, nh * d),
-                           a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
-    return shapes
 
 
 def random_weights(cfg: KevConfig, seed: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:

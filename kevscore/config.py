@@ -122,3 +122,30 @@ SHAPES: dict[str, KevConfig] = {
     "kev-0.8b": _shape(1024, 3584, 24, (8, 2), (16, 16), 248320),
     "kev-4b": _shape(2560, 9216, 32, (16, 4), (16, 32), 248320),
 }
+
+
+def weight_shapes(cfg: KevConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of every text-model tensor of `Qwen3_5ForCausalLM` for this config."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
+              "lm_head.weight": (cfg.vocab_size, h)}
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+                       p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+                       p + "mlp.down_proj.weight": (h, cfg.intermediate_size)})
+        if kind == LINEAR:
+            a, hv = p + "linear_attn.", cfg.linear_num_value_heads
+            shapes.update({a + "in_proj_qkv.weight": (cfg.conv_dim, h), a + "in_proj_z.weight": (cfg.value_dim, h),
+                           a + "in_proj_b.weight": (hv, h), a + "in_proj_a.weight": (hv, h),
+                           a + "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
+                           a + "A_log": (hv,), a + "dt_bias": (hv,),
+                           a + "norm.weight": (cfg.linear_value_head_dim,),
+                           a + "out_proj.weight": (h, cfg.value_dim)})
+        else:
+            a, nh, nkv = p + "self_attn.", cfg.num_attention_heads, cfg.num_key_value_heads
+            shapes.update({a + "q_proj.weight": (2 * nh * d, h), a + "k_proj.weight": (nkv * d, h),
+                           a + "v_proj.weight": (nkv * d, h), a + "o_proj.weight": (h, nh * d),
+                           a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+    return shapes

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kevscore.backend import pad_id
 from kevscore.bank import BankLayout, StateBank
 from kevscore.checkpoint import Checkpoint
 from kevscore.model import KevModel
@@ -90,7 +89,7 @@ def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[i
     free, _ = torch.cuda.mem_get_info(device)
     layout = BankLayout.plan(ckpt.config, torch.bfloat16, doc_tokens, int(free * BANK_SHARE), capacity)
     bank = StateBank(ckpt.config, layout, device, torch.bfloat16)
-    runner = GraphRunner(model, bank, pad_id(ckpt.tokenizer), eager)
+    runner = GraphRunner(model, bank, ckpt.pad_id, eager)
     free, _ = torch.cuda.mem_get_info(device)
     runner.prefill_tokens = prefill_group_tokens(free, prefill_bytes_per_token(ckpt.config))
     runner.pinned = pinned

@@ -1,15 +1,15 @@
-"""Parquet in and out: the input rows in memory, the output's schema, path checks and rows."""
+"""Parquet in and out: the whole input in memory (`read_input`), the output's schema, path checks and rows."""
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from kevscore.errors import KevscoreError
+from kevscore.stream import InputTable, scan_input
 
 OUTPUT_SCHEMA = pa.schema([
     ("row", pa.int64()),
@@ -22,40 +22,11 @@ OUTPUT_SCHEMA = pa.schema([
 ])
 
 
-@dataclass(slots=True)
-class InputTable:
-    """Validated input rows, in input order."""
-    documents: list[str]
-    questions: list[str]
-    doc_ids: list[str] | None
-    question_ids: list[str] | None
-    labels: list[list[str]] | None
-    sources: list[Path]
-    rows: list[int] | None = None  # each row's index in the input (None: 0..n-1); a shard keeps a subset
-
-    def __len__(self) -> int:
-        return len(self.questions)
-
-    @property
-    def doc_keys(self) -> list[str]:
-        """What identifies each row's document: its doc_id, else its text."""
-        return self.doc_ids if self.doc_ids is not None else self.documents
-
-    def take(self, indices: Sequence[int]) -> InputTable:
-        """The rows at `indices` (positions in this table), keeping their input row numbers."""
-        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
-        rows = list(indices) if self.rows is None else [self.rows[i] for i in indices]
-        return InputTable(pick(self.documents), pick(self.questions), pick(self.doc_ids), pick(self.question_ids),
-                          pick(self.labels), self.sources, rows)
-
-
 # ---------------------------------------------------------------- reading
 
 def read_input(path: Path, documents: Path | None = None) -> InputTable:
     """Read the one-file form, or the questions file plus a documents file joined on doc_id: the whole
     input in memory (`kevscore.stream` validates it; a job reads it a window at a time instead)."""
-    from kevscore.stream import scan_input
-
     scan = scan_input(Path(path), Path(documents) if documents is not None else None)
     table = scan.reader().read(np.arange(scan.rows, dtype=np.int64))
     table.rows = None

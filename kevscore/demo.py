@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers.pre_tokenizers import ByteLevel
 
-from kevscore import checkpoint
+from kevscore import config
 from kevscore.config import FULL, LINEAR, KevConfig
 from kevscore.errors import KevscoreError
 from kevscore.durable import cache_root, file_sha256
@@ -242,7 +242,7 @@ def tokenizer_config() -> dict:
 
 def weight_shapes(cfg: KevConfig) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes of transformers' Qwen3_5ForCausalLM (tied embeddings: no lm_head)."""
-    shapes = checkpoint.weight_shapes(cfg)
+    shapes = config.weight_shapes(cfg)
     if cfg.tie_word_embeddings:
         del shapes["lm_head.weight"]
     return shapes

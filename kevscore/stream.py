@@ -9,8 +9,8 @@ value that is null, empty or repeats a label, a `doc_id` with no document) are s
 instead of stopping the run; problems of identity or structure (missing columns, wrong types, null or
 duplicate ids, one `doc_id` with two texts) always stop it.
 
-`RowReader` then reads chosen rows (one window's) in ascending order, continuing from where the last call
-stopped when the rows lie ahead: a file whose windows follow the file order is read once in all.
+`RowReader` then reads chosen rows (one window's) as an `InputTable`, in ascending order, continuing from
+where the last call stopped when the rows lie ahead: a file whose windows follow the file order is read once.
 """
 from __future__ import annotations
 
@@ -28,6 +28,34 @@ from kevscore.errors import KevscoreError, first_line, rows_phrase
 BATCH_ROWS = 1024        # rows per record batch read
 READ_BUFFER = 1 << 20    # bytes: stream column chunks instead of loading a whole row group
 COLUMNS = ("document", "question", "doc_id", "question_id", "labels")  # the input columns kevscore reads
+
+
+@dataclass(slots=True)
+class InputTable:
+    """Validated input rows, in input order."""
+    documents: list[str]
+    questions: list[str]
+    doc_ids: list[str] | None
+    question_ids: list[str] | None
+    labels: list[list[str]] | None
+    sources: list[Path]
+    rows: list[int] | None = None  # each row's index in the input (None: 0..n-1); a shard keeps a subset
+
+    def __len__(self) -> int:
+        return len(self.questions)
+
+    @property
+    def doc_keys(self) -> list[str]:
+        """What identifies each row's document: its doc_id, else its text."""
+        return self.doc_ids if self.doc_ids is not None else self.documents
+
+    def take(self, indices: Sequence[int]) -> InputTable:
+        """The rows at `indices` (positions in this table), keeping their input row numbers."""
+        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
+        rows = list(indices) if self.rows is None else [self.rows[i] for i in indices]
+        return InputTable(pick(self.documents), pick(self.questions), pick(self.doc_ids), pick(self.question_ids),
+                          pick(self.labels), self.sources, rows)
+
 
 
 # ---------------------------------------------------------------- small helpers (messages)
@@ -490,8 +518,6 @@ class RowReader:
 
     def read(self, rows: np.ndarray):
         """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""
-        from kevscore.data import InputTable
-
         scan = self.scan
         cols = self.rows.take(rows)
         if self.docs is None:

@@ -10,9 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from kevscore import faults, parts
-from kevscore.data import OUTPUT_SCHEMA, InputTable, check_output_path, default_output_path, output_table, read_input
+from kevscore.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table, read_input
 from kevscore.errors import KevscoreError, KevscoreFailure
 from kevscore.parts import write_parquet
+from kevscore.stream import InputTable
 
 
 def put(path: Path, columns: dict[str, list | pa.Array], schema: pa.Schema | None = None) -> Path:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kevscore.data import InputTable
+from kevscore.stream import InputTable
 from kevscore.errors import KevscoreError
 from kevscore.prompt import (PLAIN_TEMPLATE, Template, chat_template, encode, label_token_ids, load_template,
                              prefix_key)
