@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import torch
 
 from kevscore.backend import build_runner, invariant_threads, resolve_device
-from kevscore.bank_store import BankStats, BankStore, check_bank_dir, model_fingerprint
+from kevscore.bank_store import BankStats, BankStore, Fingerprint, check_bank_dir, model_fingerprint
 from kevscore.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
 from kevscore.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table
 from kevscore.engine import Engine, Progress, RunStats, Scores
@@ -41,7 +41,7 @@ from kevscore.labels import LabelTally, check_labels, low_mass_warning
 from kevscore.durable import file_sha256
 from kevscore.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, job_digest, merged_output,
                             output_job)
-from kevscore.plan import Windows, plan_windows
+from kevscore.plan import Windows, join_windows, plan_windows
 from kevscore.prompt import Template, encode, load_template
 from kevscore.shard import assign_documents
 from kevscore.stream import Cursor, InputScan, measure_tokens, scan_input
@@ -227,16 +227,16 @@ class Prepared:
     finished: str | None = None   # the job digest an existing output records (kevscore.parts.output_job)
 
 
-def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None) -> Prepared:
+def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks: int = 1) -> Prepared:
     """Scan and check the input (and the output, when given), load the model, measure every prompt's
-    tokens and cut the documents into windows."""
+    tokens and cut the documents into windows (of `ranks` ranks, each window scored by one of them)."""
     laps = Laps()
     device = resolve_device(opts.device)
     # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights load
     warm_up = prepare_device(device, peek_config(opts.model), opts.path)
     laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
-                      opts.skip_invalid, keep_texts=opts.shard is not None)
+                      opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1)
     finished = None
     if output is not None:
         ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
@@ -252,73 +252,69 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None) -> Pre
     doc_tokens = measure_tokens(scan, ckpt.tokenizer, template, opts.labels, max_positions, opts.skip_invalid)
     laps.lap("tokens")
     doc_of_row = scan.doc_of_row
-    if opts.shard is not None:  # one rank of a distributed job: the rows of its documents only
+    if opts.shard is not None:  # a shard of a job: the rows of its documents only
         doc_of_row = shard_documents(scan, *opts.shard)
-    windows = plan_windows(doc_of_row, doc_tokens, opts.window, WINDOW_ROWS, WINDOW_TOKENS)
+    if ranks > 1:  # each rank's documents cut into windows as its shard would be, rank 0's first
+        windows = join_windows([plan_windows(shard_documents(scan, r, ranks), doc_tokens, opts.window, WINDOW_ROWS,
+                                             WINDOW_TOKENS) for r in range(ranks)])
+    else:
+        windows = plan_windows(doc_of_row, doc_tokens, opts.window, WINDOW_ROWS, WINDOW_TOKENS)
     return Prepared(scan, device, ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
 
 
-def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Progress, started: float) -> RunResult:
-    p = prepare(opts, inputs, output)
-    scan, device, ckpt, template, windows, doc_of_row = p.scan, p.device, p.ckpt, p.template, p.windows, p.doc_of_row
-    max_positions = ckpt.config.max_position_embeddings
-    runner = build_runner(ckpt, device, bank_documents(windows, doc_of_row, p.doc_tokens), opts.bank_capacity,
+@dataclass(slots=True)
+class Job:
+    """A prepared job with its runner and identity: what scoring its windows and merging them need."""
+    opts: RunOptions
+    inputs: Inputs
+    output: Path
+    prep: Prepared
+    runner: object                # runner.EagerRunner or cuda_runner.GraphRunner
+    fingerprint: Fingerprint      # the model's (kevscore.bank_store): the job identity's and the bank's
+    identity: dict                # what the results depend on (job_identity)
+    ranks: int = 1                # processes the windows are split over (kevscore.distributed)
+    warm_up: dict | None = None   # the GPU warm-up thread's report
+
+
+def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1) -> Job:
+    """Prepare the job, build its runner (then join the GPU warm-up) and compute its identity."""
+    p = prepare(opts, inputs, output, ranks)
+    runner = build_runner(p.ckpt, p.device, bank_documents(p.windows, p.doc_of_row, p.doc_tokens), opts.bank_capacity,
                           opts.eager)
-    warm_up_report = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
+    warm_up = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
     p.laps.lap("runner")
     backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
-    fingerprint = model_fingerprint(ckpt, runner.bank.conv.dtype, backend)
-    identity = job_identity(opts, inputs, ckpt.name, fingerprint.digest, device.type, windows)
+    fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, backend)
+    identity = job_identity(opts, inputs, p.ckpt.name, fingerprint.digest, p.device.type, p.windows, ranks)
     p.laps.lap("identity")
+    return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up)
+
+
+def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Progress, started: float) -> RunResult:
+    job = start_job(opts, inputs, output)
+    p = job.prep
     if p.finished is not None:
-        return finished_job(opts, output, p.finished == job_digest(identity), ckpt.name, str(device), windows,
-                            time.perf_counter() - started)
-    parts = PartStore(output, identity, windows.rows, opts.restart, progress.warn)
-    store = None
+        return finished_job(opts, output, p.finished == job_digest(job.identity), p.ckpt.name, str(p.device),
+                            p.windows, time.perf_counter() - started)
+    parts = open_parts(job, progress)
     try:
-        if not opts.overwrite and output.exists() and not parts.finished():
-            check_output_path(output, inputs.files, False)  # --restart of another job over an existing output
-        store = open_store(opts, fingerprint, progress) if opts.bank is not None else None
-        result = RunResult(output, RunStats(), len(np.unique(doc_of_row[windows.of_row >= 0])), str(device),
-                           ckpt.name, p.laps.total(), windows=len(windows), resumed=len(parts.done),
-                           resumed_rows=sum(parts.done.values()), load_phases=p.laps.phases,
-                           warm_up=warm_up_report)
         if parts.finished():
+            result = new_result(job, parts)
             result.stats.rows = parts.manifest["merged"]["rows"]
         else:
-            engine = make_engine(opts, runner, store)
-            with StopSignals(progress.warn) as stop:
-                engine.stop = stop
-                score_windows(opts, scan, windows, engine, parts, ckpt.tokenizer, template, max_positions,
-                              result.stats, progress)
-            t1 = time.perf_counter()
-            set_aside = set_aside_table(scan) if opts.skip_invalid and (opts.shard or (0, 1))[0] == 0 else None
-            if opts.skip_invalid and set_aside is None:
-                set_aside = ERRORS_SCHEMA.empty_table()
-            tally = LabelTally()
-            carry = Carry(inputs.questions, OUTPUT_SCHEMA.names, progress.warn) if carries(opts) else None
-            result.stats.rows = parts.merge(windows.of_row, set_aside, lambda chunks: map(
-                tally.add, map(carry.add, chunks) if carry else chunks))
-            result.stats.write_s += time.perf_counter() - t1
-            result.labels = tally.summary()
-            progress.event("merged", output=str(output), rows=result.stats.rows)
+            result = score_job(job, parts, progress)
+            merge_job(job, parts, result, progress)
     except Interrupted as exc:
         if parts.created and not parts.done:
             parts.remove()
             raise Interrupted(f"interrupted ({exc}) before any window was complete; nothing was written") from None
         parts.close()
         done = sum(parts.done.values())
-        raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(windows)} windows ({done:,} rows) are kept "
-                          f"in {parts.dir}; rerun the same command to resume") from None
+        raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(p.windows)} windows ({done:,} rows) are "
+                          f"kept in {parts.dir}; rerun the same command to resume") from None
     except BaseException:
-        if parts.created and not parts.done:
-            parts.remove()  # nothing completed: leave no trace
-        else:
-            parts.close()
+        parts.abandon()
         raise
-    finally:
-        if store is not None:
-            store.close()
     parts.remove()
     if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
         result.warnings.append(warning)
@@ -326,12 +322,68 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Progress,
     if opts.skip_invalid:
         result.errors = errors_path(output)
         result.set_aside = pq.read_metadata(result.errors).num_rows
-    result.bank = store.stats if store is not None else None
     result.wall_s = time.perf_counter() - started
     result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    if device.type == "cuda":
-        result.peak_gpu = int(torch.cuda.max_memory_allocated(device))
+    if p.device.type == "cuda":
+        result.peak_gpu = int(torch.cuda.max_memory_allocated(p.device))
     return result
+
+
+def open_parts(job: Job, progress: Progress, member: bool = False) -> PartStore:
+    """The output's parts directory (kevscore.parts): opened, or joined by a rank other than 0 (`member`)."""
+    opts, output = job.opts, job.output
+    parts = PartStore(output, job.identity, job.prep.windows.rows, opts.restart, progress.warn, member)
+    try:
+        if not member and not opts.overwrite and output.exists() and not parts.finished():
+            check_output_path(output, job.inputs.files, False)  # --restart of another job over an existing output
+    except BaseException:
+        parts.abandon()
+        raise
+    return parts
+
+
+def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
+    """A RunResult for `rank`'s windows before scoring: what was loaded, which windows are done."""
+    p, mine = job.prep, job.prep.windows.of_rank(rank)
+    done = [w for w in mine if w in parts.done]
+    return RunResult(job.output, RunStats(), len(np.unique(p.doc_of_row[p.windows.of_row >= 0])), str(p.device),
+                     p.ckpt.name, p.laps.total(), windows=len(mine), resumed=len(done),
+                     resumed_rows=sum(parts.done[w] for w in done), load_phases=p.laps.phases, warm_up=job.warm_up)
+
+
+def score_job(job: Job, parts: PartStore, progress: Progress, rank: int = 0) -> RunResult:
+    """Score `rank`'s windows that have no part yet (with the on-disk bank when asked), writing their parts."""
+    opts, p = job.opts, job.prep
+    store = open_store(opts, job.fingerprint, progress) if opts.bank is not None else None
+    try:
+        result = new_result(job, parts, rank)
+        engine = make_engine(opts, job.runner, store)
+        with StopSignals(progress.warn) as stop:
+            engine.stop = stop
+            score_windows(opts, p.scan, p.windows, engine, parts, p.ckpt.tokenizer, p.template,
+                          p.ckpt.config.max_position_embeddings, result.stats, progress, rank)
+    finally:
+        if store is not None:
+            store.close()
+    result.bank = store.stats if store is not None else None
+    return result
+
+
+def merge_job(job: Job, parts: PartStore, result: RunResult, progress: Progress) -> None:
+    """Merge every window's part into the output (and the rows set aside into its errors file), counting
+    the label mass on the way."""
+    opts = job.opts
+    t1 = time.perf_counter()
+    set_aside = None
+    if opts.skip_invalid:  # the scan's rows set aside, reported once: by a shard job's rank 0
+        set_aside = set_aside_table(job.prep.scan) if (opts.shard or (0, 1))[0] == 0 else ERRORS_SCHEMA.empty_table()
+    tally = LabelTally()
+    carry = Carry(job.inputs.questions, OUTPUT_SCHEMA.names, progress.warn) if carries(opts, job.ranks) else None
+    result.stats.rows = parts.merge(job.prep.windows.of_row, set_aside, lambda chunks: map(
+        tally.add, map(carry.add, chunks) if carry else chunks))
+    result.stats.write_s += time.perf_counter() - t1
+    result.labels = tally.summary()
+    progress.event("merged", output=str(job.output), rows=result.stats.rows)
 
 
 def check_outputs(opts: RunOptions, sources: list[Path], output: Path, overwrite: bool) -> None:
@@ -370,16 +422,17 @@ def make_engine(opts: RunOptions, runner, store: BankStore | None = None) -> Eng
 
 
 def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
-                  tokenizer, template, max_positions: int, stats: RunStats, progress: Progress) -> None:
-    """Score every window without a completed part. The next window is read and tokenized on one worker
-    thread while this one is scored, and the last window's part is written on another (at most two windows'
-    inputs and one window's output in memory); a failure on either thread ends the run with its error."""
-    todo = [w for w in range(len(windows)) if w not in parts.done]
-    resumed_rows = sum(parts.done.values())
-    total_rows = int(windows.rows.sum())
+                  tokenizer, template, max_positions: int, stats: RunStats, progress: Progress, rank: int = 0) -> None:
+    """Score every window of `rank` without a completed part. The next window is read and tokenized on one
+    worker thread while this one is scored, and the last window's part is written on another (at most two
+    windows' inputs and one window's output in memory); a failure on either thread ends the run with its error."""
+    mine = windows.of_rank(rank)
+    todo = [w for w in mine if w not in parts.done]
+    resumed_rows = sum(parts.done[w] for w in mine if w in parts.done)
+    total_rows = int(windows.rows[mine].sum())
     progress.start("prefill", int(windows.docs[todo].sum()) if todo else 0)
     progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()) if todo else total_rows)
-    progress.event("start", rows=total_rows, windows=len(windows), windows_done=len(parts.done),
+    progress.event("start", rows=total_rows, windows=len(mine), windows_done=len(mine) - len(todo),
                    rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
     reader = scan.reader()
 
@@ -392,7 +445,7 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
         parts.write(w, *_part_tables(table, enc, scores))
         stats.write_s += time.perf_counter() - t0  # only this thread adds to it while windows are scored
         progress.event("part", window=w, rows=len(enc) - len(scores.failed), failed=len(scores.failed),
-                       windows_done=len(parts.done), windows=len(windows))
+                       windows_done=len(parts.done.keys() & set(mine)), windows=len(mine))
 
     reading = ThreadPoolExecutor(1, thread_name_prefix="kevscore-read")
     writing = ThreadPoolExecutor(1, thread_name_prefix="kevscore-write")
@@ -468,14 +521,14 @@ def bank_documents(windows: Windows, doc_of_row: np.ndarray, doc_tokens: np.ndar
     return lengths + [0] * max(0, int(windows.docs.max()) - len(lengths))
 
 
-def carries(opts: RunOptions) -> bool:
-    """Whether the output gets the input's other columns (not in a rank's part: the ranks' merge does not)."""
-    return opts.carry and opts.shard is None
+def carries(opts: RunOptions, ranks: int = 1) -> bool:
+    """Whether the output gets the input's other columns (a one-process job's output, not a shard's or the ranks')."""
+    return opts.carry and opts.shard is None and ranks == 1
 
 
 def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str, device: str,
-                 windows: Windows) -> dict:
-    """What a job's results depend on; a resumed run must match it exactly."""
+                 windows: Windows, ranks: int = 1) -> dict:
+    """What a job's results depend on; a resumed run (on any number of processes) must match it exactly."""
     def file(path):
         return None if path is None else {"name": Path(path).name, "sha256": file_sha256(Path(path))}
 
@@ -492,8 +545,8 @@ def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str,
         "model": {"name": model, "fingerprint": fingerprint},
         "options": {"device": device, "path": opts.path, "labels": list(opts.labels), "batch_rows": opts.batch_rows,
                     "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
-                    "window": opts.window, "shard": list(opts.shard) if opts.shard else None,
-                    "skip_invalid": opts.skip_invalid, "limit": opts.limit, "carry": carries(opts),
+                    "window": opts.window, "shard": list(opts.shard) if opts.shard else None, "ranks": ranks,
+                    "skip_invalid": opts.skip_invalid, "limit": opts.limit, "carry": carries(opts, ranks),
                     "rename": {k: v for k, v in sorted(opts.rename.items()) if k != v}},
         "plan": {"windows": len(windows), "rows": int(windows.rows.sum()), "digest": windows.digest()},
     }

@@ -46,8 +46,8 @@ ERRORS_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("quest
                            ("reason", pa.string())])
 OPTION_FLAGS = {"path": "--path", "labels": "--labels", "batch_rows": "--batch-rows", "bank_capacity": "--bank-capacity",
                 "eager": "--eager", "batch_invariant": "--batch-invariant", "window": "--window",
-                "shard": "shard (rank, world)", "device": "--device", "model": "--model",
-                "skip_invalid": "--skip-invalid", "limit": "--limit", "carry": "--carry/--no-carry",
+                "shard": "shard (rank, world)", "ranks": "ranks (--gpus, torchrun)", "device": "--device",
+                "model": "--model", "skip_invalid": "--skip-invalid", "limit": "--limit", "carry": "--carry/--no-carry",
                 "rename": "the column options (--question-column, ...)"}
 
 
@@ -187,17 +187,28 @@ def differences(old: dict, new: dict) -> list[str]:
 
 
 class PartStore:
-    """The parts of one job's output: open (lock, check or start the manifest), write, merge, remove."""
+    """The parts of one job's output: open (lock, check or start the manifest), write, merge, remove.
+
+    The ranks of a distributed job share one store: rank 0 opens it (and holds its lock), the others then
+    join it as members, each writing the parts of its own windows; rank 0 merges them all."""
 
     def __init__(self, output: Path, identity: dict, windows: np.ndarray, restart: bool = False,
-                 warn: Callable[[str], None] | None = None):
+                 warn: Callable[[str], None] | None = None, member: bool = False):
         """`windows`: each window's planned row count. Raises KevscoreError when OUT.parts holds completed
-        parts of another job (unless restart: they are discarded)."""
+        parts of another job (unless restart: they are discarded). `member`: join the store another rank
+        of this job has opened (no lock, no clean-up, no manifest writes)."""
         self.output, self.dir = Path(output), parts_dir(Path(output))
         self.identity, self.planned = identity, windows
         self.job = job_digest(identity)
         self.warn = warn or (lambda message: None)
-        self.created = not self.dir.exists()
+        self.member, self._lock = member, None
+        self.created = not member and not self.dir.exists()
+        if member:
+            self.manifest = _read_json(self.dir / MANIFEST) or {}
+            if self.manifest.get("identity") != identity:
+                raise KevscoreFailure(f"{self.dir}: rank 0 did not open it for this job")
+            self.done = self._completed(remove_others=False)
+            return
         try:
             self.dir.mkdir(exist_ok=True)
         except OSError as e:
@@ -245,19 +256,26 @@ class PartStore:
             self.manifest = {"format": FORMAT, "version": VERSION, "identity": self.identity, "job": self.job,
                              "created": time.time(), "done": []}
             _write_json(self.dir / MANIFEST, self.manifest)
-        self.done: dict[int, int] = {}  # window -> rows in its part
+        self.done = self._completed(remove_others=True)
+
+    def _completed(self, remove_others: bool) -> dict[int, int]:
+        """Window -> rows of each complete part of this job; other part files are removed (or ignored)."""
+        done = {}
         for w, path in self._parts().items():
             rows = self._check_part(w, path)
-            if rows is None:
+            if rows is not None:
+                done[w] = rows
+            elif remove_others:
                 self.warn(f"{path}: not a complete part of this job; recomputing window {w}")
                 path.unlink(missing_ok=True)
                 self._errors_file(w).unlink(missing_ok=True)
-            else:
-                self.done[w] = rows
+        return done
 
     def _parts(self) -> dict[int, Path]:
         out = {}
         for p in self.dir.glob("part-*.parquet"):
+            if not p.is_file():
+                continue
             try:
                 out[int(p.name[5:-8])] = p
             except ValueError:
@@ -302,8 +320,9 @@ class PartStore:
         write_parquet(self._part_file(w), table.schema, groups or [table], self.dir, hook="part-write")
         faults.point("part-done")
         self.done[w] = table.num_rows
-        self.manifest["done"] = sorted(self.done)
-        _write_json(self.dir / MANIFEST, self.manifest)
+        if not self.member:  # rank 0's manifest; the parts on disk are what counts
+            self.manifest["done"] = sorted(self.done)
+            _write_json(self.dir / MANIFEST, self.manifest)
 
     def failed_rows(self) -> pa.Table:
         """Every window's rows that failed on their own, by row."""
@@ -330,6 +349,7 @@ class PartStore:
         the rows the scan set aside); then remove the parts. Returns the output's row count. `finish`
         turns the merged chunks into the output's (columns added, rows observed); the output's format
         follows its extension (kevscore.formats)."""
+        self.done = self._completed(remove_others=False)  # the other ranks' parts too
         failed = self.failed_rows()
         of_row = of_row.copy()
         of_row[np.asarray(failed.column("row").to_pylist(), dtype=np.int64)] = -1
@@ -382,6 +402,14 @@ class PartStore:
         if not len(of_row) or not (of_row >= 0).any():
             yield OUTPUT_SCHEMA.empty_table()
 
+    def abandon(self) -> None:
+        """After a failure: remove the directory when this run created it and no part was completed (leave
+        no trace), else keep it for a rerun to resume."""
+        if self.created and not self._parts():
+            self.remove()
+        else:
+            self.close()
+
     def remove(self) -> None:
         """Remove the parts directory (after a merge, or a failure that left no completed part)."""
         self.close()
@@ -421,27 +449,3 @@ class _PartReader:
 
     def exhausted(self) -> bool:
         return self.left <= 0
-
-    def next_row(self) -> int:
-        """The `row` of the next row to take (the part must not be exhausted)."""
-        return self._fill().column("row")[0].as_py()
-
-    def take_below(self, limit: int) -> pa.Table:
-        """Every next row whose `row` is below `limit` (a part's rows ascend)."""
-        pieces = []
-        while not self.exhausted() and self.next_row() < limit:
-            rows = self.buffer.column("row").to_numpy()
-            k = int(np.searchsorted(rows, limit))
-            pieces.append(self.buffer.slice(0, k))
-            self.buffer = self.buffer.slice(k)
-            self.left -= k
-        return pa.concat_tables(pieces) if pieces else self.file.schema_arrow.empty_table()
-
-
-def merge_sorted(paths: list[Path], chunk_rows: int = MERGE_ROWS) -> Iterator[pa.Table]:
-    """The rows of parquet files whose `row` columns ascend, in `row` order, about `chunk_rows` input
-    rows at a time: host memory holds one chunk and one batch per file, whatever the files' sizes."""
-    readers = [_PartReader(p) for p in paths]
-    while live := [r for r in readers if not r.exhausted()]:
-        limit = min(r.next_row() for r in live) + chunk_rows
-        yield pa.concat_tables([r.take_below(limit) for r in live]).replace_schema_metadata(None).sort_by("row")

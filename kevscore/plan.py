@@ -84,11 +84,16 @@ class Windows:
     rows: np.ndarray     # int64 per window: its rows
     docs: np.ndarray     # int64 per window: its documents
     tokens: np.ndarray   # int64 per window: its documents' prefix tokens
+    rank: np.ndarray | None = None  # int64 per window: the rank that scores it (None: one process scores all)
     order: np.ndarray | None = None
     bounds: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def of_rank(self, rank: int) -> list[int]:
+        """The windows `rank` scores (every window when one process scores all)."""
+        return list(range(len(self))) if self.rank is None else np.flatnonzero(self.rank == rank).tolist()
 
     def rows_of(self, window: int) -> np.ndarray:
         """The window's input rows, ascending."""
@@ -102,6 +107,20 @@ class Windows:
         import hashlib
 
         return hashlib.sha256(np.ascontiguousarray(self.of_row, dtype="<i4").tobytes()).hexdigest()
+
+
+def join_windows(plans: Sequence[Windows]) -> Windows:
+    """One plan of the windows of several ranks, rank 0's first: window w of rank r becomes window
+    w + (windows of the ranks before r), and `rank` says whose each one is."""
+    of_row = np.full(len(plans[0].of_row), -1, dtype=np.int32)
+    offset = 0
+    for p in plans:
+        mine = p.of_row >= 0
+        of_row[mine] = p.of_row[mine] + offset
+        offset += len(p)
+    rank = np.repeat(np.arange(len(plans), dtype=np.int64), [len(p) for p in plans])
+    cat = lambda name: np.concatenate([getattr(p, name) for p in plans]).astype(np.int64)  # noqa: E731
+    return Windows(of_row, cat("rows"), cat("docs"), cat("tokens"), rank)
 
 
 def plan_windows(doc_of_row: np.ndarray, doc_tokens: Sequence[int], max_docs: int, max_rows: int,

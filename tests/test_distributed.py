@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from kevscore.distributed import manifest_path, part_path
 from kevscore.job import RunOptions, run_job
+from kevscore.parts import MANIFEST, parts_dir
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -41,21 +41,24 @@ def test_torchrun_two_ranks_equal_one_process(tmp_path, single):
 def test_failed_rank_fails_the_job_and_a_rerun_reuses_the_completed_part(tmp_path, single):
     shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet")
     out = tmp_path / "out.parquet"
-    blocker = part_path(out, 1, 2)
+    parts = parts_dir(out)
+    parts.mkdir()
+    blocker = parts / "part-000001.parquet"  # the one window of rank 1 (rank 0's windows come first)
     blocker.mkdir()  # rank 1 cannot write its part
     args = (str(tmp_path / "q.parquet"), "--device", "cpu", "--batch-invariant", "-o", str(out))
     res = launch(*args, torchrun=False)
     assert res.returncode != 0
-    assert "rank 1 failed" in res.stderr and "is a directory" in res.stderr
+    assert "rank 1 failed" in res.stderr and "is a directory" in res.stderr.lower()
     assert not out.exists()
-    done = part_path(out, 0, 2)
-    assert done.is_file() and json.loads(manifest_path(done).read_text())["rows"] == pq.read_metadata(done).num_rows
+    done = parts / "part-000000.parquet"  # rank 0's window, in the one shared store and its one manifest
+    assert done.is_file() and 0 < pq.read_metadata(done).num_rows < single.num_rows
+    assert json.loads((parts / MANIFEST).read_text())["identity"]["options"]["ranks"] == 2
     blocker.rmdir()
     res = launch(*args, torchrun=False)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.count("reused") == 1 and res.stderr.count("scored") == 1  # rank 0 reused, rank 1 scored
     assert pq.read_table(out).equals(single)
-    assert not done.exists() and not manifest_path(done).exists()
+    assert not parts.exists()
 
 
 def test_ranks_share_one_persistent_bank(tmp_path):
