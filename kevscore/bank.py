@@ -1,19 +1,22 @@
 """The state bank: one preallocated set of tensors holding every document entry of a wave.
 
-An entry is what the model needs to continue from a document: per DeltaNet layer its final recurrent
-state (fp32) and conv state (the last k-1 conv inputs), per attention layer the K/V of every document
-token. Recurrent and conv states are indexed by entry slot; K/V live in a token pool where each entry
-owns a contiguous range. The tensors are allocated once, so their addresses never change.
+An entry is what the model needs to continue from a document, as its layers declare it (`BANK` of each
+layer, `kevscore.model.bank_tensors`): per DeltaNet layer its final recurrent state (fp32) and conv state
+(the last k-1 conv inputs), per attention layer the K/V of every document token. Tensors without a token
+axis are indexed by entry slot; those with one form a token pool where each entry owns a contiguous range.
+The tensors are allocated once, so their addresses never change.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kevscore.config import KevConfig
 from kevscore.errors import KevscoreError
+from kevscore.model import bank_tensors
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,15 +26,15 @@ class BankLayout:
 
     @staticmethod
     def entry_bytes(cfg: KevConfig, dtype: torch.dtype) -> int:
-        nd, item = len(cfg.delta_layers), torch.empty(0, dtype=dtype).element_size()
-        state = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-        conv = cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * item
-        return nd * (state + conv)
+        """Bytes of an entry's fixed-size tensors (those without a token axis), all layers."""
+        return sum(layers * math.prod(t.shape(cfg)) * t.dtype(dtype).itemsize
+                   for t, layers in bank_tensors(cfg) if t.token_axis is None)
 
     @staticmethod
     def token_bytes(cfg: KevConfig, dtype: torch.dtype) -> int:
-        item = torch.empty(0, dtype=dtype).element_size()
-        return len(cfg.attn_layers) * 2 * cfg.num_key_value_heads * cfg.head_dim * item
+        """Bytes per document token of the token pool's tensors, all layers."""
+        return sum(layers * math.prod(t.shape(cfg)) * t.dtype(dtype).itemsize
+                   for t, layers in bank_tensors(cfg) if t.token_axis is not None)
 
     @classmethod
     def plan(cls, cfg: KevConfig, dtype: torch.dtype, doc_tokens: list[int], budget: int,
@@ -48,14 +51,15 @@ class BankLayout:
 
 
 class StateBank:
+    """One attribute per declared tensor (`state`, `conv`, `kv` for Kev): [layers, entries, *dims], or for a
+    tensor with a token axis [layers, *dims] with the pool's tokens on that axis."""
+
     def __init__(self, cfg: KevConfig, layout: BankLayout, device, dtype: torch.dtype):
-        nd, na = len(cfg.delta_layers), len(cfg.attn_layers)
-        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        width = cfg.linear_conv_kernel_dim - 1
         self.layout = layout
-        self.state = torch.zeros(nd, layout.entries, hv, dk, dv, dtype=torch.float32, device=device)
-        self.conv = torch.zeros(nd, layout.entries, cfg.conv_dim, width, dtype=dtype, device=device)
-        self.kv = torch.zeros(na, 2, layout.tokens, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.declared = [t for t, _ in bank_tensors(cfg)]
+        for t, layers in bank_tensors(cfg):
+            shape = t.shape(cfg, layout.tokens) if t.token_axis is not None else (layout.entries, *t.shape(cfg))
+            setattr(self, t.name, torch.zeros(layers, *shape, dtype=t.dtype(dtype), device=device))
         self.start = torch.zeros(layout.entries, dtype=torch.long, device=device)  # first K/V token slot
         self.length = torch.zeros(layout.entries, dtype=torch.long, device=device)
         self.reset()
@@ -93,7 +97,29 @@ class StateBank:
         self.length[:n].copy_(torch.tensor(self._lengths, dtype=torch.long))
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"state": self.state, "conv": self.conv, "kv": self.kv}
+        return {t.name: getattr(self, t.name) for t in self.declared}
+
+    def entry(self, slot: int, length: int) -> dict[str, torch.Tensor]:
+        """Views of entry `slot` (a document of `length` tokens) in every tensor, shaped as an entry file holds
+        them: [layers, *dims], the token axis `length` long."""
+        out = {}
+        for t in self.declared:
+            x = getattr(self, t.name)
+            out[t.name] = x[:, slot] if t.token_axis is None else x.narrow(1 + t.token_axis, self._starts[slot], length)
+        return out
+
+    def entry_shapes(self, length: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """(dtype, shape) of each tensor of an entry of `length` tokens, as `entry` returns it."""
+        out = {}
+        for t in self.declared:
+            x = getattr(self, t.name)
+            shape = list(x.shape)
+            if t.token_axis is None:
+                del shape[1]
+            else:
+                shape[1 + t.token_axis] = length
+            out[t.name] = (x.dtype, tuple(shape))
+        return out
 
     def checksum(self) -> str:
         """SHA-256 over the bytes of every bank tensor (copied to the host)."""

@@ -41,16 +41,18 @@ import torch
 from kevscore import faults
 from kevscore.durable import bytes_filler, cached_sha256, fsync_dir, write_atomic, write_new
 from kevscore.errors import KevscoreError, KevscoreFailure, first_line
+from kevscore.layers.common import TOKENS
+from kevscore.model import BANK_GROUPS, BANK_TENSORS
 from kevscore.prompt import prefix_key
 
 FORMAT, VERSION = "kevscore-bank", 1
 MARKER, INDEX, LOCK, ENTRIES, TMP = "kevbank.json", "index.json", "lock", "entries", "tmp"
 BANK_NAMES = {MARKER, INDEX, LOCK, ENTRIES, TMP}
 SUFFIX = ".safetensors"
-TENSORS = ("state", "conv", "kv", "ids")
-COMPONENTS = {"state": "recurrent", "conv": "conv", "kv": "kv"}  # tensor -> component name in reports
+TENSORS = (*(t.name for t in BANK_TENSORS), "ids")  # the layers' declared tensors and the prefix ids
+COMPONENTS = {t.name: t.component or t.name for t in BANK_TENSORS}  # tensor -> component name in reports
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64}
-RANKS = {"state": 4, "conv": 3, "kv": 5, "ids": 1}
+RANKS = {**{t.name: 1 + len(t.dims) for t in BANK_TENSORS}, "ids": 1}  # [layers, *dims]; ids [tokens]
 MAX_DOC_IDS = 32  # document ids remembered per entry
 META_KEYS = ("format", "version", "key", "model", "prefix_sha256", "tokens", "crc32", "created")
 
@@ -192,10 +194,25 @@ def _checked_header(head: bytes, size: int) -> EntryFile:
         assert all(isinstance(v, int) for v in crc.values())
     except (ValueError, AssertionError):
         raise EntryError("header metadata tokens/created/crc32 malformed") from None
-    state, conv, kv, ids = (tensors[t][1] for t in TENSORS)
-    if ids != [tokens] or kv[1] != 2 or kv[2] != tokens or state[0] != conv[0] or tensors["ids"][0] != "I64":
-        raise EntryError(f"inconsistent shapes for {tokens} tokens: state {state}, conv {conv}, kv {kv}, ids {ids}")
+    if not _consistent({name: spec[1] for name, spec in tensors.items()}, tokens) or tensors["ids"][0] != "I64":
+        shapes = ", ".join(f"{name} {tensors[name][1]}" for name in TENSORS)
+        raise EntryError(f"inconsistent shapes for {tokens} tokens: {shapes}")
     return EntryFile(meta, tensors, size)
+
+
+def _consistent(shapes: dict[str, list[int]], tokens: int) -> bool:
+    """Shapes that fit the layers' declarations: `tokens` ids and rows on every token axis, the declared
+    literal sizes, one layer count per layer kind."""
+    if shapes["ids"] != [tokens]:
+        return False
+    for group in BANK_GROUPS:
+        if len({shapes[t.name][0] for t in group}) > 1:
+            return False
+        for t in group:
+            want = [tokens if d == TOKENS else d for d in t.dims]
+            if any(isinstance(w, int) and w != got for w, got in zip(want, shapes[t.name][1:])):
+                return False
+    return True
 
 
 def read_header(path: Path) -> EntryFile:
@@ -241,12 +258,11 @@ def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torc
     return entry, tensors
 
 
-def entry_bytes(key: str, model: str, ids: Sequence[int], state: torch.Tensor, conv: torch.Tensor,
-                kv: torch.Tensor) -> bytes:
-    """Serialize one entry (contiguous host tensors) as safetensors, with CRC-32s in the metadata."""
+def entry_bytes(key: str, model: str, ids: Sequence[int], entry: dict[str, torch.Tensor]) -> bytes:
+    """Serialize one entry (contiguous host tensors, by name) as safetensors, with CRC-32s in the metadata."""
     from safetensors.torch import save
 
-    tensors = {"state": state, "conv": conv, "kv": kv, "ids": torch.as_tensor(list(ids), dtype=torch.int64)}
+    tensors = {**entry, "ids": torch.as_tensor(list(ids), dtype=torch.int64)}
     crc = {n: zlib.crc32(t.reshape(-1).view(torch.uint8).numpy()) for n, t in tensors.items()}
     meta = {"format": FORMAT, "version": str(VERSION), "key": key, "model": model,
             "prefix_sha256": prefix_key(ids), "tokens": str(len(ids)), "crc32": json.dumps(crc),
@@ -653,10 +669,7 @@ class BankStore:
         if entry.meta["model"] != self.model.digest:
             name = self.index["models"].get(entry.meta["model"], {}).get("name", "?")
             raise EntryError(f"made by another model ({name}, fingerprint {entry.meta['model'][:12]})")
-        expect = {"state": (bank.state.dtype, (bank.state.shape[0], *bank.state.shape[2:])),
-                  "conv": (bank.conv.dtype, (bank.conv.shape[0], *bank.conv.shape[2:])),
-                  "kv": (bank.kv.dtype, (bank.kv.shape[0], 2, len(prefix), *bank.kv.shape[3:]))}
-        for name, (dtype, shape) in expect.items():
+        for name, (dtype, shape) in bank.entry_shapes(len(prefix)).items():
             t = tensors[name]
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise EntryError(f"tensor {name!r} is {tuple(t.shape)} {t.dtype}, the bank needs {shape} {dtype}")
@@ -666,14 +679,13 @@ class BankStore:
 
     @staticmethod
     def _copy_in(bank, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Host -> bank slot, one contiguous block per layer (non-blocking from pinned memory on CUDA)."""
-        start, n = bank.entry_start(slot), tensors["kv"].shape[2]
-        for layer in range(bank.state.shape[0]):
-            bank.state[layer, slot].copy_(tensors["state"][layer], non_blocking=True)
-            bank.conv[layer, slot].copy_(tensors["conv"][layer], non_blocking=True)
-        for layer in range(bank.kv.shape[0]):
-            for j in range(2):
-                bank.kv[layer, j, start:start + n].copy_(tensors["kv"][layer, j], non_blocking=True)
+        """Host -> bank slot, one copy per contiguous block (per layer, and per index of the dims before a
+        token axis), non-blocking from pinned memory on CUDA."""
+        views = bank.entry(slot, len(tensors["ids"]))
+        for t in bank.declared:
+            lead = 1 + (t.token_axis or 0)  # leading dims whose every index is one contiguous block
+            for dst, src in zip(views[t.name].flatten(0, lead - 1), tensors[t.name].flatten(0, lead - 1)):
+                dst.copy_(src, non_blocking=True)
 
     def save(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> None:
         """Write the entries of freshly prefilled `docs` (copied out of their bank slots) and commit them."""
@@ -685,11 +697,9 @@ class BankStore:
 
         def write(item):
             d, key = item
-            slot, prefix = slot_of[d], prefixes[d]
-            start = bank.entry_start(slot)
-            host = [t.to("cpu", copy=True).contiguous() for t in
-                    (bank.state[:, slot], bank.conv[:, slot], bank.kv[:, :, start:start + len(prefix)])]
-            data = entry_bytes(key, self.model.digest, prefix, *host)
+            prefix = prefixes[d]
+            host = {name: t.to("cpu", copy=True).contiguous() for name, t in bank.entry(slot_of[d], len(prefix)).items()}
+            data = entry_bytes(key, self.model.digest, prefix, host)
             tmp = self.tmp / f"{key}{SUFFIX}.tmp"
             tmp.unlink(missing_ok=True)
             write_new(tmp, bytes_filler(data, "bank-entry-write"), self._path(key))

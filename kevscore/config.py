@@ -55,6 +55,11 @@ class KevConfig:
         return 2 * self.key_dim + self.value_dim
 
     @property
+    def conv_state_len(self) -> int:
+        """Conv inputs a document's bank entry keeps: its last k - 1."""
+        return self.linear_conv_kernel_dim - 1
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 

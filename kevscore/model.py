@@ -1,17 +1,26 @@
 """The Kev model: wires layers together. It never sees batching, only a context per forward."""
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from kevscore.config import LINEAR, KevConfig
+from kevscore.config import FULL, LINEAR, KevConfig
 from kevscore.layers.attention import Attention
-from kevscore.layers.common import MLP, BranchContext, Context, PrefillContext, Rotary
+from kevscore.layers.common import MLP, BankTensor, BranchContext, Context, PrefillContext, Rotary
 from kevscore.layers.deltanet import DeltaNet
 
 FP32_PARAMS = ("A_log", "dt_bias", "_scale")  # kept in fp32 whatever the model dtype
+MIXERS = {LINEAR: DeltaNet, FULL: Attention}
+BANK_GROUPS = tuple(mixer.BANK for mixer in MIXERS.values())  # a bank entry's tensors, by the layer kind declaring them
+BANK_TENSORS = tuple(t for group in BANK_GROUPS for t in group)
+
+
+def bank_tensors(cfg: KevConfig) -> list[tuple[BankTensor, int]]:
+    """Every tensor of a bank entry, as the layers declare it, with how many layers of `cfg` declare it."""
+    return [(t, cfg.layer_types.count(kind)) for kind, mixer in MIXERS.items() for t in mixer.BANK]
 
 
 @contextmanager
@@ -31,7 +40,7 @@ class Block(nn.Module):
     def __init__(self, cfg: KevConfig, kind: str, ops):
         super().__init__()
         self.kind, self.ops = kind, ops
-        self.mixer = DeltaNet(cfg, ops) if kind == LINEAR else Attention(cfg, ops)
+        self.mixer = MIXERS[kind](cfg, ops)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, ops)
         # 1 + weight of Qwen3.5's zero-centred RMSNorms, in fp32
         self.input_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
@@ -94,14 +103,13 @@ class KevModel(nn.Module):
             block.mixer.load(w, pre + ("linear_attn." if block.kind == LINEAR else "self_attn."))
 
     def attach_bank(self, bank) -> None:
-        """Give each layer its views of the bank (the bank never moves, so captured graphs stay valid)."""
-        delta, attn = iter(range(len(self.cfg.delta_layers))), iter(range(len(self.cfg.attn_layers)))
+        """Give each layer its views of the bank tensors it declares (`BANK`): the i-th layer declaring a tensor
+        gets its index i (the bank never moves, so captured graphs stay valid)."""
+        seen: Counter[str] = Counter()
         for block in self.layers:
-            if block.kind == LINEAR:
-                i = next(delta)
-                block.mixer.bank_state, block.mixer.bank_conv = bank.state[i], bank.conv[i]
-            else:
-                block.mixer.bank_kv = bank.kv[next(attn)]
+            for t in block.mixer.BANK:
+                setattr(block.mixer, f"bank_{t.name}", getattr(bank, t.name)[seen[t.name]])
+                seen[t.name] += 1
 
     def _run(self, ids: torch.Tensor, ctx: Context, keep=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(last sub-layer output, residual stream before it): their sum is the final hidden state. keep: an

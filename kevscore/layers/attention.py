@@ -6,10 +6,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kevscore.config import KevConfig
-from kevscore.layers.common import Context, PrefillContext
+from kevscore.layers.common import TOKENS, BankTensor, Context, PrefillContext
 
 
 class Attention(nn.Module):
+    BANK = (BankTensor("kv", (2, TOKENS, "num_key_value_heads", "head_dim")),)  # K and V of every document token
+
     def __init__(self, cfg: KevConfig, ops):
         super().__init__()
         self.ops = ops
@@ -20,7 +22,7 @@ class Attention(nn.Module):
         self.qkv_proj = p(sum(self.splits), cfg.hidden_size)
         self.q_scale, self.k_scale = p(self.d), p(self.d)  # 1 + weight of the zero-centred norms, fp32
         self.o_proj = p(cfg.hidden_size, self.nh * self.d)
-        self.bank_kv: torch.Tensor | None = None  # [2, tokens, Hkv, D], a view of the bank's K/V pool
+        self.bank_kv: torch.Tensor | None = None  # [2, tokens, Hkv, D], this layer's view of the bank's K/V pool
 
     def forward(self, x: torch.Tensor, ctx: Context, cos: torch.Tensor, sin: torch.Tensor,
                 keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Small blocks shared by Kev layers: norms, rotary embedding, MLP, and the per-forward context."""
+"""Small blocks shared by Kev layers: norms, rotary embedding, MLP, the per-forward context, and the
+declaration of a layer's bank entry."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +7,30 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+TOKENS = "tokens"  # a bank tensor's token axis: one row per document token (an entry owns a range of them)
+
+
+@dataclass(frozen=True, slots=True)
+class BankTensor:
+    """One tensor of the bank entry a layer reads to continue from a document, declared by the layer (like
+    mamba's allocate_inference_cache): the bank allocates it for every layer that declares it, the bank
+    store saves and checks it per entry, and the model hands each layer its view (`bank_<name>`)."""
+    name: str                     # the bank's attribute and the entry file's tensor
+    dims: tuple[str | int, ...]   # per layer and entry: a KevConfig size by name, a literal size, or TOKENS
+    fp32: bool = False            # kept in fp32 whatever the bank's dtype (a recurrent state)
+    component: str = ""           # its name in bank reports (default: name)
+
+    @property
+    def token_axis(self) -> int | None:
+        """The position of TOKENS in dims (None: one fixed-size block per entry)."""
+        return self.dims.index(TOKENS) if TOKENS in self.dims else None
+
+    def shape(self, cfg, tokens: int = 1) -> tuple[int, ...]:
+        return tuple(tokens if d == TOKENS else d if isinstance(d, int) else int(getattr(cfg, d)) for d in self.dims)
+
+    def dtype(self, bank_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.fp32 else bank_dtype
 
 
 @dataclass(slots=True)

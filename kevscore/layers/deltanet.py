@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kevscore.config import KevConfig
-from kevscore.layers.common import BranchContext, Context, PrefillContext
+from kevscore.layers.common import BankTensor, BranchContext, Context, PrefillContext
 
 
 def conv_tail(x: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
@@ -16,6 +16,10 @@ def conv_tail(x: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
 
 
 class DeltaNet(nn.Module):
+    BANK = (BankTensor("state", ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"), fp32=True,
+                       component="recurrent"),   # the final recurrent state
+            BankTensor("conv", ("conv_dim", "conv_state_len")))  # the last k - 1 conv inputs
+
     def __init__(self, cfg: KevConfig, ops):
         super().__init__()
         self.ops = ops
@@ -29,7 +33,7 @@ class DeltaNet(nn.Module):
         self.A_log, self.dt_bias = p(self.hv), p(self.hv)
         self.norm_weight = p(self.dv)
         self.out_proj = p(cfg.hidden_size, cfg.value_dim)
-        self.bank_state: torch.Tensor | None = None  # [E, HV, K, V] fp32, a view of the bank
+        self.bank_state: torch.Tensor | None = None  # [E, HV, K, V] fp32, this layer's view of the bank (BANK)
         self.bank_conv: torch.Tensor | None = None   # [E, conv_dim, k - 1]
 
     def forward(self, x: torch.Tensor, ctx: Context, keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
