@@ -59,12 +59,12 @@ def child(args) -> None:
     t0 = time.perf_counter()
     import torch
 
-    from kevscore.engine import Progress
+    from kevscore.engine import Reporter
     from kevscore.job import RunOptions, run_job
 
     import_s = time.perf_counter() - t0
 
-    class Timeline(Progress):
+    class Timeline(Reporter):
         """CUDA events around each phase, read after the job: no synchronization while it runs."""
 
         def __init__(self):
@@ -82,7 +82,7 @@ def child(args) -> None:
             print(f"warning: {message}", file=sys.stderr)
 
     cuda = args.device == "cuda"
-    timeline = Timeline() if cuda else Progress()
+    timeline = Timeline() if cuda else Reporter()
     if cuda:
         torch.cuda.init()
         origin = torch.cuda.Event(enable_timing=True)

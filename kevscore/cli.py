@@ -16,7 +16,7 @@ from rich.table import Column, Table
 from rich.text import Text
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from kevscore.engine import Progress as ProgressCallbacks
+from kevscore.engine import Reporter
 from kevscore.errors import KevscoreError, reported
 
 
@@ -77,7 +77,7 @@ class EtaColumn(TimeRemainingColumn):
         return super().render(task) if task.fields.get("unit") else Text("")
 
 
-class RichProgress(ProgressCallbacks):
+class RichProgress(Reporter):
     """Prefill (documents) and score (rows) bars with rates and ETAs, and the bank's use in the current wave."""
 
     def __init__(self, bar: Progress):
@@ -116,7 +116,7 @@ class RichProgress(ProgressCallbacks):
         self.bar.console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
-class JsonProgress(ProgressCallbacks):
+class JsonProgress(Reporter):
     """--log-json: one JSON object per line on stdout per event, and a `progress` line at most every
     `every` seconds, for batch schedulers. Warnings also go to stderr."""
 
@@ -318,8 +318,10 @@ def run(
                         help="A checkpoint directory, a hub id (ORG/NAME, ORG/NAME@REV), demo, kev-0.8b or kev-4b."),
     device: str = option("auto", "--device", panel=MODEL, metavar="[cpu|cuda|auto]",
                          help="auto: the GPU if there is one."),
-    path: str = option("indexed", "--path", panel=MODEL, metavar="[indexed|gathered]",
-                       help="How initial states are read (same probabilities)."),
+    state_read: str = option("indexed", "--state-read", panel=MODEL, metavar="[indexed|gathered]",
+                             help="How each row's document state is read from the bank: in place (indexed) or "
+                             "copied out first (gathered); the same probabilities."),
+    path: Optional[str] = typer.Option(None, "--path", hidden=True, help="The old spelling of --state-read."),
     labels: str = option("Yes,No", "--labels", panel=MODEL, metavar="LABELS",
                          help="Comma-separated single-token labels, at least two; spaces around them are dropped "
                          "(quote a label to keep them: '\" Yes\",\" No\"')."),
@@ -355,11 +357,15 @@ def run(
     from kevscore.formats import file_format
     from kevscore.labels import parse_labels
 
+    if path is not None:
+        console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)
+        state_read = path
     try:
         label_list = parse_labels(labels)
     except KevscoreError as exc:
         _fail(str(exc), exc.exit_code)
-    opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device, path=path,
+    opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device,
+                      state_read=state_read,
                       labels=label_list, template=template, batch_rows=batch_rows, overwrite=overwrite,
                       bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant, bank=bank,
                       bank_max_gb=bank_max_gb, window=window, restart=restart, skip_invalid=skip_invalid,
@@ -593,10 +599,12 @@ def provenance_table(record: dict) -> Table:
             ("input", file(record.get("input"))), ("documents", file(record.get("documents"))),
             ("template", file(record.get("template")) if record.get("template") else "the model's chat template"),
             ("model", f"{model.get('name')} (fingerprint {str(model.get('fingerprint'))[:16]})"),
-            ("device", f"{opts.get('device')}, {record.get('dtype')}, path {opts.get('path')}"),
+            ("device", f"{opts.get('device')}, {record.get('dtype')}, state read "
+                       f"{opts.get('state_read', opts.get('path'))}"),
             ("labels", ", ".join(repr(label) for label in opts.get("labels", []))),
             ("rows", f"{plan.get('rows', 0):,} in {plan.get('windows', 0):,} window{'s' * (plan.get('windows') != 1)}"),
-            ("options", ", ".join(f"{k} {v}" for k, v in opts.items() if k not in ("device", "path", "labels"))),
+            ("options", ", ".join(f"{k} {v}" for k, v in opts.items()
+                                  if k not in ("device", "state_read", "path", "labels"))),
             ("job", str(record.get("job")))]
     for name, value in rows:
         table.add_row(name, markup_escape(value))

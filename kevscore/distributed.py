@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kevscore.backend import invariant_threads, resolve_device
-from kevscore.engine import Progress
+from kevscore.engine import Reporter
 from kevscore.errors import KevscoreError
 from kevscore.job import (Job, RunOptions, check_options, finished_job, merge_job, open_parts, opened_inputs,
                           output_path, score_job, start_job)
@@ -100,7 +100,7 @@ def world_from_env() -> tuple[int, int, int] | None:
     return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def run_distributed(opts: RunOptions, progress: Progress | None = None) -> DistributedResult:
+def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> DistributedResult:
     """This process's share of a torchrun job; returns the whole job's result on every rank."""
     import torch.distributed as dist
 
@@ -112,7 +112,7 @@ def run_distributed(opts: RunOptions, progress: Progress | None = None) -> Distr
         status = RankStatus(rank, host_rank=f"{local} of node {os.environ.get('GROUP_RANK', '0')}")
         with contextlib.ExitStack() as stack:
             ranks.step(lambda: stack.enter_context(invariant_threads(resolve_device(opts.device), opts.batch_invariant)))
-            statuses = _run(opts, progress or Progress(), ranks, status, local, stack)
+            statuses = _run(opts, progress or Reporter(), ranks, status, local, stack)
         result = DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
         summary = os.environ.get("KEVSCORE_SUMMARY_JSON")  # for benchmarks: the job's figures as JSON
         if summary and rank == 0:
@@ -124,7 +124,7 @@ def run_distributed(opts: RunOptions, progress: Progress | None = None) -> Distr
         dist.destroy_process_group()
 
 
-def _run(opts: RunOptions, progress: Progress, ranks: Ranks, status: RankStatus, local: int,
+def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, status: RankStatus, local: int,
          stack: contextlib.ExitStack) -> list[RankStatus]:
     """The job's steps, each ended by a status exchange: prepare (every rank), open the parts (rank 0),
     score (every rank, its own windows), merge (rank 0). Returns every rank's status."""

@@ -78,7 +78,7 @@ def calibrate(plan: Plan, opts: RunOptions, p: Prepared, engine: Engine) -> None
         picked = rows[np.isin(p.doc_of_row[rows], group)][:CALIBRATION_ROWS]
         enc = encode(reader.read(picked), p.ckpt.tokenizer, p.template, opts.labels,
                      p.ckpt.config.max_position_embeddings)
-        stats = engine.run(enc, opts.path).stats
+        stats = engine.run(enc, opts.state_read).stats
     plan.calibration_docs, plan.calibration_rows = len(enc.prefixes), len(enc)
     plan.prefill_tokens_per_s = stats.prefix_tokens / stats.prefill_s if stats.prefill_s > 0 else None
     plan.score_rows_per_s = len(enc) / stats.score_s if stats.score_s > 0 else None

@@ -14,8 +14,9 @@ from kevscore.plan import Batch, ladder, plan_batches, plan_waves, row_bucket
 from kevscore.prompt import Encoded
 
 
-class Progress:
-    """Callbacks for long phases; the CLI passes a rich implementation, tests and libraries this no-op."""
+class Reporter:
+    """What a run reports as it goes: progress counts per phase, events, warnings. The CLI passes its
+    progress bars or JSON log (kevscore.cli); tests and libraries this quiet one (warnings to stderr)."""
 
     def start(self, phase: str, total: int, done: int = 0) -> None: ...
 
@@ -75,17 +76,17 @@ class Engine:
         self.stop = stop    # a kevscore.faults.StopSignals: checked between batches and prefill groups
         self.skip_failed = skip_failed  # a row that fails alone (out of memory) is reported, not fatal
 
-    def run(self, enc: Encoded, path: str, progress: Progress | None = None) -> Scores:
-        progress = progress or Progress()
+    def run(self, enc: Encoded, path: str, progress: Reporter | None = None) -> Scores:
+        progress = progress or Reporter()
         scores = Scores.empty(len(enc))
         progress.start("prefill", len(enc.prefixes))
         progress.start("score", len(enc))
         self.run_waves(enc, path, scores, progress)
         return scores
 
-    def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Progress | None = None) -> None:
+    def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Reporter | None = None) -> None:
         """Every row of `enc`, wave by wave through the bank, into `scores` (its stats accumulate)."""
-        progress = progress or Progress()
+        progress = progress or Reporter()
         bank = self.runner.bank
         doc_tokens = [len(p) for p in enc.prefixes]
         stats = scores.stats
@@ -105,10 +106,10 @@ class Engine:
             self.stop.check()
 
     def prefill_wave(self, enc: Encoded, wave: list[int], stats: RunStats,
-                     progress: Progress | None = None) -> dict[int, int]:
+                     progress: Reporter | None = None) -> dict[int, int]:
         """Reset the bank and prefill the wave's documents; returns each document's bank slot. With a
         store, entries it has are loaded into their slots instead, and the prefilled ones saved."""
-        progress = progress or Progress()
+        progress = progress or Reporter()
         bank = self.runner.bank
         bank.reset()
         slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in wave}
@@ -126,9 +127,9 @@ class Engine:
         return slot_of
 
     def prefill_into(self, enc: Encoded, docs: list[int], slot_of: dict[int, int], stats: RunStats,
-                     progress: Progress | None = None) -> None:
+                     progress: Reporter | None = None) -> None:
         """Prefill `docs` into their bank slots, already allocated and published by the caller."""
-        progress = progress or Progress()
+        progress = progress or Reporter()
         t0 = time.perf_counter()
         try:
             with progress.phase("prefill"):
@@ -143,7 +144,7 @@ class Engine:
         stats.prefilled += len(docs)
 
     def _prefill_group(self, enc: Encoded, group: list[int], slot_of: dict[int, int], stats: RunStats,
-                       progress: Progress) -> None:
+                       progress: Reporter) -> None:
         """Prefill a group; out of memory, prefill it as two halves (each document's entry does not depend
         on its group-mates), down to one document, which then fails the run."""
         try:
@@ -177,9 +178,9 @@ class Engine:
         return groups
 
     def score_rows(self, enc: Encoded, rows: list[int], slot_of: dict[int, int], path: str,
-                   scores: Scores, progress: Progress | None = None) -> None:
+                   scores: Scores, progress: Reporter | None = None) -> None:
         """Score `rows` (whose documents are in the bank at `slot_of`) into `scores`."""
-        progress = progress or Progress()
+        progress = progress or Reporter()
         other = faults.wrong_entry(list(slot_of))  # identity unless a test injects the fault
         slot_of = {d: slot_of[other[d]] for d in slot_of}
         branch_len = {r: len(enc.branches[r]) for r in rows}
@@ -196,7 +197,7 @@ class Engine:
             scores.stats.score_s += time.perf_counter() - t0
 
     def _score_batch(self, enc: Encoded, batch: Batch, slot_of: dict[int, int], prefix_len: dict[int, int],
-                     path: str, scores: Scores, progress: Progress) -> None:
+                     path: str, scores: Scores, progress: Reporter) -> None:
         """Score one batch; out of memory, score it as two smaller batches (and plan later ones no larger),
         down to one row, which then fails on its own: reported with skip_failed, else the run stops."""
         try:

@@ -33,7 +33,7 @@ from kevscore.backend import build_runner, invariant_threads, resolve_device
 from kevscore.bank_store import BankStats, BankStore, Fingerprint, check_bank_dir, model_fingerprint
 from kevscore.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
 from kevscore.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table
-from kevscore.engine import Engine, Progress, RunStats, Scores
+from kevscore.engine import Engine, Reporter, RunStats, Scores
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
 from kevscore.formats import STDOUT, Carry, Source, file_format, open_source
@@ -47,7 +47,7 @@ from kevscore.shard import assign_documents
 from kevscore.stream import Cursor, InputScan, measure_tokens, scan_input
 from kevscore.warmup import WarmUp, prepare_device
 
-PATHS = ("indexed", "gathered")
+STATE_READS = ("indexed", "gathered")  # --state-read: a row's document state read in place, or copied out
 WINDOW_DOCS = 1024          # documents per window (--window)
 WINDOW_ROWS = 65536         # rows per window; a document with more rows is split over windows of its own
 WINDOW_TOKENS = 1 << 20     # document tokens per window
@@ -61,7 +61,7 @@ class RunOptions:
     output: Path | None = None
     model: str = "demo"
     device: str = "auto"
-    path: str = "indexed"
+    state_read: str = "indexed"   # how a row's document state is read from the bank (STATE_READS)
     labels: list[str] = field(default_factory=lambda: ["Yes", "No"])
     template: Path | None = None
     batch_rows: int = 64
@@ -125,8 +125,8 @@ class RunResult:
 
 
 def check_options(opts: RunOptions) -> None:
-    if opts.path not in PATHS:
-        raise KevscoreError(f"--path {opts.path}: choose indexed or gathered")
+    if opts.state_read not in STATE_READS:
+        raise KevscoreError(f"--state-read {opts.state_read}: choose indexed or gathered")
     if opts.batch_rows < 1:
         raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
     if opts.bank_capacity is not None and opts.bank_capacity < 1:
@@ -173,7 +173,7 @@ def output_path(opts: RunOptions) -> Path:
     return default_output_path(Path(opts.input))
 
 
-def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
+def run_job(opts: RunOptions, progress: Reporter | None = None) -> RunResult:
     """Score the input into the output (`-o -`: JSON Lines on stdout, written at the end)."""
     with invariant_threads(resolve_device(opts.device), opts.batch_invariant):
         started = time.perf_counter()
@@ -182,7 +182,7 @@ def run_job(opts: RunOptions, progress: Progress | None = None) -> RunResult:
         output = None if stdout else output_path(opts)
         file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end
         with opened_inputs(opts) as inputs:
-            result = _run_job(opts, inputs, output or inputs.stage / "stdout.jsonl", progress or Progress(), started)
+            result = _run_job(opts, inputs, output or inputs.stage / "stdout.jsonl", progress or Reporter(), started)
             if stdout:
                 to_stdout(result.output)
                 result.output = Path(STDOUT)
@@ -233,7 +233,7 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     laps = Laps()
     device = resolve_device(opts.device)
     # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights load
-    warm_up = prepare_device(device, peek_config(opts.model), opts.path)
+    warm_up = prepare_device(device, peek_config(opts.model), opts.state_read)
     laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
                       opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1)
@@ -290,7 +290,7 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1) ->
     return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up)
 
 
-def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Progress, started: float) -> RunResult:
+def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter, started: float) -> RunResult:
     job = start_job(opts, inputs, output)
     p = job.prep
     if p.finished is not None:
@@ -329,7 +329,7 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Progress,
     return result
 
 
-def open_parts(job: Job, progress: Progress, member: bool = False) -> PartStore:
+def open_parts(job: Job, progress: Reporter, member: bool = False) -> PartStore:
     """The output's parts directory (kevscore.parts): opened, or joined by a rank other than 0 (`member`)."""
     opts, output = job.opts, job.output
     parts = PartStore(output, job.identity, job.prep.windows.rows, opts.restart, progress.warn, member)
@@ -351,7 +351,7 @@ def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
                      resumed_rows=sum(parts.done[w] for w in done), load_phases=p.laps.phases, warm_up=job.warm_up)
 
 
-def score_job(job: Job, parts: PartStore, progress: Progress, rank: int = 0) -> RunResult:
+def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> RunResult:
     """Score `rank`'s windows that have no part yet (with the on-disk bank when asked), writing their parts."""
     opts, p = job.opts, job.prep
     store = open_store(opts, job.fingerprint, progress) if opts.bank is not None else None
@@ -369,7 +369,7 @@ def score_job(job: Job, parts: PartStore, progress: Progress, rank: int = 0) -> 
     return result
 
 
-def merge_job(job: Job, parts: PartStore, result: RunResult, progress: Progress) -> None:
+def merge_job(job: Job, parts: PartStore, result: RunResult, progress: Reporter) -> None:
     """Merge every window's part into the output (and the rows set aside into its errors file), counting
     the label mass on the way."""
     opts = job.opts
@@ -422,7 +422,7 @@ def make_engine(opts: RunOptions, runner, store: BankStore | None = None) -> Eng
 
 
 def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
-                  tokenizer, template, max_positions: int, stats: RunStats, progress: Progress, rank: int = 0) -> None:
+                  tokenizer, template, max_positions: int, stats: RunStats, progress: Reporter, rank: int = 0) -> None:
     """Score every window of `rank` without a completed part. The next window is read and tokenized on one
     worker thread while this one is scored, and the last window's part is written on another (at most two
     windows' inputs and one window's output in memory); a failure on either thread ends the run with its error."""
@@ -461,7 +461,7 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
             if engine.store is not None:
                 engine.store.note_documents(enc.prefixes, _doc_ids(table, enc))
             scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
-            engine.run_waves(enc, opts.path, scores, progress)
+            engine.run_waves(enc, opts.state_read, scores, progress)
             progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
             if last_write is not None:
                 last_write.result()  # the previous part is on disk (or its error is raised here)
@@ -543,7 +543,8 @@ def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str,
     return {
         "input": source(inputs.questions), "documents": source(inputs.documents), "template": file(opts.template),
         "model": {"name": model, "fingerprint": fingerprint},
-        "options": {"device": device, "path": opts.path, "labels": list(opts.labels), "batch_rows": opts.batch_rows,
+        "options": {"device": device, "state_read": opts.state_read, "labels": list(opts.labels),
+                    "batch_rows": opts.batch_rows,
                     "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
                     "window": opts.window, "shard": list(opts.shard) if opts.shard else None, "ranks": ranks,
                     "skip_invalid": opts.skip_invalid, "limit": opts.limit, "carry": carries(opts, ranks),
@@ -562,11 +563,11 @@ def set_aside_table(scan: InputScan) -> pa.Table:
     return pa.table({"row": rows, **ids, "reason": [scan.invalid[int(r)] for r in rows]}, schema=ERRORS_SCHEMA)
 
 
-def open_store(opts: RunOptions, fingerprint, progress: Progress | None) -> BankStore:
+def open_store(opts: RunOptions, fingerprint, progress: Reporter | None) -> BankStore:
     """The on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)."""
     max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
     try:
-        return BankStore(Path(opts.bank), fingerprint, max_bytes, warn=(progress or Progress()).warn)
+        return BankStore(Path(opts.bank), fingerprint, max_bytes, warn=(progress or Reporter()).warn)
     except OSError as exc:
         raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc
 

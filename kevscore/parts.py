@@ -44,8 +44,9 @@ PART_ROW_GROUP = 1024   # rows per row group in part files: a merge keeps about 
 MERGE_ROWS = 16384      # input rows per merge chunk
 ERRORS_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("question_id", pa.string()),
                            ("reason", pa.string())])
-OPTION_FLAGS = {"path": "--path", "labels": "--labels", "batch_rows": "--batch-rows", "bank_capacity": "--bank-capacity",
-                "eager": "--eager", "batch_invariant": "--batch-invariant", "window": "--window",
+OPTION_FLAGS = {"state_read": "--state-read", "labels": "--labels", "batch_rows": "--batch-rows",
+                "bank_capacity": "--bank-capacity", "eager": "--eager", "batch_invariant": "--batch-invariant",
+                "window": "--window",
                 "shard": "shard (rank, world)", "ranks": "ranks (--gpus, torchrun)", "device": "--device",
                 "model": "--model", "skip_invalid": "--skip-invalid", "limit": "--limit", "carry": "--carry/--no-carry",
                 "rename": "the column options (--question-column, ...)"}

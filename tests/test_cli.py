@@ -130,15 +130,23 @@ def test_shuffled_input_keeps_its_order(work: Path, base: pa.Table, example_rows
 
 def test_gathered_and_indexed_paths_are_identical(work: Path) -> None:
     src = work / "questions.parquet"
-    run_ok(src, "--path", "gathered", "-o", work / "gathered.parquet")
-    run_ok(src, "--path", "indexed", "-o", work / "indexed.parquet")
+    run_ok(src, "--state-read", "gathered", "-o", work / "gathered.parquet")
+    run_ok(src, "--state-read", "indexed", "-o", work / "indexed.parquet")
     gathered, indexed = read(work / "gathered.parquet"), read(work / "indexed.parquet")
     assert gathered.column("probs").to_pylist() == indexed.column("probs").to_pylist()  # bit for bit
     assert gathered.column("label_mass").to_pylist() == indexed.column("label_mass").to_pylist()
 
 
-def test_bad_path_option(work: Path) -> None:
-    fails(work, ["--path", "fastest", "indexed or gathered"], work / "questions.parquet", "--path", "fastest")
+def test_bad_state_read_option(work: Path) -> None:
+    fails(work, ["--state-read", "fastest", "indexed or gathered"], work / "questions.parquet", "--state-read",
+          "fastest")
+
+
+def test_path_is_the_deprecated_spelling_of_state_read(work: Path) -> None:
+    result = kevscore("run", work / "questions.parquet", "--path", "gathered", "-o", work / "old.parquet", "--quiet")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr.strip().splitlines() == ["warning: --path is deprecated; use --state-read"]
+    assert "--path" not in kevscore("run", "--help").stdout  # hidden: only the new name is shown
 
 
 def test_custom_labels(work: Path, base: pa.Table) -> None:
@@ -351,6 +359,6 @@ def test_help_lists_commands() -> None:
 def test_run_help_lists_options() -> None:
     result = kevscore("run", "--help")
     assert result.exit_code == 0
-    for option in ("--documents", "--output", "--model", "--device", "--path", "--labels", "--template",
+    for option in ("--documents", "--output", "--model", "--device", "--state-read", "--labels", "--template",
                    "--batch-rows", "--bank-capacity", "--eager", "--overwrite", "--quiet"):
         assert option in result.stdout, option

@@ -392,11 +392,11 @@ def test_batch_invariant_results_do_not_depend_on_the_thread_count(tmp_path, src
     CPU job scores with one thread whatever the setting, so the bits agree (and the setting is restored)."""
     import torch
 
-    from kevscore.engine import Progress
+    from kevscore.engine import Reporter
 
     seen = []
 
-    class Threads(Progress):
+    class Threads(Reporter):
         def event(self, name: str, **fields) -> None:
             if name == "start":
                 seen.append(torch.get_num_threads())

@@ -30,7 +30,7 @@ def test_an_output_records_how_it_was_made(tmp_path):
     assert record["input"]["name"] == "q.parquet" and len(record["input"]["sha256"]) == 64
     assert record["model"]["name"] == "demo" and record["model"]["fingerprint"]
     opts = record["options"]
-    assert (opts["device"], opts["path"], opts["labels"], opts["batch_rows"], opts["limit"]) == \
+    assert (opts["device"], opts["state_read"], opts["labels"], opts["batch_rows"], opts["limit"]) == \
         ("cpu", "indexed", ["No", "Yes"], 5, 12)
     assert record["plan"]["rows"] == 12
 

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from kevscore.cli import app
 from kevscore.data import OUTPUT_SCHEMA, read_input
-from kevscore.engine import Progress
+from kevscore.engine import Reporter
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted
 from kevscore.job import RunOptions, run_job
@@ -402,7 +402,7 @@ def test_out_of_memory_batches_are_split_and_retried(tmp_path, killable, templat
     monkeypatch.setenv("KEVSCORE_TEST_OOM_ROWS", "5")
     monkeypatch.setenv("KEVSCORE_TEST_OOM_DOCS", "2")
 
-    class Collect(Progress):
+    class Collect(Reporter):
         def warn(self, message):
             warnings.append(message)
 
