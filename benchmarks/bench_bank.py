@@ -170,7 +170,7 @@ def main() -> None:
     root = args.dir or Path(tempfile.mkdtemp(prefix=".bench-bank-", dir="."))
     if args.dir is not None and root.exists():
         shutil.rmtree(root)
-    backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
+    backend = runner.model.ops.__name__.rsplit(".", 1)[-1]  # its NAME (kevscore.layers.ops.Ops)
     t0 = time.perf_counter()
     fingerprint = model_fingerprint(ckpt, bank.conv.dtype, backend)
     fingerprint_s = time.perf_counter() - t0

@@ -487,10 +487,9 @@ def _run_rank(opts, quiet: bool) -> None:
     """This process is one rank of a torchrun job: score its share; rank 0 merges and reports.
 
     The process then leaves through `os._exit`, its streams flushed and its files already closed and
-    renamed: at interpreter teardown a rank occasionally aborted after a complete, correct job
-    ("terminate called without an active exception", SIGABRT; ~1 run in 75 with three jobs on two CPU
-    cores), a C++ thread still joinable while static objects were destroyed, and the launcher then
-    failed the job. Nothing is left for teardown to do."""
+    renamed: interpreter teardown can abort a rank after a complete, correct job (SIGABRT, "terminate
+    called without an active exception": a C++ thread still joinable while static objects are destroyed),
+    and the launcher would then fail the job. Nothing is left for teardown to do."""
     import os
     import traceback
 

@@ -283,8 +283,7 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1) ->
                           opts.eager)
     warm_up = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
     p.laps.lap("runner")
-    backend = runner.model.ops.__name__.rsplit(".", 1)[-1]
-    fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, backend)
+    fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME)
     identity = job_identity(opts, inputs, p.ckpt.name, fingerprint.digest, p.device.type, p.windows, ranks)
     p.laps.lap("identity")
     return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up)

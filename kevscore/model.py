@@ -11,6 +11,7 @@ from kevscore.config import FULL, LINEAR, KevConfig
 from kevscore.layers.attention import Attention
 from kevscore.layers.common import MLP, BankTensor, BranchContext, Context, PrefillContext, Rotary
 from kevscore.layers.deltanet import DeltaNet
+from kevscore.layers.ops import Ops
 
 FP32_PARAMS = ("A_log", "dt_bias", "_scale")  # kept in fp32 whatever the model dtype
 MIXERS = {LINEAR: DeltaNet, FULL: Attention}
@@ -37,7 +38,7 @@ def default_dtype(dtype: torch.dtype):
 class Block(nn.Module):
     """Pre-norm block over a residual stream; each norm also adds the previous sub-layer's output."""
 
-    def __init__(self, cfg: KevConfig, kind: str, ops):
+    def __init__(self, cfg: KevConfig, kind: str, ops: Ops):
         super().__init__()
         self.kind, self.ops = kind, ops
         self.mixer = MIXERS[kind](cfg, ops)
@@ -62,7 +63,7 @@ class Block(nn.Module):
 
 
 class KevModel(nn.Module):
-    def __init__(self, cfg: KevConfig, ops):
+    def __init__(self, cfg: KevConfig, ops: Ops):
         super().__init__()
         self.cfg = cfg
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
@@ -74,7 +75,7 @@ class KevModel(nn.Module):
             torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
 
     @classmethod
-    def from_weights(cls, cfg: KevConfig, weights: dict[str, torch.Tensor], ops,
+    def from_weights(cls, cfg: KevConfig, weights: dict[str, torch.Tensor], ops: Ops,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KevModel":
         with torch.device(device), default_dtype(dtype):  # allocated once, where it runs, in its dtype
             model = cls(cfg, ops)

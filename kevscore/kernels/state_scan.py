@@ -27,8 +27,8 @@ def _publish_and_predict(p_h, w, v, v_new, b_h1, b_h2, b_h3, b_h4, i_t, T, o_v, 
 
     The chunk's w is loaded before h is stored: Triton does not move a load above a store to another pointer
     (they might alias), and after the store it would wait for the state load behind it; issued first, both
-    are in flight together. v is loaded after the store, under the dots: loaded first too, it would take the
-    kernel to 132 registers and 3 programs per SM (NOTES.md 13). The arithmetic is unchanged."""
+    are in flight together. v is loaded after the store, under the dots: loaded first too, it would raise the
+    kernel's registers enough to cost a program per SM (benchmarks/NOTES.md 13). The arithmetic is unchanged."""
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < T
     m_tv = m_t[:, None] & m_v[None, :]
@@ -101,8 +101,8 @@ def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_s
     # every chunk but the last: publish, predict, update. The update after the last chunk would only feed
     # the final state, which is never written, so the last chunk is peeled off below without it (a loop
     # rather than a branch around the dots: Triton 3.6 cannot compile the latter for fp32 on 2 warps).
-    # Not software-pipelined: at 64 tokens the loop never runs, and its staging buffers took the kernel from
-    # 28 to 82 KB of shared memory (NOTES.md 13). Load timing only: the arithmetic and the bits are the same.
+    # Not software-pipelined: at 64 tokens the loop never runs, and pipelining's staging buffers would nearly
+    # triple the kernel's shared memory (benchmarks/NOTES.md 13). The arithmetic and the bits are the same.
     for i_t in tl.range(0, NT if FINAL_UPDATE else NT - 1, num_stages=1):
         b_v, o_t, m_t = _publish_and_predict(h + o_v[None, :], w, v, v_new, b_h1, b_h2, b_h3, b_h4, i_t, T, o_v,
                                              m_v, o_k1, o_k2, o_k3, o_k4, m_k1, m_k2, m_k3, m_k4, HV, K, V, BT)

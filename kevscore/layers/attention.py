@@ -7,12 +7,13 @@ from torch import nn
 
 from kevscore.config import KevConfig
 from kevscore.layers.common import TOKENS, BankTensor, Context, PrefillContext
+from kevscore.layers.ops import Ops
 
 
 class Attention(nn.Module):
     BANK = (BankTensor("kv", (2, TOKENS, "num_key_value_heads", "head_dim")),)  # K and V of every document token
 
-    def __init__(self, cfg: KevConfig, ops):
+    def __init__(self, cfg: KevConfig, ops: Ops):
         super().__init__()
         self.ops = ops
         self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kevscore.layers.ops import Ops
+
 TOKENS = "tokens"  # a bank tensor's token axis: one row per document token (an entry owns a range of them)
 
 
@@ -83,7 +85,7 @@ class Rotary(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int, ops):
+    def __init__(self, hidden: int, inner: int, ops: Ops):
         super().__init__()
         self.ops = ops
         self.gate_up = nn.Parameter(torch.empty(2 * inner, hidden), requires_grad=False)

@@ -7,6 +7,7 @@ from torch import nn
 
 from kevscore.config import KevConfig
 from kevscore.layers.common import BankTensor, BranchContext, Context, PrefillContext
+from kevscore.layers.ops import Ops
 
 
 def conv_tail(x: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
@@ -20,7 +21,7 @@ class DeltaNet(nn.Module):
                        component="recurrent"),   # the final recurrent state
             BankTensor("conv", ("conv_dim", "conv_state_len")))  # the last k - 1 conv inputs
 
-    def __init__(self, cfg: KevConfig, ops):
+    def __init__(self, cfg: KevConfig, ops: Ops):
         super().__init__()
         self.ops = ops
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads

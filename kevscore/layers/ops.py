@@ -1,0 +1,60 @@
+"""The ops interface the layers call: what an ops backend (`kernels.torch_ops` on the CPU, `kernels.fla_ops` on
+the GPU) implements, module-level functions of these names and signatures (a module satisfies a Protocol).
+
+Gates travel unevaluated so a backend may fuse them: the DeltaNet decay as `gate = (a, A_log, dt_bias)`
+(decay = -exp(A_log) * softplus(a + dt_bias)), attention's output gate as the q|gate projection slice.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class Ops(Protocol):
+    NAME: str  # the backend in model fingerprints: bank entries of different backends are not interchangeable
+
+    # norms and the MLP
+    def rms_norm(self, x: Tensor, scale: Tensor, eps: float) -> Tensor:
+        """Qwen3.5's zero-centred RMSNorm with `scale` = 1 + weight (fp32)."""
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, scale: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+
+    def gated_rms_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """DeltaNet's output norm: weight * norm(x) * silu(gate)."""
+
+    def swiglu(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up of the gate|up projection output."""
+
+    # attention
+    def qk_norm_rotary(self, q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor,
+                       eps: float) -> tuple[Tensor, Tensor]:
+        """RMSNorm of each q and k head, then partial rotary; q and k [..., heads, head_dim]."""
+
+    def attn_prefill(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, ctx) -> Tensor:
+        """Causal attention within each packed document (ctx: a PrefillContext), times sigmoid(gate)."""
+
+    def attn_branch(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, kv: Tensor, ctx) -> Tensor:
+        """Branch queries over their document's K/V in the pool `kv` [2, tokens, Hkv, D] (ctx: a BranchContext)
+        and, causally, the branch's own; times sigmoid(gate) (None: no gate)."""
+
+    # the gated delta rule
+    def prefill_front(self, x: Tensor, weight: Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
+                      b: Tensor) -> tuple[Tensor, ...]:
+        """(q, k, v, beta = sigmoid(b), whether q and k are already l2-normalized) of packed documents' conv."""
+
+    def branch_front(self, x: Tensor, weight: Tensor, bank_conv: Tensor, slots: Tensor, hk: int, dk: int, hv: int,
+                     dv: int, b: Tensor) -> tuple[Tensor, ...]:
+        """The same for branch rows, their conv continuing from the bank entries `slots`."""
+
+    def gdr_prefill(self, q: Tensor, k: Tensor, v: Tensor, gate: tuple[Tensor, Tensor, Tensor], beta: Tensor, ctx,
+                    qk_normed: bool = False) -> tuple[Tensor, Tensor]:
+        """Packed documents from zero states: (output, final states [D, HV, K, V] fp32)."""
+
+    def gdr_branch(self, q: Tensor, k: Tensor, v: Tensor, gate: tuple[Tensor, Tensor, Tensor], beta: Tensor,
+                   bank: Tensor, slots: Tensor, path: str, qk_normed: bool = False) -> Tensor:
+        """Branch rows from the bank's states of entries `slots`, read in place (`indexed`) or copied out
+        first (`gathered`, the --state-read mode): the same results."""
