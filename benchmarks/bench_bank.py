@@ -143,12 +143,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from kevscore.backend import build_runner, resolve_device
-    from kevscore.bank_store import (
-        BankStore,
-        model_fingerprint,
-        read_entry,
-        read_header,
-    )
+    from kevscore.bank_entry import model_fingerprint, read_entry, read_header
+    from kevscore.bank_store import BankStore
     from kevscore.checkpoint import load_checkpoint
     from kevscore.engine import Engine, Scores
 

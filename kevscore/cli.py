@@ -545,7 +545,7 @@ def bank_inspect(
     Exits 1 when --verify finds a bad entry."""
     import json
 
-    from kevscore.bank_store import inspect_bank
+    from kevscore.bank_inspect import inspect_bank
 
     try:
         report = inspect_bank(directory, entry, verify)

@@ -30,7 +30,9 @@ import pyarrow.parquet as pq
 import torch
 
 from kevscore.backend import build_runner, invariant_threads, resolve_device
-from kevscore.bank_store import BankStats, BankStore, Fingerprint, check_bank_dir, model_fingerprint
+from kevscore.bank_dir import check_bank_dir
+from kevscore.bank_entry import Fingerprint, model_fingerprint
+from kevscore.bank_store import BankStats, BankStore
 from kevscore.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
 from kevscore.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table
 from kevscore.engine import Engine, Reporter, RunStats, Scores

@@ -20,7 +20,8 @@ import torch
 from typer.testing import CliRunner
 
 from kevscore import faults
-from kevscore.bank_store import INDEX, MARKER, inspect_bank
+from kevscore.bank_dir import INDEX, MARKER
+from kevscore.bank_inspect import inspect_bank
 from kevscore.cli import app
 from kevscore.job import RunOptions, run_job
 

@@ -22,7 +22,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kevscore import faults
-from kevscore.bank_store import INDEX, EntryError, read_header
+from kevscore.bank_dir import INDEX
+from kevscore.bank_entry import EntryError, read_header
 from kevscore.cli import app
 from kevscore.job import RunOptions, run_job
 from kevscore.parts import parts_dir

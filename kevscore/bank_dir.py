@@ -1,0 +1,130 @@
+"""The bank directory's layout and its guards: the format marker, the index of entry records, the entry
+files under `entries/`, and the lock that serializes writers (see `bank_store` for the whole layout)."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from kevscore import faults
+from kevscore.bank_entry import FORMAT, SUFFIX, VERSION, EntryFile
+from kevscore.errors import KevscoreError
+
+MARKER, INDEX, LOCK, ENTRIES, TMP = "kevbank.json", "index.json", "lock", "entries", "tmp"
+BANK_NAMES = {MARKER, INDEX, LOCK, ENTRIES, TMP}
+MAX_DOC_IDS = 32  # document ids remembered per entry
+
+
+class VersionError(KevscoreError):
+    pass
+
+
+def entry_record(entry: EntryFile, path: Path, root: Path, last_used: float, doc_ids: Sequence[str] = ()) -> dict:
+    return {"file": path.relative_to(root).as_posix(), "model": entry.meta["model"],
+            "prefix_sha256": entry.meta["prefix_sha256"], "tokens": entry.tokens,
+            "bytes": entry.component_bytes(), "file_bytes": entry.size, "created": float(entry.meta["created"]),
+            "last_used": last_used, "doc_ids": list(doc_ids)[:MAX_DOC_IDS]}
+
+
+def _check_record(key: str, rec) -> None:
+    ok = (isinstance(rec, dict) and isinstance(rec.get("file"), str) and isinstance(rec.get("model"), str)
+          and isinstance(rec.get("tokens"), int) and isinstance(rec.get("file_bytes"), int)
+          and isinstance(rec.get("bytes"), dict) and all(type(v) is int for v in rec["bytes"].values())
+          and isinstance(rec.get("last_used"), (int, float)) and isinstance(rec.get("doc_ids"), list)
+          and all(isinstance(i, str) for i in rec["doc_ids"]) and isinstance(rec.get("prefix_sha256"), str)
+          and rec["file"] == f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}")
+    if not ok:
+        raise TypeError(f"malformed record for entry {key[:12]}")
+
+
+def merge_ids(old: Sequence[str], new: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys([*old, *new]))[:MAX_DOC_IDS]
+
+
+def check_bank_dir(root: Path, create: bool) -> None:
+    """Refuse what is not a kevscore bank of this format version, with a one-line message."""
+    if root.exists() and not root.is_dir():
+        raise KevscoreError(f"{root}: the bank is not a directory")
+    if not root.exists():
+        if create:
+            return
+        raise KevscoreError(f"{root}: no such bank directory")
+    try:
+        _check_bank_contents(root, create)
+    except OSError as exc:
+        raise KevscoreError(f"{root}: cannot read the bank directory ({exc.strerror or exc})") from exc
+
+
+def _check_bank_contents(root: Path, create: bool) -> None:
+    marker = root / MARKER
+    if marker.is_file():
+        try:
+            info = json.loads(marker.read_text())
+            fmt, version = info["format"], info["version"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise KevscoreError(f"{marker}: unreadable bank marker ({type(exc).__name__}); "
+                                "not a kevscore bank?") from None
+        if fmt != FORMAT:
+            raise KevscoreError(f"{marker}: format {fmt!r} is not a kevscore bank")
+        if version != VERSION:
+            raise VersionError(f"{root}: kevscore bank format version {version}; this kevscore reads version "
+                               f"{VERSION} only. Use another --bank directory (or delete this one)")
+        return
+    others = sorted(p.name for p in root.iterdir() if p.name not in BANK_NAMES)
+    if others:
+        raise KevscoreError(f"{root}: not a kevscore bank (no {MARKER}) and not empty "
+                            f"(holds {', '.join(others[:3])}{', …' if len(others) > 3 else ''})")
+    if not create and not (root / ENTRIES).is_dir():
+        raise KevscoreError(f"{root}: not a kevscore bank (no {MARKER})")
+
+
+def entry_files(root: Path) -> dict[str, Path]:
+    out = {}
+    base = root / ENTRIES
+    if base.is_dir():
+        for sub in base.iterdir():
+            if sub.is_dir():
+                for p in sub.iterdir():
+                    if p.name.endswith(SUFFIX):
+                        out[p.name[: -len(SUFFIX)]] = p
+    return out
+
+
+def read_index(root: Path) -> dict:
+    """The parsed index; ValueError when missing-but-expected or malformed, VersionError when foreign."""
+    try:
+        data = json.loads((root / INDEX).read_bytes())
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError("not a kevscore bank index")
+    if data.get("version") != VERSION:
+        raise VersionError(f"{root / INDEX}: kevscore bank format version {data.get('version')}; this kevscore "
+                           f"reads version {VERSION} only. Use another --bank directory (or delete this one)")
+    entries, models = data.get("entries"), data.get("models")
+    if not isinstance(entries, dict) or not isinstance(models, dict):
+        raise TypeError("no entries/models tables")
+    if not all(isinstance(about, dict) for about in models.values()):
+        raise TypeError("malformed models table")
+    for key, rec in entries.items():
+        _check_record(key, rec)
+    return data
+
+
+@contextlib.contextmanager
+def bank_lock(root: Path, exclusive: bool, purpose: str) -> Iterator[None]:
+    faults.point(f"bank-lock-wait-{purpose}")
+    path = root / LOCK
+    if not exclusive and not path.exists():
+        yield  # a read-only look at a bank without a lock file (nothing can be writing to it)
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+

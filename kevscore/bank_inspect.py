@@ -1,0 +1,92 @@
+"""`kevscore bank-inspect`: a read-only report of a bank directory, its models, entries and their checks."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from kevscore.bank_dir import ENTRIES, INDEX, TMP, VersionError, bank_lock, check_bank_dir, entry_files, read_index
+from kevscore.bank_entry import COMPONENTS, FORMAT, SUFFIX, VERSION, EntryError, read_entry, read_header
+from kevscore.errors import KevscoreError, first_line
+
+
+def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> dict:
+    """A read-only report of a bank directory (the shape `bank-inspect --json` prints)."""
+    root = Path(root)
+    check_bank_dir(root, create=False)
+    with bank_lock(root, False, "inspect"):
+        files = entry_files(root)
+        notes: list[str] = []
+        try:
+            index = read_index(root)
+        except VersionError:
+            raise
+        except FileNotFoundError:
+            index = None
+            notes.append(f"{INDEX} is missing: entries listed from their files (the next run rebuilds it)")
+        except (OSError, ValueError, TypeError) as exc:
+            index = None
+            notes.append(f"{INDEX} is unreadable ({first_line(exc)[:120]}): entries listed from "
+                         "their files (the next run rebuilds it)")
+        records = dict(index["entries"]) if index else {}
+        models = dict(index["models"]) if index else {}
+        rows = []
+        keys = sorted(set(records) | set(files))
+        chosen = None
+        if entry is not None:
+            matches = [k for k in keys if k.startswith(entry)]
+            if not matches:
+                raise KevscoreError(f"{root}: no entry {entry!r}")
+            if len(matches) > 1:
+                raise KevscoreError(f"{root}: entry {entry!r} is ambiguous ({len(matches)} entries start with it)")
+            chosen = matches[0]
+        for key in keys:
+            rec, path = records.get(key), files.get(key)
+            row = {"key": key, "file": f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}", "indexed": rec is not None,
+                   "status": "unchecked"}
+            if path is None:
+                row.update(status="missing file", model=rec["model"], tokens=rec["tokens"], doc_ids=rec["doc_ids"],
+                           bytes=rec["bytes"], file_bytes=0, last_used=rec["last_used"])
+                rows.append(row)
+                continue
+            try:
+                head = read_header(path)
+                row.update(model=head.meta["model"], tokens=head.tokens, bytes=head.component_bytes(),
+                           file_bytes=head.size, created=float(head.meta["created"]),
+                           tensors={n: {"dtype": d, "shape": s} for n, (d, s, _, _) in head.tensors.items()})
+            except (OSError, EntryError) as exc:
+                row.update(status=f"corrupt: {exc}", model=rec["model"] if rec else None,
+                           tokens=rec["tokens"] if rec else None, bytes=rec["bytes"] if rec else {},
+                           file_bytes=path.stat().st_size)
+            row["doc_ids"] = rec["doc_ids"] if rec else []
+            row["last_used"] = rec["last_used"] if rec else path.stat().st_mtime
+            if verify and row["status"] == "unchecked" and chosen in (None, key):
+                try:
+                    checked, tensors = read_entry(path)
+                    row["status"] = "ok"
+                    if entry is not None:
+                        row["ids_head"] = tensors["ids"][:16].tolist()
+                        row["crc32"] = json.loads(checked.meta["crc32"])
+                except (OSError, EntryError) as exc:
+                    row["status"] = f"corrupt: {exc}"
+            rows.append(row)
+        tmp = root / TMP
+        leftovers = [p for p in tmp.iterdir() if not p.name.endswith(".lock")] if tmp.is_dir() else []
+    for fp in {r.get("model") for r in rows if r.get("model")}:
+        models.setdefault(fp, {"name": "?"})
+    per_model = {fp: {"about": about, "entries": sum(r.get("model") == fp for r in rows),
+                      "file_bytes": sum(r["file_bytes"] for r in rows if r.get("model") == fp)}
+                 for fp, about in models.items()}
+    totals = {"entries": len(rows), "file_bytes": sum(r["file_bytes"] for r in rows), "tokens": 0}
+    for r in rows:
+        totals["tokens"] += r.get("tokens") or 0
+        for comp in COMPONENTS.values():
+            totals[comp] = totals.get(comp, 0) + (r.get("bytes") or {}).get(comp, 0)
+    disk = shutil.disk_usage(root)
+    shown = rows if chosen is None else [r for r in rows if r["key"] == chosen]
+    bad = [r["key"] for r in shown if r["status"] not in ("ok", "unchecked")]
+    return {"bank": str(root), "format": FORMAT, "version": VERSION, "models": per_model, "entries": shown,
+            "totals": totals, "disk": {"free_bytes": disk.free, "total_bytes": disk.total},
+            "verified": verify, "bad_entries": bad, "notes": notes,
+            "unindexed": [r["key"] for r in rows if not r["indexed"]],
+            "temporary": [p.name for p in leftovers]}
