@@ -16,60 +16,13 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
     check_bank_dir(root, create=False)
     with bank_lock(root, False, "inspect"):
         files = entry_files(root)
-        notes: list[str] = []
-        try:
-            index = read_index(root)
-        except VersionError:
-            raise
-        except FileNotFoundError:
-            index = None
-            notes.append(f"{INDEX} is missing: entries listed from their files (the next run rebuilds it)")
-        except (OSError, ValueError, TypeError) as exc:
-            index = None
-            notes.append(f"{INDEX} is unreadable ({first_line(exc)[:120]}): entries listed from "
-                         "their files (the next run rebuilds it)")
+        index, notes = _index_or_notes(root)
         records = dict(index["entries"]) if index else {}
         models = dict(index["models"]) if index else {}
-        rows = []
         keys = sorted(set(records) | set(files))
-        chosen = None
-        if entry is not None:
-            matches = [k for k in keys if k.startswith(entry)]
-            if not matches:
-                raise KevscoreError(f"{root}: no entry {entry!r}")
-            if len(matches) > 1:
-                raise KevscoreError(f"{root}: entry {entry!r} is ambiguous ({len(matches)} entries start with it)")
-            chosen = matches[0]
-        for key in keys:
-            rec, path = records.get(key), files.get(key)
-            row = {"key": key, "file": f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}", "indexed": rec is not None,
-                   "status": "unchecked"}
-            if path is None:
-                row.update(status="missing file", model=rec["model"], tokens=rec["tokens"], doc_ids=rec["doc_ids"],
-                           bytes=rec["bytes"], file_bytes=0, last_used=rec["last_used"])
-                rows.append(row)
-                continue
-            try:
-                head = read_header(path)
-                row.update(model=head.meta["model"], tokens=head.tokens, bytes=head.component_bytes(),
-                           file_bytes=head.size, created=float(head.meta["created"]),
-                           tensors={n: {"dtype": d, "shape": s} for n, (d, s, _, _) in head.tensors.items()})
-            except (OSError, EntryError) as exc:
-                row.update(status=f"corrupt: {exc}", model=rec["model"] if rec else None,
-                           tokens=rec["tokens"] if rec else None, bytes=rec["bytes"] if rec else {},
-                           file_bytes=path.stat().st_size)
-            row["doc_ids"] = rec["doc_ids"] if rec else []
-            row["last_used"] = rec["last_used"] if rec else path.stat().st_mtime
-            if verify and row["status"] == "unchecked" and chosen in (None, key):
-                try:
-                    checked, tensors = read_entry(path)
-                    row["status"] = "ok"
-                    if entry is not None:
-                        row["ids_head"] = tensors["ids"][:16].tolist()
-                        row["crc32"] = json.loads(checked.meta["crc32"])
-                except (OSError, EntryError) as exc:
-                    row["status"] = f"corrupt: {exc}"
-            rows.append(row)
+        chosen = _chosen_entry(root, keys, entry)
+        rows = [_entry_row(key, records.get(key), files.get(key), verify and chosen in (None, key), entry is not None)
+                for key in keys]
         tmp = root / TMP
         leftovers = [p for p in tmp.iterdir() if not p.name.endswith(".lock")] if tmp.is_dir() else []
     for fp in {r.get("model") for r in rows if r.get("model")}:
@@ -90,3 +43,59 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
             "verified": verify, "bad_entries": bad, "notes": notes,
             "unindexed": [r["key"] for r in rows if not r["indexed"]],
             "temporary": [p.name for p in leftovers]}
+
+
+def _index_or_notes(root: Path) -> tuple[dict | None, list[str]]:
+    """The index, or None and a note saying why the entries are listed from their files."""
+    try:
+        return read_index(root), []
+    except VersionError:
+        raise
+    except FileNotFoundError:
+        return None, [f"{INDEX} is missing: entries listed from their files (the next run rebuilds it)"]
+    except (OSError, ValueError, TypeError) as exc:
+        return None, [f"{INDEX} is unreadable ({first_line(exc)[:120]}): entries listed from "
+                      "their files (the next run rebuilds it)"]
+
+
+def _chosen_entry(root: Path, keys: list[str], prefix: str | None) -> str | None:
+    """The one key starting with `prefix` (None without a prefix); a one-line error for none or several."""
+    if prefix is None:
+        return None
+    matches = [k for k in keys if k.startswith(prefix)]
+    if not matches:
+        raise KevscoreError(f"{root}: no entry {prefix!r}")
+    if len(matches) > 1:
+        raise KevscoreError(f"{root}: entry {prefix!r} is ambiguous ({len(matches)} entries start with it)")
+    return matches[0]
+
+
+def _entry_row(key: str, rec: dict | None, path: Path | None, verify: bool, detail: bool) -> dict:
+    """One entry's row: from its file's header (and, with `verify`, a full checked read), else its record."""
+    row = {"key": key, "file": f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}", "indexed": rec is not None,
+           "status": "unchecked"}
+    if path is None:
+        row.update(status="missing file", model=rec["model"], tokens=rec["tokens"], doc_ids=rec["doc_ids"],
+                   bytes=rec["bytes"], file_bytes=0, last_used=rec["last_used"])
+        return row
+    try:
+        head = read_header(path)
+        row.update(model=head.meta["model"], tokens=head.tokens, bytes=head.component_bytes(),
+                   file_bytes=head.size, created=float(head.meta["created"]),
+                   tensors={n: {"dtype": d, "shape": s} for n, (d, s, _, _) in head.tensors.items()})
+    except (OSError, EntryError) as exc:
+        row.update(status=f"corrupt: {exc}", model=rec["model"] if rec else None,
+                   tokens=rec["tokens"] if rec else None, bytes=rec["bytes"] if rec else {},
+                   file_bytes=path.stat().st_size)
+    row["doc_ids"] = rec["doc_ids"] if rec else []
+    row["last_used"] = rec["last_used"] if rec else path.stat().st_mtime
+    if verify and row["status"] == "unchecked":
+        try:
+            checked, tensors = read_entry(path)
+            row["status"] = "ok"
+            if detail:
+                row["ids_head"] = tensors["ids"][:16].tolist()
+                row["crc32"] = json.loads(checked.meta["crc32"])
+        except (OSError, EntryError) as exc:
+            row["status"] = f"corrupt: {exc}"
+    return row
