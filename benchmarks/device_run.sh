@@ -6,7 +6,8 @@
 # KERNELS=1|name (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
 # NCU=1 (Nsight Compute, --clock-control none, on the branch conv, attention and indexed scan; report in $OUT),
-# JOB=1 (benchmarks/bench_job.py: issue 17's whole job cold and warm, baselines, prefill alone; JOB_ARGS='...').
+# JOB=1 (benchmarks/bench_job.py: issue 17's whole job cold and warm, baselines, scoring budgets, prefill alone; JOB_ARGS='...'),
+# START=1 (benchmarks/bench_start.py: a job's start step by step in fresh processes, cold and warm).
 # Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
 set -o pipefail
 OUT="${OUT:-device-out}"; mkdir -p "$OUT"
@@ -46,6 +47,9 @@ if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on our three costliest kernels at
 fi
 if [ "${JOB:-0}" = 1 ]; then  # the job benchmark keeps its own Triton cache (its cold start empties it)
   python3 benchmarks/bench_job.py ${JOB_ARGS:---profile} --logs "$OUT" --json "$OUT/job.json" 2>&1 | tee "$OUT/job.log" | tail -14
+fi
+if [ "${START:-0}" = 1 ]; then  # imports, CUDA context, the kernels' compile with and without the workers
+  python3 benchmarks/bench_start.py --json "$OUT/start.json" 2>&1 | tee "$OUT/start.log" | tail -22
 fi
 if [ -n "${LONGJOB:-}" ]; then  # issue 7: a long job on the Kev-0.8B shape, summary = last JSON line
   python3 benchmarks/make_long_input.py /tmp/long.parquet --rows "$LONGJOB" --docs $((LONGJOB / 10)) || exit 1
