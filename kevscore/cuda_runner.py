@@ -1,8 +1,8 @@
 """The fused GPU runner: bf16 model over FLA kernels, a bank sized from free memory, and one CUDA graph
-per (rows, length, prefix, path) bucket, captured on first use into one shared memory pool.
+per (rows, length, prefix, scored positions, path) bucket, captured on first use into one shared memory pool.
 
 A batch is one host-to-device copy of its pinned upload buffer into the bucket's static buffer and one
-graph replay; the output (final hidden states at the rows' last tokens) is cloned before the next replay.
+graph replay; the output (final hidden states at the rows' scored tokens) is cloned before the next replay.
 """
 from __future__ import annotations
 
@@ -41,14 +41,14 @@ class GraphRunner(EagerRunner):
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
         if self.eager:
             return super().score(batch, branches, slots, prefix_lens, path)
-        key = (batch.size, batch.length, batch.prefix, path)
+        key = (batch.size, batch.length, batch.prefix, batch.scored, path)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self.capture(batch, branches, slots, prefix_lens, path)
         fill_upload(entry.host, batch.length, branches, slots, prefix_lens, self.pad_id)
         entry.device.copy_(entry.host, non_blocking=True)
         entry.graph.replay()
-        return entry.out[: len(branches)].to(torch.float32, copy=True)
+        return entry.out[: len(branches) * batch.scored].to(torch.float32, copy=True)
 
     def capture(self, batch: Batch, branches, slots, prefix_lens, path: str) -> CapturedBatch:
         """Warm up eagerly (autotuners pick their configs here), then capture the bucket's graph."""

@@ -129,7 +129,10 @@ class KevModel(nn.Module):
 
     @torch.no_grad()
     def branch(self, ids: torch.Tensor, ctx: BranchContext, last: torch.Tensor) -> torch.Tensor:
-        """Run question rows ids [R, T]; return the final-normed hidden state at each row's `last` position."""
+        """Run question rows ids [R, T]; return the final-normed hidden state at each row's `last` position
+        ([R] -> [R, hidden]), or at its `last` positions ([R, K] -> [R * K, hidden], row by row)."""
         rows = torch.arange(ids.shape[0], device=ids.device)
-        x, residual = self._run(ids, ctx, keep=(rows, last))  # [R, hidden]: the last layer's output at `last`
+        if last.dim() == 2:
+            rows, last = rows[:, None].expand_as(last).reshape(-1), last.reshape(-1)
+        x, residual = self._run(ids, ctx, keep=(rows, last))  # [rows, hidden]: the last layer's output at `last`
         return self.ops.add_rms_norm(x, residual, self.final_scale, self.cfg.rms_norm_eps)[0]

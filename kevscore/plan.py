@@ -30,20 +30,35 @@ def row_bucket(n: int, max_rows: int) -> int:
     return n if n <= 2 else min(ladder(n, start=4) if n > 4 else 4, max_rows)
 
 
+def scored_bucket(n: int) -> int:
+    """Positions scored per row: 1 (each row's last token), else 2, 3, 4, 6, 8, 12, ..."""
+    return 1 if n <= 1 else ladder(n, start=2)
+
+
 @dataclass(slots=True)
 class Batch:
-    rows: list[int]   # indices into the run's rows, the real rows of this batch
+    rows: list[int]   # indices into the run's rows (or a scoring's branches), the real rows of this batch
     size: int         # padded row count (>= len(rows))
     length: int       # padded branch length
     prefix: int       # padded document length of the K/V gather
+    scored: int = 1   # positions scored per row: its last `scored` tokens (a label's continuation: several)
+
+
+def make_batch(rows: list[int], branch_len: Sequence[int], prefix_len: Sequence[int], max_rows: int,
+               scored: Sequence[int] | None = None) -> Batch:
+    """The batch of `rows`, its sizes padded to their buckets."""
+    return Batch(rows=rows, size=row_bucket(len(rows), max(max_rows, len(rows))),
+                 length=ladder(max(branch_len[r] for r in rows)), prefix=ladder(max(prefix_len[r] for r in rows)),
+                 scored=scored_bucket(max(scored[r] for r in rows)) if scored is not None else 1)
 
 
 def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Sequence[int],
-                 max_rows: int, max_tokens: int) -> list[Batch]:
+                 max_rows: int, max_tokens: int, scored: Sequence[int] | None = None) -> list[Batch]:
     """Sort rows by branch length and cut them into batches of similar length.
 
-    `branch_len[r]` / `prefix_len[r]` are indexed by row id; a batch holds at most `max_rows` rows and
-    at most `max_tokens` padded branch tokens (but always at least one row).
+    `branch_len[r]` / `prefix_len[r]` (and `scored[r]`, positions to score, default 1) are indexed by row id;
+    a batch holds at most `max_rows` rows and at most `max_tokens` padded branch tokens (but always at least
+    one row).
     """
     order = sorted(rows, key=lambda r: (branch_len[r], prefix_len[r], r))
     groups: list[list[int]] = []
@@ -56,9 +71,7 @@ def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Seq
         current.append(r)
     if current:
         groups.append(current)
-    return [Batch(rows=g, size=row_bucket(len(g), max(max_rows, len(g))),
-                  length=ladder(max(branch_len[r] for r in g)),
-                  prefix=ladder(max(prefix_len[r] for r in g))) for g in groups]
+    return [make_batch(g, branch_len, prefix_len, max_rows, scored) for g in groups]
 
 
 def plan_waves(doc_tokens: Sequence[int], entries: int, tokens: int) -> list[list[int]]:

@@ -109,14 +109,18 @@ class EagerRunner:
         return buf
 
     def forward(self, buf: torch.Tensor, batch: Batch, path: str) -> torch.Tensor:
-        """The model on a device upload buffer: hidden states at every row's last token [R, H]."""
+        """The model on a device upload buffer: hidden states at every row's last token [R, H], or at its last
+        `batch.scored` tokens [R * scored, H] (row by row; positions before the row's start repeat its first)."""
         ids, ctx, last = branch_inputs(buf, batch.length, batch.prefix, self.bank, path)
+        if batch.scored > 1:
+            last = (last[:, None] + torch.arange(1 - batch.scored, 1, device=buf.device)).clamp(min=0)
         return self.model.branch(ids, ctx, last)
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
-        """Final-normed hidden states at each real row's last token: [len(branches), H] fp32."""
+        """Final-normed hidden states at each real row's scored positions: [len(branches) * batch.scored, H]
+        fp32."""
         buf = self.upload(batch, branches, slots, prefix_lens).to(self.device)
-        return self.forward(buf, batch, path)[: len(branches)].float()
+        return self.forward(buf, batch, path)[: len(branches) * batch.scored].float()
 
     def label_scores(self, hidden: torch.Tensor, label_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(label logits [n, L] fp32 padded with -inf, log-sum-exp over the vocabulary [n])."""
@@ -129,6 +133,16 @@ class EagerRunner:
         lse = torch.logsumexp(torch.nn.functional.linear(hidden.to(head.dtype), head).float(), -1)
         logits = torch.einsum("nh,nlh->nl", hidden.float(), head[idx].float())
         return logits.masked_fill(pad, float("-inf")), lse
+
+    def token_scores(self, hidden: torch.Tensor, at: list[int], which: list[int], tokens: list[int]) -> torch.Tensor:
+        """[len(tokens) + len(at)] fp32: the logit of each `tokens[q]` at hidden row `at[which[q]]`, then the
+        log-sum-exp over the vocabulary at each hidden row of `at`."""
+        head = self.model.lm_head
+        at_t, which_t, tokens_t = (_upload(torch.tensor(x), hidden.device) for x in (at, which, tokens))
+        h = hidden[at_t]
+        lse = torch.logsumexp(torch.nn.functional.linear(h.to(head.dtype), head).float(), -1)
+        logits = (h[which_t].float() * head[tokens_t].float()).sum(-1)
+        return torch.cat([logits, lse])
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
