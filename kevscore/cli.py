@@ -323,8 +323,9 @@ def run(
                              "copied out first (gathered); the same probabilities."),
     path: Optional[str] = typer.Option(None, "--path", hidden=True, help="The old spelling of --state-read."),
     labels: str = option("Yes,No", "--labels", panel=MODEL, metavar="LABELS",
-                         help="Comma-separated single-token labels, at least two; spaces around them are dropped "
-                         "(quote a label to keep them: '\" Yes\",\" No\"')."),
+                         help="Comma-separated labels, at least two; spaces around them are dropped (quote a label "
+                         "to keep them: '\" Yes\",\" No\"'). A label of several tokens scores the sum of its tokens' "
+                         "log-probabilities."),
     template: Optional[Path] = option(None, "--template", panel=MODEL, metavar="FILE",
                                       help="Text file with {document} and {question}."),
     window: int = option(1024, "--window", panel=LONG, metavar="N", help="Documents per window: all their rows "

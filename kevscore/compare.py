@@ -23,9 +23,9 @@ import torch
 from kevscore.baselines import naive_call
 from kevscore.durable import bytes_filler, write_atomic
 from kevscore.engine import Engine, Scores
-from kevscore.errors import KevscoreError
+from kevscore.errors import KevscoreError, rows_phrase
 from kevscore.measure import environment, quantile, timed
-from kevscore.prompt import Encoded
+from kevscore.prompt import Encoded, first_and_tails
 
 PATHS = ("gathered", "indexed")
 SHAPE_CASES = ("shared", "distinct", "padded", "long-branch")
@@ -58,14 +58,17 @@ def case_specs(small: bool) -> dict[str, CaseSpec]:
     return {s.name: s for s in specs}
 
 
-def synthetic(spec: CaseSpec, vocab: int, label_ids: list[int]) -> Encoded:
+def synthetic(spec: CaseSpec, vocab: int, label_ids: list[list[int]]) -> Encoded:
+    """The case's random documents and questions, labelled Yes and No (`label_ids`: their tokens)."""
     rng = random.Random(spec.seed)
     hi = min(vocab, 1200)
     tokens = lambda n: [rng.randrange(100, hi) for _ in range(n)]  # noqa: E731
     prefixes = [tokens(spec.doc_len) for _ in range(spec.docs)]
     rows = [d for d in range(spec.docs) for _ in range(spec.questions)]
     branches = [tokens(rng.randint(*spec.q_len)) for _ in rows]
-    return Encoded(prefixes, rows, branches, [["Yes", "No"]] * len(rows), [list(label_ids)] * len(rows))
+    firsts, tails = first_and_tails(label_ids)
+    return Encoded(prefixes, rows, branches, [["Yes", "No"]] * len(rows), [firsts] * len(rows),
+                   [tails] * len(rows) if any(tails) else None)
 
 
 @dataclass(slots=True)
@@ -234,6 +237,14 @@ def _check(opts: CompareOptions) -> list[str]:
     return list(dict.fromkeys(cases))
 
 
+def _one_token_labels(enc: Encoded, source: str) -> None:
+    """The transformers baseline reads each row's label logits at its last token: labels of one token only."""
+    several = [r for r in range(len(enc)) if not enc.one_token_labels(r)]
+    if several:
+        raise KevscoreError(f"{source}: --baseline hf times labels of one token; labels of several tokens at "
+                            f"{rows_phrase(several)}")
+
+
 def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -> dict:
     """Run the cases; returns the report (also written to `opts.json_path` when given)."""
     from kevscore.backend import build_runner, resolve_device
@@ -261,6 +272,8 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
         specs = case_specs(small)
         for c in cases:
             workloads[c] = (synthetic(specs[c], ckpt.config.vocab_size, labels), specs[c].warm, asdict(specs[c]))
+    if opts.baseline == "hf":
+        _one_token_labels(next(iter(workloads.values()))[0], Path(opts.data).name if opts.data else "compare")
     doc_tokens = [len(p) for enc, _, _ in workloads.values() for p in enc.prefixes]
     t0 = time.perf_counter()
     runner = build_runner(ckpt, device, doc_tokens)

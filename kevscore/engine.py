@@ -10,7 +10,8 @@ import torch
 
 from kevscore import faults
 from kevscore.errors import KevscoreFailure, first_line
-from kevscore.plan import Batch, ladder, plan_batches, plan_waves, row_bucket
+from kevscore.label_scoring import Scoring, scorings
+from kevscore.plan import Batch, make_batch, plan_batches, plan_waves
 from kevscore.prompt import Encoded
 
 
@@ -179,38 +180,40 @@ class Engine:
 
     def score_rows(self, enc: Encoded, rows: list[int], slot_of: dict[int, int], path: str,
                    scores: Scores, progress: Reporter | None = None) -> None:
-        """Score `rows` (whose documents are in the bank at `slot_of`) into `scores`."""
+        """Score `rows` (whose documents are in the bank at `slot_of`) into `scores`: rows whose labels are one
+        token each first, then the others (`kevscore.label_scoring`)."""
         progress = progress or Reporter()
         other = faults.wrong_entry(list(slot_of))  # identity unless a test injects the fault
         slot_of = {d: slot_of[other[d]] for d in slot_of}
-        branch_len = {r: len(enc.branches[r]) for r in rows}
         prefix_len = {r: len(enc.prefixes[other[enc.row_prefix[r]]]) for r in rows}
         t0 = time.perf_counter()
         try:
             with progress.phase("score"):
-                for batch in plan_batches(rows, branch_len, prefix_len, self.max_rows, self.max_tokens):
-                    self._score_batch(enc, batch, slot_of, prefix_len, path, scores, progress)
-                    faults.point("score")
-                    self._between()
+                for scoring in scorings(enc, rows):
+                    lengths, docs, scored = scoring.sizes(scoring.units, prefix_len)
+                    for batch in plan_batches(scoring.units, lengths, docs, self.max_rows, self.max_tokens, scored):
+                        self._score_batch(enc, scoring, batch, slot_of, prefix_len, path, scores, progress)
+                        faults.point("score")
+                        self._between()
         finally:
             _sync(self.runner.device)
             scores.stats.score_s += time.perf_counter() - t0
 
-    def _score_batch(self, enc: Encoded, batch: Batch, slot_of: dict[int, int], prefix_len: dict[int, int],
-                     path: str, scores: Scores, progress: Reporter) -> None:
-        """Score one batch; out of memory, score it as two smaller batches (and plan later ones no larger),
-        down to one row, which then fails on its own: reported with skip_failed, else the run stops."""
+    def _score_batch(self, enc: Encoded, scoring: Scoring, batch: Batch, slot_of: dict[int, int],
+                     prefix_len: dict[int, int], path: str, scores: Scores, progress: Reporter) -> None:
+        """Score one batch of a scoring's units; out of memory, score it as two smaller batches (and plan later
+        ones no larger), down to one unit, whose row then fails: reported with skip_failed, else the run stops."""
+        rows = [scoring.row(u) for u in batch.rows]
         try:
             faults.inject_oom("rows", len(batch.rows))
-            hidden = self.runner.score(batch, [enc.branches[r] for r in batch.rows],
-                                       [slot_of[enc.row_prefix[r]] for r in batch.rows],
-                                       [prefix_len[r] for r in batch.rows], path)
-            logits, lse = self.runner.label_scores(hidden, [enc.label_ids[r] for r in batch.rows])
+            hidden = self.runner.score(batch, [scoring.tokens(u) for u in batch.rows],
+                                       [slot_of[enc.row_prefix[r]] for r in rows], [prefix_len[r] for r in rows], path)
+            out = scoring.device_scores(self.runner, batch, hidden)
         except torch.OutOfMemoryError as exc:
             _free(self.runner.device)
             n = len(batch.rows)
             if n == 1:
-                r = batch.rows[0]
+                r = rows[0]
                 why = (f"out of memory scoring this row alone ({len(enc.branches[r])} question tokens, "
                        f"{prefix_len[r]} document tokens)")
                 if not self.skip_failed:
@@ -218,7 +221,7 @@ class Engine:
                                         "and go on") from exc
                 scores.failed[r] = why
                 progress.warn(f"{why}; reported in the errors file")
-                progress.advance("score", 1)
+                progress.advance("score", scoring.fail(batch.rows[0]))
                 return
             half = n // 2
             self.max_rows = min(self.max_rows, max(half, n - half))
@@ -227,20 +230,13 @@ class Engine:
                           f"{half} + {n - half} rows, later batches at most {self.max_rows} rows")
             progress.event("oom", phase="score", rows=n, length=batch.length, split=[half, n - half])
             for part in (batch.rows[:half], batch.rows[half:]):
-                sub = Batch(rows=part, size=row_bucket(len(part), self.max_rows),
-                            length=ladder(max(len(enc.branches[r]) for r in part)),
-                            prefix=ladder(max(prefix_len[r] for r in part)))
-                self._score_batch(enc, sub, slot_of, prefix_len, path, scores, progress)
+                lengths, docs, scored = scoring.sizes(part, prefix_len)
+                sub = make_batch(part, lengths, docs, self.max_rows, scored)
+                self._score_batch(enc, scoring, sub, slot_of, prefix_len, path, scores, progress)
             return
-        host = torch.cat([logits, lse[:, None]], 1).cpu().double()  # one read back, then float64 on the host
-        logits, lse = host[:, :-1], host[:, -1]
-        probs = torch.softmax(logits, -1)
-        mass = torch.exp(torch.logsumexp(logits, -1) - lse)
-        for i, r in enumerate(batch.rows):
-            scores.probs[r] = probs[i, : len(enc.label_ids[r])].tolist()
-            scores.label_mass[r] = float(mass[i])
+        done = scoring.finish(batch, out.cpu().double(), scores)  # one read back, then float64 on the host
         scores.stats.batches += 1
-        progress.advance("score", len(batch.rows))
+        progress.advance("score", done)
 
 
 def _free(device: torch.device) -> None:

@@ -66,10 +66,20 @@ class Encoded:
     row_prefix: list[int]
     branches: list[list[int]]
     labels: list[list[str]]
-    label_ids: list[list[int]]
+    label_ids: list[list[int]]  # per row, each label's first token (scored at the question's last token)
+    label_tails: list[list[tuple[int, ...]]] | None = None  # per row, each label's tokens after its first;
+                                                          # None: every label of the run is one token
 
     def __len__(self) -> int:
         return len(self.branches)
+
+    def one_token_labels(self, row: int) -> bool:
+        return self.label_tails is None or not any(self.label_tails[row])
+
+    def label_tokens(self, row: int) -> list[tuple[int, ...]]:
+        """Each label's token ids, as they continue the row's prompt."""
+        tails = self.label_tails[row] if self.label_tails is not None else [()] * len(self.label_ids[row])
+        return [(first, *tail) for first, tail in zip(self.label_ids[row], tails)]
 
 
 def prefix_key(ids: Sequence[int]) -> str:
@@ -85,20 +95,35 @@ def tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
 
 
-def label_problem(tokenizer, labels: Sequence[str]) -> str | None:
-    """Why `labels` cannot be scored (a label of several tokens), or None."""
-    for label in labels:
-        ids = tokenizer.encode(label, add_special_tokens=False)
-        if len(ids) != 1:
-            pieces = tokenizer.convert_ids_to_tokens(ids)
-            return f"label {label!r} is {len(ids)} tokens {pieces} ({ids}); each label must be a single token"
-    return None
+def tokenize_labels(tokenizer, labels: Sequence[str]) -> tuple[list[list[int]], str | None]:
+    """Each label's token ids, the label tokenized on its own (the answer as it continues the prompt), and why
+    the labels cannot be scored (a label of no tokens) or None."""
+    ids = [list(tokenizer.encode(label, add_special_tokens=False)) for label in labels]
+    empty = [label for label, t in zip(labels, ids) if not t]
+    return ids, f"label {empty[0]!r} tokenizes to no tokens" if empty else None
 
 
-def label_token_ids(tokenizer, labels: Sequence[str], where: str) -> list[int]:
-    if reason := label_problem(tokenizer, labels):
+def label_token_ids(tokenizer, labels: Sequence[str], where: str) -> list[list[int]]:
+    """Each label's token ids (`tokenize_labels`); a label of no tokens is an error."""
+    ids, reason = tokenize_labels(tokenizer, labels)
+    if reason:
         raise KevscoreError(f"{where}: {reason}")
-    return [tokenizer.encode(label, add_special_tokens=False)[0] for label in labels]
+    return ids
+
+
+def first_and_tails(label_ids: Sequence[Sequence[int]]) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Each label's first token and its tokens after the first (`Encoded.label_ids`, `Encoded.label_tails`)."""
+    return [ids[0] for ids in label_ids], [tuple(ids[1:]) for ids in label_ids]
+
+
+def longest_tail(label_ids: Sequence[Sequence[int]]) -> int:
+    """Tokens a row's labels add to its prompt: the longest label's tokens but its last."""
+    return max(len(ids) for ids in label_ids) - 1
+
+
+def prompt_parts(tail: int) -> str:
+    """What a prompt's length counts, for messages: the labels' tokens too when they add any."""
+    return "document + question + label" if tail else "document + question"
 
 
 class PromptCheck:
@@ -110,29 +135,39 @@ class PromptCheck:
         self.empty: list[int] = []    # input rows whose branch has no token
         self.long: list[int] = []     # input rows whose prompt exceeds the model's positions
         self.longest = 0
-        self._labels: dict[tuple[str, ...], str | None] = {}
+        self.tail = 0                 # the most label tokens counted in a prompt found too long
+        self._labels: dict[tuple[str, ...], tuple[str | None, int]] = {}  # labels -> (why not, tokens added)
 
     def labels(self, labels: Sequence[str]) -> str | None:
         """Why a row's labels cannot be scored, or None (checked once per distinct list)."""
+        return self._label(labels)[0]
+
+    def label_tail(self, labels: Sequence[str]) -> int:
+        """Tokens a row's labels add to its prompt (`longest_tail`; 0 for labels that cannot be scored)."""
+        return self._label(labels)[1]
+
+    def _label(self, labels: Sequence[str]) -> tuple[str | None, int]:
         key = tuple(labels)
         if key not in self._labels:
-            self._labels[key] = label_problem(self.tokenizer, key)
+            ids, reason = tokenize_labels(self.tokenizer, key)
+            self._labels[key] = reason, 0 if reason else longest_tail(ids)
         return self._labels[key]
 
     def label_error(self, row: int, reason: str) -> KevscoreError:
         return KevscoreError(f"{self.source}: column 'labels' (row {row}): {reason}")
 
-    def prompt(self, row: int, prefix_tokens: int, branch_tokens: int) -> str | None:
-        """Why input row `row`'s prompt cannot be scored (an empty branch, too many tokens), or None."""
+    def prompt(self, row: int, prefix_tokens: int, branch_tokens: int, tail: int = 0) -> str | None:
+        """Why input row `row`'s prompt cannot be scored (an empty branch, too many tokens), or None. `tail`:
+        the tokens its labels add (`longest_tail`), counted in its length."""
         if branch_tokens == 0:
             self.empty.append(row)
             return "the prompt branch (template and question) is empty"
-        n = prefix_tokens + branch_tokens
+        n = prefix_tokens + branch_tokens + tail
         if n <= self.max_positions:
             return None
         self.long.append(row)
-        self.longest = max(self.longest, n)
-        return f"prompt (document + question) is {n} tokens, longer than the model's {self.max_positions} positions"
+        self.longest, self.tail = max(self.longest, n), max(self.tail, tail)
+        return f"prompt ({prompt_parts(tail)}) is {n} tokens, longer than the model's {self.max_positions} positions"
 
     def error(self) -> KevscoreError | None:
         """The error for the rows `prompt` found wanting (empty branches first), or None."""
@@ -140,7 +175,7 @@ class PromptCheck:
             return KevscoreError(f"{self.source}: column 'question': the prompt branch is empty at "
                                  f"{rows_phrase(self.empty)}")
         if self.long:
-            return KevscoreError(f"{self.source}: prompt (document + question) longer than the model's "
+            return KevscoreError(f"{self.source}: prompt ({prompt_parts(self.tail)}) longer than the model's "
                                  f"{self.max_positions} positions at {rows_phrase(self.long)} "
                                  f"(longest {self.longest} tokens)")
         return None
@@ -161,23 +196,26 @@ def encode(table, tokenizer, template: Template, default_labels: Sequence[str], 
         row_prefix.append(slot)
     branches = tokenize(tokenizer, [template.branch(q) for q in table.questions])
     labels = table.labels or [list(default_labels)] * len(table)
-    label_ids = _label_ids(tokenizer, labels, table)
+    label_ids, label_tails = _label_ids(tokenizer, labels, table)
     check = PromptCheck(tokenizer, table.sources[0].name if table.sources else "input", max_positions)
     for i, b in enumerate(branches):
-        check.prompt(i, len(prefixes[row_prefix[i]]), len(b))
+        check.prompt(i, len(prefixes[row_prefix[i]]), len(b), max(map(len, label_tails[i])))
     if error := check.error():
         raise error
-    return Encoded(prefixes, row_prefix, branches, [list(x) for x in labels], label_ids)
+    return Encoded(prefixes, row_prefix, branches, [list(x) for x in labels], label_ids,
+                   label_tails if any(any(tails) for tails in label_tails) else None)
 
 
-def _label_ids(tokenizer, labels: list[list[str]], table) -> list[list[int]]:
-    cache: dict[tuple[str, ...], list[int]] = {}
+def _label_ids(tokenizer, labels: list[list[str]], table) -> tuple[list[list[int]], list[list[tuple[int, ...]]]]:
+    """Per row, each label's first token and its tokens after the first (one pair of lists per distinct row)."""
+    cache: dict[tuple[str, ...], tuple[list[int], list[tuple[int, ...]]]] = {}
     source = f"{table.sources[0].name}: column 'labels'" if table.labels else "--labels"
-    out = []
+    firsts, tails = [], []
     for i, row in enumerate(labels):
         key = tuple(row)
         if key not in cache:
             where = f"{source} (row {i})" if table.labels else source
-            cache[key] = label_token_ids(tokenizer, row, where)
-        out.append(cache[key])
-    return out
+            cache[key] = first_and_tails(label_token_ids(tokenizer, row, where))
+        firsts.append(cache[key][0])
+        tails.append(cache[key][1])
+    return firsts, tails

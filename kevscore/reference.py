@@ -62,3 +62,18 @@ def reference_scores(model, prefix: list[int], branch: list[int], label_ids: lis
     label = logits[label_ids]
     mass = torch.exp(torch.logsumexp(label, 0) - torch.logsumexp(logits, 0))
     return torch.softmax(label, 0).tolist(), float(mass)
+
+
+@torch.no_grad()
+def reference_sequence_scores(model, prefix: list[int], branch: list[int],
+                              labels: list[list[int]]) -> tuple[list[float], float]:
+    """Labels of any number of tokens, each on its own full sequence `prefix + branch + label[:-1]`: (softmax
+    over the labels' summed token log-probabilities, the labels' total probability)."""
+    device = next(model.parameters()).device
+    summed = []
+    for label in labels:
+        ids = torch.tensor([prefix + branch + list(label[:-1])], device=device)
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(label)).logits[0].double()
+        summed.append(torch.log_softmax(logits, -1)[range(len(label)), list(label)].sum())
+    logprob = torch.stack(summed)
+    return torch.softmax(logprob, 0).tolist(), float(torch.exp(torch.logsumexp(logprob, 0)))

@@ -539,7 +539,7 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
     """Tokenize every document (once) and question, keeping only lengths: each document's prefix length
     (int32; -1 for a document no row uses). Every row passes `prompt.PromptCheck`, the checks `encode`
     makes, named by input row; with skip_invalid a row that fails is set aside with its reason instead."""
-    from kevscore.prompt import PromptCheck, label_token_ids, tokenize
+    from kevscore.prompt import PromptCheck, label_token_ids, longest_tail, tokenize
 
     check = PromptCheck(tokenizer, scan.path.name, max_positions)
     doc_tokens = np.full(scan.documents, -1, dtype=np.int32)
@@ -550,8 +550,7 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
             todo = [(wanted[start + j], t) for j, t in enumerate(cols["document"]) if start + j in wanted]
             for (d, _), ids in zip(todo, tokenize(tokenizer, [template.prefix(t) for _, t in todo])):
                 doc_tokens[d] = len(ids)
-    if not scan.has_labels:
-        label_token_ids(tokenizer, default_labels, "--labels")
+    tail = 0 if scan.has_labels else longest_tail(label_token_ids(tokenizer, default_labels, "--labels"))
     file = open_parquet(scan.path)
     columns = ["question"] + (["document"] if scan.documents_path is None else []) + (
         ["labels"] if scan.has_labels else [])
@@ -574,7 +573,8 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
         live = [j for j in live if scan.doc_of_row[start + j] >= 0]
         branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
         for j, ids in zip(live, branches):
-            reason = check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids))
+            row_tail = check.label_tail(cols["labels"][j]) if scan.has_labels else tail
+            reason = check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids), row_tail)
             if reason and skip_invalid:
                 scan.set_aside([start + j], reason)
     if (error := check.error()) and not skip_invalid:

@@ -66,6 +66,34 @@ def synthetic(doc_lens, branch_lens, vocab=1000, seed=0, labels=(361, 383)) -> E
     return Encoded(docs, rows, branches, [["Yes", "No"]] * n, [list(labels)] * n)
 
 
+# Label sets (token ids) that `labelled` gives rows in turn: one token each (the one-position path); a label of
+# three tokens beside one of one; labels sharing a prefix, one the prefix of another; labels sharing their first
+# token only
+LABEL_SETS = [
+    [(361,), (383,)],
+    [(361, 17, 905), (383,)],
+    [(361, 17), (361, 17, 905), (361,), (44, 52, 9, 3)],
+    [(12, 7), (12, 8), (99, 100, 101)],
+]
+
+
+def labelled(enc: Encoded, sets=LABEL_SETS) -> Encoded:
+    """`enc` with row r labelled by sets[r % len(sets)] (token ids; labels of several tokens)."""
+    from kevscore.prompt import first_and_tails
+
+    pairs = [first_and_tails(sets[r % len(sets)]) for r in range(len(enc))]
+    return Encoded(enc.prefixes, enc.row_prefix, enc.branches, [[f"l{j}" for j in range(len(f))] for f, _ in pairs],
+                   [f for f, _ in pairs], [t for _, t in pairs])
+
+
+def sequence_reference(model, enc: Encoded) -> list[tuple[list[float], float]]:
+    """transformers' (probs, label mass) per row, each label of any length on its own full sequence."""
+    from kevscore.reference import reference_sequence_scores
+
+    return [reference_sequence_scores(model, enc.prefixes[enc.row_prefix[r]], enc.branches[r],
+                                      [list(t) for t in enc.label_tokens(r)]) for r in range(len(enc))]
+
+
 def material_masses(ckpt):
     """The example questions on the demo model (its chat template) with labels whose mass is material: even
     rows Yes/No (mass near 1), odd rows the runner-up tokens of transformers' distribution (ranks 2 and 3:

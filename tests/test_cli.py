@@ -298,27 +298,29 @@ def test_duplicate_question_id(work: Path, example_rows: list[dict]) -> None:
     fails(work, [str(path), "column 'question_id'", "duplicate", repr(rows[1]["question_id"]), "rows 1, 5"], path)
 
 
-def test_label_not_one_token(work: Path) -> None:
+def test_label_of_several_tokens_is_scored(work: Path, base: pa.Table) -> None:
     from kevscore.checkpoint import load_checkpoint
 
-    tok = load_checkpoint("demo").tokenizer
-    ids = tok.encode("maybe", add_special_tokens=False)
-    assert len(ids) > 1
-    fails(work, ["--labels", "'maybe'", f"{len(ids)} tokens", str(tok.convert_ids_to_tokens(ids)), str(ids),
-                 "single token"], work / "questions.parquet", "--labels", "Yes,maybe")
+    assert len(load_checkpoint("demo").tokenizer.encode("maybe", add_special_tokens=False)) > 1
+    run_ok(work / "questions.parquet", "--labels", "Yes,No,maybe")
+    out = read(work / "questions.scores.parquet")
+    assert out.column("labels").to_pylist() == [["Yes", "No", "maybe"]] * 15
+    for row, ref in zip(out.to_pylist(), base.to_pylist()):
+        assert sum(row["probs"]) == pytest.approx(1.0, abs=1e-12)
+        assert row["label_mass"] >= ref["label_mass"] * (1 - 1e-5)  # a third label adds its probability
 
 
 def test_label_with_brackets_is_shown_verbatim(work: Path) -> None:
     # rich markup must not eat "[b]" from a user's label (or a path) in the error line
-    fails(work, ["'[b]maybe'", "single token"], work / "questions.parquet", "--labels", "[b]maybe,No")
+    fails(work, ["[b]maybe,[b]maybe", "distinct"], work / "questions.parquet", "--labels", "[b]maybe,[b]maybe")
 
 
-def test_label_column_not_one_token(work: Path, example_rows: list[dict]) -> None:
+def test_label_column_of_no_tokens(work: Path, example_rows: list[dict]) -> None:
     labels = [["Yes", "No"]] * len(example_rows)
-    labels[4] = ["Yes", "Perhaps"]
+    labels[4] = ["Yes", ""]
     path = work / "in.parquet"
     pq.write_table(pa.Table.from_pylist(example_rows).append_column("labels", pa.array(labels)), path)
-    fails(work, [path.name, "column 'labels'", "row 4", "'Perhaps'", "single token"], path)
+    fails(work, [path.name, "column 'labels'", "row 4", "label ''", "no tokens"], path)
 
 
 def test_repeated_labels_option(work: Path) -> None:
