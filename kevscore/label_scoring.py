@@ -37,9 +37,12 @@ class Scoring:
     """Rows cut into units that the engine batches: each unit a branch from its row's bank entry."""
     units: list[int]
 
-    def row(self, unit: int) -> int: ...
+    def row(self, unit: int) -> int:
+        raise NotImplementedError
 
-    def tokens(self, unit: int) -> list[int]: ...
+    def tokens(self, unit: int) -> list[int]:
+        """The unit's branch tokens."""
+        raise NotImplementedError
 
     def scored(self, unit: int) -> int:
         """How many of the unit's last tokens are scored."""
