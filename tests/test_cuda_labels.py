@@ -91,7 +91,7 @@ def test_cli_labels_of_several_tokens_on_cuda(tmp_path, example_rows):
     pq.write_table(pa.Table.from_pylist(example_rows).append_column("labels", pa.array(labels)), src)
     out = {}
     for device, path in (("cuda", "indexed"), ("cuda", "gathered"), ("cpu", "indexed")):
-        result = CliRunner().invoke(app, ["run", str(src), "--device", device, "--path", path,
+        result = CliRunner().invoke(app, ["run", str(src), "--device", device, "--state-read", path,
                                           "-o", str(tmp_path / f"{device}-{path}.parquet")])
         assert result.exit_code == 0, result.output
         out[device, path] = pq.read_table(tmp_path / f"{device}-{path}.parquet").column("probs").to_pylist()

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import cpu_engine, labelled, sequence_reference, synthetic
 from kevscore.cli import app
-from kevscore.engine import Progress, Scores
+from kevscore.engine import Reporter, Scores
 from kevscore.label_scoring import label_branches
 from kevscore.prompt import Encoded
 from kevscore.reference import reference_model
@@ -144,7 +144,7 @@ def test_rows_of_one_token_labels_keep_their_bits_beside_rows_of_several(tiny, e
 
 # ---------------------------------------------------------------- faults
 
-class Quiet(Progress):
+class Quiet(Reporter):
     """Counts the rows scored; keeps warnings off stderr."""
     done = 0
 
@@ -179,7 +179,7 @@ def test_cli_labels_column_of_mixed_labels(tmp_path, demo, example_rows):
     pq.write_table(pa.Table.from_pylist(example_rows).append_column("labels", pa.array(labels)), src)
     out = {}
     for path in ("indexed", "gathered"):
-        result = CliRunner().invoke(app, ["run", str(src), "--device", "cpu", "--path", path,
+        result = CliRunner().invoke(app, ["run", str(src), "--device", "cpu", "--state-read", path,
                                           "-o", str(tmp_path / f"{path}.parquet")])
         assert result.exit_code == 0, result.stderr
         out[path] = pq.read_table(tmp_path / f"{path}.parquet").to_pylist()
