@@ -234,9 +234,12 @@ class Engine:
                 sub = make_batch(part, lengths, docs, self.max_rows, scored)
                 self._score_batch(enc, scoring, sub, slot_of, prefix_len, path, scores, progress)
             return
-        done = scoring.finish(batch, out.cpu().double(), scores)  # one read back, then float64 on the host
+        done = scoring.finish(batch, out.cpu().double())  # one read back, then float64 on the host
+        for r, probs, mass in done:
+            if r not in scores.failed:  # a row of several branches, one of which failed alone
+                scores.probs[r], scores.label_mass[r] = probs, mass
         scores.stats.batches += 1
-        progress.advance("score", done)
+        progress.advance("score", len(done))
 
 
 def _free(device: torch.device) -> None:

@@ -7,7 +7,6 @@ A scoring cuts its rows into units (a row, or one branch of a row), which the en
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,10 +14,8 @@ import torch
 from kevscore.plan import Batch
 from kevscore.prompt import Encoded
 
-if TYPE_CHECKING:
-    from kevscore.engine import Scores
-
 Tokens = tuple[int, ...]
+Result = tuple[int, list[float], float]  # a completed row: (row, its labels' probabilities, its label mass)
 
 
 def label_branches(labels: Sequence[Tokens]) -> tuple[list[Tokens], list[int]]:
@@ -52,9 +49,8 @@ class Scoring:
         """What `finish` needs of a batch, gathered on the device from its hidden states (`runner.score`)."""
         raise NotImplementedError
 
-    def finish(self, batch: Batch, host: torch.Tensor, scores: Scores) -> int:
-        """Write the probabilities and label mass of the rows the batch completes, from `device_scores` read
-        back as float64; returns how many rows it completes."""
+    def finish(self, batch: Batch, host: torch.Tensor) -> list[Result]:
+        """The rows the batch completes, from `device_scores` read back as float64."""
         raise NotImplementedError
 
     def fail(self, unit: int) -> int:
@@ -85,14 +81,11 @@ class LastToken(Scoring):
         logits, lse = runner.label_scores(hidden, [self.enc.label_ids[r] for r in batch.rows])
         return torch.cat([logits, lse[:, None]], 1)
 
-    def finish(self, batch: Batch, host: torch.Tensor, scores: Scores) -> int:
+    def finish(self, batch: Batch, host: torch.Tensor) -> list[Result]:
         logits, lse = host[:, :-1], host[:, -1]
         probs = torch.softmax(logits, -1)
         mass = torch.exp(torch.logsumexp(logits, -1) - lse)
-        for i, r in enumerate(batch.rows):
-            scores.probs[r] = probs[i, : len(self.enc.label_ids[r])].tolist()
-            scores.label_mass[r] = float(mass[i])
-        return len(batch.rows)
+        return [(r, probs[i, : len(self.enc.label_ids[r])].tolist(), float(mass[i])) for i, r in enumerate(batch.rows)]
 
     def fail(self, unit: int) -> int:
         return 1
@@ -147,10 +140,11 @@ class Continuations(Scoring):
         """[targets + positions]: each target token's logit, then the vocabulary's log-sum-exp at each position."""
         return runner.token_scores(hidden, *self._gather(batch))
 
-    def finish(self, batch: Batch, host: torch.Tensor, scores: Scores) -> int:
+    def finish(self, batch: Batch, host: torch.Tensor) -> list[Result]:
+        """The rows whose last branch the batch holds (a row with a failed branch too: the engine drops it)."""
         _, which, tokens = self._gather(batch)
         logprob = (host[: len(tokens)] - host[len(tokens):][which]).tolist()
-        q = done = 0
+        q, done = 0, []
         for u in batch.rows:
             r = self.unit_row[u]
             for label, _, _ in self.targets[u]:
@@ -158,11 +152,8 @@ class Continuations(Scoring):
                 q += 1
             summed = self._settle(u)
             if summed is not None:
-                done += 1
-                if r not in scores.failed:
-                    summed = torch.from_numpy(summed)
-                    scores.probs[r] = torch.softmax(summed, 0).tolist()
-                    scores.label_mass[r] = float(torch.exp(torch.logsumexp(summed, 0)))
+                summed = torch.from_numpy(summed)
+                done.append((r, torch.softmax(summed, 0).tolist(), float(torch.exp(torch.logsumexp(summed, 0)))))
         return done
 
     def fail(self, unit: int) -> int:
