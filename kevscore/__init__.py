@@ -13,13 +13,13 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 __all__ = ["KevscoreError", "KevscoreFailure", "RunResult", "Scorer", "__version__"]
-LAZY = {"Scorer": "kevscore.api", "RunResult": "kevscore.job"}  # name -> the module that defines it
+_LAZY = {"Scorer": "kevscore.api", "RunResult": "kevscore.job"}  # name -> the module that defines it
 
 
 def __getattr__(name: str) -> Any:
     """The API's names, imported when first asked for (they import torch)."""
-    if name not in LAZY:
+    if name not in _LAZY:
         raise AttributeError(f"module 'kevscore' has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(LAZY[name]), name)
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -27,6 +27,7 @@ from kevscore.backend import resolve_device
 from kevscore.dryrun import Plan, dry_run
 from kevscore.engine import Reporter
 from kevscore.errors import KevscoreError, first_line, reported
+from kevscore.faults import Interrupted
 from kevscore.job import WINDOW_DOCS, LoadedModel, RunOptions, RunResult, check_options, run_job
 from kevscore.labels import parse_labels
 
@@ -88,6 +89,8 @@ class Scorer:
                                 carry=carry, limit=limit, window=window, progress=progress)
             except KevscoreError as exc:
                 raise type(exc)(_told_as_tables(str(exc), given, tmp)) from None
+            except Interrupted:  # its parts were in the temporary directory: nothing to resume from
+                raise Interrupted("interrupted; nothing was kept (score_file's parts resume a stopped job)") from None
             return pq.read_table(output)
 
     def score_file(self, input: PathLike, output: PathLike | None = None, *, documents: PathLike | None = None,

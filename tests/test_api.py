@@ -181,7 +181,7 @@ def test_tables_are_named_in_messages(scorer):
         Scorer(device="tpu")
 
 
-def test_the_model_loads_once(monkeypatch):
+def test_the_model_loads_once(monkeypatch, expected):
     loads = []
 
     def counted(*args, **kwargs):
@@ -190,12 +190,35 @@ def test_the_model_loads_once(monkeypatch):
 
     monkeypatch.setattr(job, "load_checkpoint", counted)
     scorer = Scorer(device="cpu")
+    scorer.score(QUESTIONS, limit=2)  # one document: a bank of one entry
+    small = scorer.loaded.runner
     first = scorer.score(QUESTIONS)
     runner = scorer.loaded.runner
     second = scorer.score(TWO / "questions.parquet", TWO / "documents.parquet")
+    assert runner is not small  # too small for six documents: a new one
     assert scorer.loaded.runner is runner  # its bank holds the second input's documents too
-    scorer.plan(QUESTIONS)
+    assert scorer.plan(QUESTIONS).documents == 6
     assert len(loads) == 1 and first.column("probs").equals(second.column("probs"))
+    same(first, expected["one"])
+    scorer.close()
+    scorer.score(QUESTIONS, limit=1)
+    assert len(loads) == 2
+
+
+def test_a_fixed_bank_capacity_is_kept(expected):
+    scorer = Scorer(device="cpu", bank_capacity=2)
+    first = scorer.score(QUESTIONS)
+    runner = scorer.loaded.runner
+    assert runner.bank.layout.entries == 2 and scorer.last_result.stats.waves == 3
+    assert scorer.score(QUESTIONS).equals(first) and scorer.loaded.runner is runner
+    scorer.score(QUESTIONS, limit=1)  # two entries again, but a token pool for one document: a new runner
+    assert scorer.loaded.runner is not runner and scorer.loaded.runner.bank.layout.entries == 2
+
+
+def test_score_interrupted_keeps_nothing(scorer, monkeypatch):
+    monkeypatch.setenv("KEVSCORE_TEST_SIGINT", "part-done:4")
+    with pytest.raises(Interrupted, match="^interrupted; nothing was kept"):
+        scorer.score(QUESTIONS, window=1)
 
 
 def test_bank_entries_are_reused_across_calls(tmp_path, expected):
