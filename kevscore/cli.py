@@ -1,4 +1,5 @@
-"""Command line: argument parsing and rich output only; the work happens in kevscore.job."""
+"""Command line: argument parsing and rich output only; `run` scores through a kevscore.api.Scorer (under
+torchrun, through kevscore.distributed)."""
 from __future__ import annotations
 
 import json
@@ -353,8 +354,9 @@ def run(
                             "stdout per event (start, window, wave, part, progress, warning, merged, done, error)."),
 ) -> None:
     """Score every question row against its document; write probabilities over the labels."""
+    from kevscore.api import Scorer
     from kevscore.distributed import world_from_env
-    from kevscore.job import RunOptions, run_job
+    from kevscore.job import RunOptions
     from kevscore.formats import file_format
     from kevscore.labels import parse_labels
 
@@ -388,7 +390,7 @@ def run(
         with progress_bars(console, disable=quiet or log_json) as bar:
             display = log or RichProgress(bar)
             try:
-                result = run_job(opts, display)
+                result = Scorer.from_options(opts).run(opts, display)
             finally:
                 if display is not log:
                     display.loaded()
@@ -416,10 +418,10 @@ def run(
 
 def _dry_run(opts, log_json: bool) -> None:
     """--dry-run: the plan on stdout (a table, or one JSON line with --log-json)."""
-    from kevscore.dryrun import dry_run
+    from kevscore.api import Scorer
 
     try:
-        plan = dry_run(opts)
+        plan = Scorer.from_options(opts).dry_run(opts)
     except (KevscoreError, OSError) as exc:
         error = reported(exc)
         _fail(str(error), error.exit_code)

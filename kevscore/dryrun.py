@@ -6,9 +6,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kevscore.backend import build_runner
 from kevscore.engine import Engine
-from kevscore.job import (WARM_UP_WAIT_S, Prepared, RunOptions, bank_documents, check_options, make_engine,
+from kevscore.job import (WARM_UP_WAIT_S, LoadedModel, Prepared, RunOptions, check_options, job_runner, make_engine,
                           opened_inputs, prepare)
 from kevscore.plan import plan_waves
 from kevscore.prompt import encode
@@ -39,13 +38,13 @@ class Plan:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
-def dry_run(opts: RunOptions) -> Plan:
-    """Check the whole input as a run would, plan it, and time a few documents of its first window."""
+def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
+    """Check the whole input as a run would, plan it, and time a few documents of its first window (on the
+    model `loaded` holds, when given)."""
     check_options(opts)
     with opened_inputs(opts) as inputs:
-        p = prepare(opts, inputs)
-        runner = build_runner(p.ckpt, p.device, bank_documents(p.windows, p.doc_of_row, p.doc_tokens),
-                              opts.bank_capacity, opts.eager)
+        p = prepare(opts, inputs, loaded=loaded)
+        runner = job_runner(opts, p, loaded)
         if p.warm_up is not None:
             p.warm_up.join(WARM_UP_WAIT_S)
         live = p.windows.of_row >= 0

@@ -11,6 +11,7 @@ the plan; GPU memory by the bank (waves inside a window when it does not fit).
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import resource
@@ -30,6 +31,7 @@ import pyarrow.parquet as pq
 import torch
 
 from kevscore.backend import build_runner, invariant_threads, resolve_device
+from kevscore.bank import BankLayout
 from kevscore.bank_dir import check_bank_dir
 from kevscore.bank_entry import Fingerprint, model_fingerprint
 from kevscore.bank_store import BankStats, BankStore
@@ -175,8 +177,17 @@ def output_path(opts: RunOptions) -> Path:
     return default_output_path(Path(opts.input))
 
 
-def run_job(opts: RunOptions, progress: Reporter | None = None) -> RunResult:
-    """Score the input into the output (`-o -`: JSON Lines on stdout, written at the end)."""
+@dataclass(slots=True)
+class LoadedModel:
+    """A model kept loaded between jobs (kevscore.api.Scorer): its checkpoint, once loaded, and the last
+    job's runner, reused while its bank serves the next job as a new one would (`reusable`)."""
+    ckpt: Checkpoint | None = None
+    runner: object | None = None
+
+
+def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedModel | None = None) -> RunResult:
+    """Score the input into the output (`-o -`: JSON Lines on stdout, written at the end); with `loaded`,
+    on the model it holds (loading it there the first time)."""
     with invariant_threads(resolve_device(opts.device), opts.batch_invariant):
         started = time.perf_counter()
         check_options(opts)
@@ -184,7 +195,8 @@ def run_job(opts: RunOptions, progress: Reporter | None = None) -> RunResult:
         output = None if stdout else output_path(opts)
         file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end
         with opened_inputs(opts) as inputs:
-            result = _run_job(opts, inputs, output or inputs.stage / "stdout.jsonl", progress or Reporter(), started)
+            result = _run_job(opts, inputs, output or inputs.stage / "stdout.jsonl", progress or Reporter(), started,
+                              loaded)
             if stdout:
                 to_stdout(result.output)
                 result.output = Path(STDOUT)
@@ -229,13 +241,17 @@ class Prepared:
     finished: str | None = None   # the job digest an existing output records (kevscore.parts.output_job)
 
 
-def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks: int = 1) -> Prepared:
-    """Scan and check the input (and the output, when given), load the model, measure every prompt's
-    tokens and cut the documents into windows (of `ranks` ranks, each window scored by one of them)."""
+def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks: int = 1,
+            loaded: LoadedModel | None = None) -> Prepared:
+    """Scan and check the input (and the output, when given), load the model (unless `loaded` holds it),
+    measure every prompt's tokens and cut the documents into windows (of `ranks` ranks, each window scored
+    by one of them)."""
     laps = Laps()
     device = resolve_device(opts.device)
-    # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights load
-    warm_up = prepare_device(device, peek_config(opts.model), opts.state_read)
+    held = loaded.ckpt if loaded is not None else None
+    # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights
+    # load: for a model's first job only (a loaded model's kernels are compiled)
+    warm_up = prepare_device(device, peek_config(opts.model), opts.state_read) if held is None else None
     laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
                       opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1)
@@ -247,7 +263,9 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     laps.lap("scan")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ckpt = load_checkpoint(opts.model, device)
+    ckpt = held or load_checkpoint(opts.model, device)
+    if loaded is not None:
+        loaded.ckpt = ckpt
     laps.lap("checkpoint")
     template = load_template(opts.template, ckpt.tokenizer)
     max_positions = ckpt.config.max_position_embeddings
@@ -278,11 +296,11 @@ class Job:
     warm_up: dict | None = None   # the GPU warm-up thread's report
 
 
-def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1) -> Job:
-    """Prepare the job, build its runner (then join the GPU warm-up) and compute its identity."""
-    p = prepare(opts, inputs, output, ranks)
-    runner = build_runner(p.ckpt, p.device, bank_documents(p.windows, p.doc_of_row, p.doc_tokens), opts.bank_capacity,
-                          opts.eager)
+def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1, loaded: LoadedModel | None = None) -> Job:
+    """Prepare the job, build its runner (or reuse the loaded model's; then join the GPU warm-up) and
+    compute its identity."""
+    p = prepare(opts, inputs, output, ranks, loaded)
+    runner = job_runner(opts, p, loaded)
     warm_up = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
     p.laps.lap("runner")
     fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME)
@@ -291,8 +309,34 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1) ->
     return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up)
 
 
-def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter, started: float) -> RunResult:
-    job = start_job(opts, inputs, output)
+def job_runner(opts: RunOptions, p: Prepared, loaded: LoadedModel | None):
+    """The runner for a prepared job: the loaded model's last one when its bank serves the job, else a new
+    one (which the loaded model then keeps)."""
+    docs = bank_documents(p.windows, p.doc_of_row, p.doc_tokens)
+    if loaded is not None and loaded.runner is not None:
+        if reusable(loaded.runner.bank.layout, p.ckpt, docs, opts.bank_capacity):
+            return loaded.runner
+        loaded.runner = None  # its memory is freed before the new bank is sized from what is free
+        gc.collect()
+        if p.device.type == "cuda":
+            torch.cuda.empty_cache()
+    runner = build_runner(p.ckpt, p.device, docs, opts.bank_capacity, opts.eager)
+    if loaded is not None:
+        loaded.runner = runner
+    return runner
+
+
+def reusable(layout: BankLayout, ckpt: Checkpoint, doc_tokens: list[int], capacity: int | None) -> bool:
+    """Whether a bank scores a job's windows in the waves a new bank would: the layout --bank-capacity
+    gives (the memory budget plays no part in it), or else room for every document of a window at once."""
+    if capacity is not None:
+        return layout == BankLayout.plan(ckpt.config, torch.float32, doc_tokens, 0, capacity)
+    return layout.entries >= len(doc_tokens) and layout.tokens >= sum(doc_tokens)
+
+
+def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter, started: float,
+             loaded: LoadedModel | None = None) -> RunResult:
+    job = start_job(opts, inputs, output, loaded=loaded)
     p = job.prep
     if p.finished is not None:
         return finished_job(opts, output, p.finished == job_digest(job.identity), p.ckpt.name, str(p.device),

@@ -1,0 +1,199 @@
+"""The Python API: a `Scorer` keeps a model loaded and scores tables, data frames and files with it as
+`kevscore run` does; the command line runs its jobs through a Scorer too.
+
+    scorer = Scorer("demo", device="cpu", labels=["Yes", "No"])
+    table = scorer.score(questions)                     # a pyarrow Table, a pandas DataFrame or a path
+    result = scorer.score_file("q.parquet", "scores.parquet")   # resumable and windowed, as `kevscore run`
+
+Every call is a `kevscore run` job (kevscore.job): the same checks, the same output columns and the same
+probabilities, bit for bit. Bad input raises `KevscoreError` (a failure of the run: `KevscoreFailure`)
+with the one line the command prints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Union
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kevscore.backend import resolve_device
+from kevscore.dryrun import Plan, dry_run
+from kevscore.engine import Reporter
+from kevscore.errors import KevscoreError, first_line, reported
+from kevscore.faults import Interrupted
+from kevscore.job import WINDOW_DOCS, LoadedModel, RunOptions, RunResult, check_options, run_job
+from kevscore.labels import parse_labels
+
+PathLike = Union[str, "os.PathLike[str]"]
+Tabular = Any  # a pyarrow Table or RecordBatch, or a pandas DataFrame (pandas is not a dependency)
+
+# RunOptions' fields a Scorer fixes: the model and how it scores; the others belong to each call
+SCORER_OPTIONS = ("model", "device", "labels", "template", "state_read", "batch_rows", "bank", "bank_max_gb",
+                  "bank_capacity", "eager", "batch_invariant")
+COLUMNS = ("question", "document", "doc_id", "question_id", "labels")  # the input columns kevscore reads
+TABLE_NAMES = {"questions": "<questions>", "documents": "<documents>"}  # how messages name tables passed in
+
+
+class Scorer:
+    """A model that stays loaded between calls, scoring as `kevscore run` does.
+
+    The model loads on the first call, once that call's input is checked, and stays loaded; so does the
+    runner and its bank while the bank can hold the next call's documents. With `bank=DIR` each
+    document's state is kept on disk (kevscore.bank_store): a later call, or run, over the same documents
+    loads it instead of reading the document again.
+    """
+
+    def __init__(self, model: str = "demo", *, device: str = "auto", labels: Sequence[str] | str = ("Yes", "No"),
+                 template: PathLike | None = None, state_read: str = "indexed", batch_rows: int = 64,
+                 bank: PathLike | None = None, bank_max_gb: float | None = None, bank_capacity: int | None = None,
+                 eager: bool = False, batch_invariant: bool = False) -> None:
+        """`model`: a checkpoint directory, a hub id (ORG/NAME[@REV]), demo, kev-0.8b or kev-4b; `labels`: a
+        list, or a string as `--labels` takes it; the others as `kevscore run`'s options of the same names."""
+        with one_line():
+            labels = parse_labels(labels) if isinstance(labels, str) else list(labels)
+            self.options = RunOptions(input=Path(), model=str(model), device=device, state_read=state_read,
+                                      labels=labels, template=_path(template), batch_rows=batch_rows,
+                                      bank=_path(bank), bank_max_gb=bank_max_gb, bank_capacity=bank_capacity,
+                                      eager=eager, batch_invariant=batch_invariant)
+            resolve_device(device)
+            check_options(self.options)
+        self.loaded = LoadedModel()
+        self.last_result: RunResult | None = None  # the last call's numbers: rows, prefills, times, bank use
+
+    @classmethod
+    def from_options(cls, opts: RunOptions) -> Scorer:
+        """The scorer of a `kevscore run` command's options (the command line's way in)."""
+        return cls(**{name: getattr(opts, name) for name in SCORER_OPTIONS})
+
+    def score(self, questions: Tabular | PathLike, documents: Tabular | PathLike | None = None, *,
+              columns: Mapping[str, str] | None = None, carry: bool = True, limit: int | None = None,
+              window: int = WINDOW_DOCS, progress: Reporter | None = None) -> pa.Table:
+        """Score `questions` (a table with `document` and `question` columns, or `question` and `doc_id` with
+        `documents` holding `doc_id` and `document`) and return what `kevscore run` writes, as a table in
+        memory: row, doc_id, question_id, labels, probs, prediction, label_mass, then (with `carry`) the
+        input's other columns. Tables go through a temporary Parquet file; a path is read as the command
+        reads it (Parquet, CSV, JSON Lines, a directory or glob of Parquet files)."""
+        with tempfile.TemporaryDirectory(prefix="kevscore-api-") as tmp:
+            given = {role: _as_input(data, Path(tmp), role)
+                     for role, data in (("questions", questions), ("documents", documents))}
+            output = Path(tmp) / "scores.parquet"
+            try:
+                self.score_file(given["questions"], output, documents=given["documents"], columns=columns,
+                                carry=carry, limit=limit, window=window, progress=progress)
+            except KevscoreError as exc:
+                raise type(exc)(_told_as_tables(str(exc), given, tmp)) from None
+            except Interrupted:  # its parts were in the temporary directory: nothing to resume from
+                raise Interrupted("interrupted; nothing was kept (score_file's parts resume a stopped job)") from None
+            return pq.read_table(output)
+
+    def score_file(self, input: PathLike, output: PathLike | None = None, *, documents: PathLike | None = None,
+                   columns: Mapping[str, str] | None = None, carry: bool = True, limit: int | None = None,
+                   window: int = WINDOW_DOCS, skip_invalid: bool = False, overwrite: bool = False,
+                   restart: bool = False, progress: Reporter | None = None) -> RunResult:
+        """`kevscore run INPUT -o OUTPUT`: the output written window by window into resumable parts beside
+        it, then merged (`output` None: `<input stem>.scores.parquet`; "-": JSON Lines on stdout). A call
+        stopped part way resumes from its completed windows when made again; `restart` discards them,
+        `overwrite` replaces an existing output. `columns`: kevscore's column name -> the input's
+        (e.g. {"question": "text"}). Returns the run's numbers (rows, documents prefilled, times)."""
+        return self.run(self.run_options(input, output, documents=documents, columns=columns, carry=carry,
+                                         limit=limit, window=window, skip_invalid=skip_invalid,
+                                         overwrite=overwrite, restart=restart), progress)
+
+    def plan(self, input: PathLike, *, documents: PathLike | None = None, columns: Mapping[str, str] | None = None,
+             limit: int | None = None, window: int = WINDOW_DOCS, skip_invalid: bool = False) -> Plan:
+        """`kevscore run --dry-run`: the whole input checked and planned, and a time estimate from scoring a
+        few of its documents; nothing is written."""
+        return self.dry_run(self.run_options(input, documents=documents, columns=columns, limit=limit,
+                                             window=window, skip_invalid=skip_invalid))
+
+    def run(self, opts: RunOptions, progress: Reporter | None = None) -> RunResult:
+        """The job `opts` describes, on this scorer's model (its model and scoring options replace those
+        of `opts`)."""
+        with one_line():
+            self.last_result = run_job(self._own(opts), progress, self.loaded)
+        return self.last_result
+
+    def dry_run(self, opts: RunOptions) -> Plan:
+        """The dry run of the job `opts` describes, on this scorer's model."""
+        with one_line():
+            return dry_run(self._own(opts), self.loaded)
+
+    def run_options(self, input: PathLike, output: PathLike | None = None, *, documents: PathLike | None = None,
+                    columns: Mapping[str, str] | None = None, carry: bool = True, limit: int | None = None,
+                    window: int = WINDOW_DOCS, skip_invalid: bool = False, overwrite: bool = False,
+                    restart: bool = False) -> RunOptions:
+        """The `kevscore run` options of a call: this scorer's, with the call's input, output and options."""
+        return dataclasses.replace(self.options, input=str(input), output=_path(output),
+                                   documents=None if documents is None else str(documents),
+                                   rename=_rename(columns or {}), carry=carry, limit=limit, window=window,
+                                   skip_invalid=skip_invalid, overwrite=overwrite, restart=restart)
+
+    def close(self) -> None:
+        """Let the model and its bank go (a later call loads the model again)."""
+        self.loaded = LoadedModel()
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _own(self, opts: RunOptions) -> RunOptions:
+        return dataclasses.replace(opts, **{name: getattr(self.options, name) for name in SCORER_OPTIONS})
+
+
+@contextmanager
+def one_line() -> Iterator[None]:
+    """An OSError not caught where it happened (a disk full, a file removed) raised as the KevscoreFailure
+    the command line reports for it."""
+    try:
+        yield
+    except OSError as exc:
+        raise reported(exc) from exc
+
+
+def _path(value: PathLike | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+def _rename(columns: Mapping[str, str]) -> dict[str, str]:
+    """kevscore's column name -> the input's, as RunOptions.rename holds it (the input's -> kevscore's)."""
+    unknown = [name for name in columns if name not in COLUMNS]
+    if unknown:
+        raise KevscoreError(f"columns: {unknown[0]!r} is not a column kevscore reads ({', '.join(COLUMNS)})")
+    return {theirs: ours for ours, theirs in columns.items()}
+
+
+def _as_input(data: Tabular | PathLike | None, tmp: Path, role: str) -> str | None:
+    """A path as it is; a table (pyarrow, or pandas when installed) written into `tmp` as `role`.parquet."""
+    if data is None or isinstance(data, (str, os.PathLike)):
+        return None if data is None else str(data)
+    name = TABLE_NAMES[role]
+    pandas = sys.modules.get("pandas")  # a DataFrame means pandas is imported already
+    try:
+        if pandas is not None and isinstance(data, pandas.DataFrame):
+            data = pa.Table.from_pandas(data, preserve_index=False)
+        elif isinstance(data, pa.RecordBatch):
+            data = pa.Table.from_batches([data])
+    except (pa.ArrowException, ValueError, TypeError) as exc:
+        raise KevscoreError(f"{name}: cannot be converted to an Arrow table ({first_line(exc)})") from exc
+    if not isinstance(data, pa.Table):
+        raise KevscoreError(f"{name}: a pyarrow Table, a pandas DataFrame or a path, not {type(data).__name__}")
+    path = tmp / f"{role}.parquet"
+    pq.write_table(data, path)
+    return str(path)
+
+
+def _told_as_tables(message: str, given: dict[str, str | None], tmp: str) -> str:
+    """A message about the temporary Parquet files of tables passed in, told about the tables."""
+    for role, path in given.items():
+        if path is not None and path.startswith(tmp):
+            message = message.replace(path, TABLE_NAMES[role])
+    return message
