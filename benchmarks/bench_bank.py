@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kevscore.prompt import Encoded
+from kevscore.model.prompt import Encoded
 
 
 def timed(fn, device: torch.device) -> float:
@@ -142,11 +142,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    from kevscore.backend import build_runner, resolve_device
-    from kevscore.bank_entry import model_fingerprint, read_entry, read_header
-    from kevscore.bank_store import BankStore
-    from kevscore.checkpoint import load_checkpoint
-    from kevscore.engine import Engine, Scores
+    from kevscore.engine.backend import build_runner, resolve_device
+    from kevscore.engine.bank_entry import model_fingerprint, read_entry, read_header
+    from kevscore.engine.bank_store import BankStore
+    from kevscore.model.checkpoint import load_checkpoint
+    from kevscore.engine.pipeline import Engine, Scores
 
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.model, device)
@@ -166,7 +166,7 @@ def main() -> None:
     root = args.dir or Path(tempfile.mkdtemp(prefix=".bench-bank-", dir="."))
     if args.dir is not None and root.exists():
         shutil.rmtree(root)
-    backend = runner.model.ops.__name__.rsplit(".", 1)[-1]  # its NAME (kevscore.layers.ops.Ops)
+    backend = runner.model.ops.__name__.rsplit(".", 1)[-1]  # its NAME (kevscore.model.layers.ops.Ops)
     t0 = time.perf_counter()
     fingerprint = model_fingerprint(ckpt, bank.conv.dtype, backend)
     fingerprint_s = time.perf_counter() - t0

@@ -6,7 +6,7 @@ table and writes JSON.
 
 The job (defaults: the shape of issue 17's table): `make_long_input.py --rows 6000 --docs 1000 --doc-words
 1000 --question-words 40`, ~1,700-token documents with 6 questions of ~85 tokens each, run through
-`kevscore.job.run_job` (the code behind `kevscore run`, Parquet in and out) in a child process per start:
+`kevscore.job.run.run_job` (the code behind `kevscore run`, Parquet in and out) in a child process per start:
 `cold` with empty Triton and FLA caches (a user's first job), then `warm` on the caches the cold run left.
 The GPU's idle time between phases comes from CUDA events recorded around each prefill and scoring phase.
 The floor is the job's weight-matmul FLOPs at the bf16 rate measured in the same run.
@@ -59,8 +59,8 @@ def child(args) -> None:
     t0 = time.perf_counter()
     import torch
 
-    from kevscore.engine import Reporter
-    from kevscore.job import RunOptions, run_job
+    from kevscore.engine.pipeline import Reporter
+    from kevscore.job.run import RunOptions, run_job
 
     import_s = time.perf_counter() - t0
 
@@ -143,9 +143,9 @@ def sample_rows(data: Path, docs: int, model: str):
     """The rows of the input's first `docs` documents, encoded as the job encodes them: (Encoded, checkpoint)."""
     import pyarrow.parquet as pq
 
-    from kevscore.checkpoint import load_checkpoint
-    from kevscore.data import read_input
-    from kevscore.prompt import encode, load_template
+    from kevscore.model.checkpoint import load_checkpoint
+    from kevscore.job.data import read_input
+    from kevscore.model.prompt import encode, load_template
 
     doc_ids = pq.read_table(data, columns=["doc_id"]).column("doc_id").to_pylist()
     keep = sorted(set(doc_ids), key=doc_ids.index)[:docs]
@@ -182,10 +182,10 @@ def scoring_budgets(args, data: Path, tflops: float) -> list[dict]:
     captures the budget's graphs). What `--batch-rows` (and the engine's token cap) should be."""
     import torch
 
-    from kevscore.cuda_runner import build_cuda_runner
-    from kevscore.engine import Engine, Scores
+    from kevscore.engine.cuda_runner import build_cuda_runner
+    from kevscore.engine.pipeline import Engine, Scores
     from kevscore.measure import events_ms
-    from kevscore.plan import plan_batches
+    from kevscore.engine.plan import plan_batches
 
     enc, ckpt = sample_rows(data, args.budget_docs, args.model)
     runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(p) for p in enc.prefixes], None, False)
@@ -215,9 +215,9 @@ def prefill_alone(args, cfg_name: str, tflops: float, doc_tokens: int) -> dict:
     share of the matmul roof, median of 3 after a warm-up, with a profile by kernel group."""
     import torch
 
-    from kevscore.checkpoint import load_checkpoint
-    from kevscore.cuda_runner import build_cuda_runner
-    from kevscore.engine import Engine, Scores
+    from kevscore.model.checkpoint import load_checkpoint
+    from kevscore.engine.cuda_runner import build_cuda_runner
+    from kevscore.engine.pipeline import Engine, Scores
     from kevscore.measure import events_ms
 
     bench = _bench_score()
@@ -273,7 +273,7 @@ def main() -> None:
 
 
 def run(args) -> dict:
-    from kevscore.config import SHAPES
+    from kevscore.model.config import SHAPES
 
     cuda = args.device == "cuda"
     skip = ("child", "input", "output", "json", "logs")

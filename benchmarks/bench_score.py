@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from kevscore.baselines import naive_call
-from kevscore.config import SHAPES, KevConfig
+from kevscore.model.config import SHAPES, KevConfig
 from kevscore.measure import environment, events_ms
-from kevscore.prompt import Encoded
+from kevscore.model.prompt import Encoded
 
 
 class MatmulRate:
@@ -133,9 +133,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    from kevscore.checkpoint import load_checkpoint
-    from kevscore.cuda_runner import build_cuda_runner
-    from kevscore.engine import Engine, Scores
+    from kevscore.model.checkpoint import load_checkpoint
+    from kevscore.engine.cuda_runner import build_cuda_runner
+    from kevscore.engine.pipeline import Engine, Scores
 
     rate = MatmulRate()
     tflops = statistics.median(rate.samples(20, warmup=3))  # the floor's rate

@@ -1,5 +1,5 @@
 """A job's start on the GPU, step by step, each start in a fresh process: imports, the CUDA context, cuBLAS's
-first matmul, and the warm-up's kernel compilation (kevscore.warmup.compile_kernels at the model's layer
+first matmul, and the warm-up's kernel compilation (kevscore.engine.warmup.compile_kernels at the model's layer
 shapes) with an empty Triton cache (a user's first job) and with the cache a cold start left; the cold start
 once with the parallel compile (kevscore.kernels.precompile) and once without. Prints a table, writes JSON.
 
@@ -34,10 +34,10 @@ def child(model: str) -> dict:
     from kevscore.kernels import fla_ops  # noqa: F401 - FLA's kernel modules, as a job imports them
     steps["the import made the CUDA context"] = torch.cuda.is_initialized()
     lap("import FLA's kernels (fla_ops)")
-    from kevscore import cuda_runner  # noqa: F401
-    from kevscore.config import SHAPES
+    from kevscore.engine import cuda_runner  # noqa: F401
+    from kevscore.model.config import SHAPES
     from kevscore.kernels import tuning
-    from kevscore.warmup import compile_kernels
+    from kevscore.engine.warmup import compile_kernels
     lap("import kevscore's GPU modules")
     torch.cuda.init()
     lap("torch.cuda.init")

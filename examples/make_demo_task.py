@@ -1,4 +1,4 @@
-"""Writes examples/demo-task.parquet: questions of the demo model's task (kevscore.demo_task) that it did
+"""Writes examples/demo-task.parquet: questions of the demo model's task (kevscore.demo.task) that it did
 not see in training, with the expected answer of each. Run: python examples/make_demo_task.py
 
 Columns: doc_id, question_id, document, question (what `kevscore run` reads), expected ("Yes" / "No")
@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.demo_task import examples
-from kevscore.demo_train import EXAMPLES_SEED, SHIPPED_FAMILIES
+from kevscore.demo.task import examples
+from kevscore.demo.train import EXAMPLES_SEED, SHIPPED_FAMILIES
 
 HERE = Path(__file__).parent
 ROWS, PER_DOCUMENT = 200, 4

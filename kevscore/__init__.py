@@ -9,11 +9,11 @@ from kevscore.errors import KevscoreError, KevscoreFailure
 
 if TYPE_CHECKING:
     from kevscore.api import Scorer
-    from kevscore.job import RunResult
+    from kevscore.job.run import RunResult
 
 __version__ = "0.1.0"
 __all__ = ["KevscoreError", "KevscoreFailure", "RunResult", "Scorer", "__version__"]
-_LAZY = {"Scorer": "kevscore.api", "RunResult": "kevscore.job"}  # name -> the module that defines it
+_LAZY = {"Scorer": "kevscore.api", "RunResult": "kevscore.job.run"}  # name -> the module that defines it
 
 
 def __getattr__(name: str) -> Any:

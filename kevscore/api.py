@@ -5,7 +5,7 @@
     table = scorer.score(questions)                     # a pyarrow Table, a pandas DataFrame or a path
     result = scorer.score_file("q.parquet", "scores.parquet")   # resumable and windowed, as `kevscore run`
 
-Every call is a `kevscore run` job (kevscore.job): the same checks, the same output columns and the same
+Every call is a `kevscore run` job (kevscore.job.run): the same checks, the same output columns and the same
 probabilities, bit for bit. Bad input raises `KevscoreError` (a failure of the run: `KevscoreFailure`)
 with the one line the command prints.
 """
@@ -23,13 +23,13 @@ from typing import Any, Union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.backend import resolve_device
-from kevscore.dryrun import Plan, dry_run
-from kevscore.engine import Reporter
+from kevscore.engine.backend import resolve_device
+from kevscore.job.dryrun import Plan, dry_run
+from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError, first_line, reported
 from kevscore.faults import Interrupted
-from kevscore.job import WINDOW_DOCS, LoadedModel, RunOptions, RunResult, check_options, run_job
-from kevscore.labels import parse_labels
+from kevscore.job.run import WINDOW_DOCS, LoadedModel, RunOptions, RunResult, check_options, run_job
+from kevscore.job.labels import parse_labels
 
 PathLike = Union[str, "os.PathLike[str]"]
 Tabular = Any  # a pyarrow Table or RecordBatch, or a pandas DataFrame (pandas is not a dependency)
@@ -46,7 +46,7 @@ class Scorer:
 
     The model loads on the first call, once that call's input is checked, and stays loaded; so does the
     runner and its bank while the bank can hold the next call's documents. With `bank=DIR` each
-    document's state is kept on disk (kevscore.bank_store): a later call, or run, over the same documents
+    document's state is kept on disk (kevscore.engine.bank_store): a later call, or run, over the same documents
     loads it instead of reading the document again.
     """
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kevscore.prompt import Encoded
+from kevscore.model.prompt import Encoded
 
 Call = Callable[[], torch.Tensor]
 

@@ -1,5 +1,5 @@
 """Command line: argument parsing and rich output only; `run` scores through a kevscore.api.Scorer (under
-torchrun, through kevscore.distributed)."""
+torchrun, through kevscore.job.distributed)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from rich.table import Column, Table
 from rich.text import Text
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from kevscore.engine import Reporter
+from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError, reported
 
 
@@ -355,10 +355,10 @@ def run(
 ) -> None:
     """Score every question row against its document; write probabilities over the labels."""
     from kevscore.api import Scorer
-    from kevscore.distributed import world_from_env
-    from kevscore.job import RunOptions
-    from kevscore.formats import file_format
-    from kevscore.labels import parse_labels
+    from kevscore.job.distributed import world_from_env
+    from kevscore.job.run import RunOptions
+    from kevscore.job.formats import file_format
+    from kevscore.job.labels import parse_labels
 
     if path is not None:
         console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)
@@ -470,7 +470,7 @@ def _launch(gpus: int) -> None:
     """Re-run this command under torch's launcher with `gpus` processes (without --gpus)."""
     import sys
 
-    from kevscore.distributed import launch
+    from kevscore.job.distributed import launch
 
     argv, skip = [], False
     for arg in sys.argv[1:]:
@@ -514,7 +514,7 @@ def _run_rank(opts, quiet: bool) -> None:
 
 
 def _rank_work(opts, quiet: bool) -> None:
-    from kevscore.distributed import run_distributed, world_from_env
+    from kevscore.job.distributed import run_distributed, world_from_env
 
     rank = world_from_env()[0]
     try:
@@ -548,7 +548,7 @@ def bank_inspect(
     Exits 1 when --verify finds a bad entry."""
     import json
 
-    from kevscore.bank_inspect import inspect_bank
+    from kevscore.engine.bank_inspect import inspect_bank
 
     try:
         report = inspect_bank(directory, entry, verify)
@@ -571,7 +571,7 @@ def info(
 ) -> None:
     """How a Parquet output was made: kevscore's version, the inputs and their SHA-256s, the template, the
     model and its fingerprint, the device, dtype, path, labels and options."""
-    from kevscore.parts import output_provenance
+    from kevscore.job.parts import output_provenance
 
     try:
         record = output_provenance(output)

@@ -22,10 +22,10 @@ import torch
 
 from kevscore.baselines import naive_call
 from kevscore.durable import bytes_filler, write_atomic
-from kevscore.engine import Engine, Scores
+from kevscore.engine.pipeline import Engine, Scores
 from kevscore.errors import KevscoreError, rows_phrase
 from kevscore.measure import environment, quantile, timed
-from kevscore.prompt import Encoded, first_and_tails
+from kevscore.model.prompt import Encoded, first_and_tails
 
 PATHS = ("gathered", "indexed")
 SHAPE_CASES = ("shared", "distinct", "padded", "long-branch")
@@ -247,9 +247,9 @@ def _one_token_labels(enc: Encoded, source: str) -> None:
 
 def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -> dict:
     """Run the cases; returns the report (also written to `opts.json_path` when given)."""
-    from kevscore.backend import build_runner, resolve_device
-    from kevscore.checkpoint import load_checkpoint
-    from kevscore.prompt import encode, label_token_ids, load_template
+    from kevscore.engine.backend import build_runner, resolve_device
+    from kevscore.model.checkpoint import load_checkpoint
+    from kevscore.model.prompt import encode, label_token_ids, load_template
 
     cases = _check(opts)
     device = resolve_device(opts.device)
@@ -259,7 +259,7 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     small = device.type != "cuda"
     workloads: dict[str, tuple[Encoded, float, dict]] = {}
     if opts.data:
-        from kevscore.data import read_input
+        from kevscore.job.data import read_input
 
         table = read_input(Path(opts.data), Path(opts.documents) if opts.documents else None)
         enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],

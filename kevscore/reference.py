@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from kevscore.checkpoint import Checkpoint
+from kevscore.model.checkpoint import Checkpoint
 
 KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
            "causal_conv1d_fn", "causal_conv1d_update")

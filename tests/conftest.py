@@ -9,13 +9,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kevscore.bank import BankLayout, StateBank
-from kevscore.checkpoint import Checkpoint, load_checkpoint, random_weights
-from kevscore.engine import Engine
+from kevscore.engine.bank import BankLayout, StateBank
+from kevscore.model.checkpoint import Checkpoint, load_checkpoint, random_weights
+from kevscore.engine.pipeline import Engine
 from kevscore.kernels import torch_ops
-from kevscore.model import KevModel
-from kevscore.prompt import Encoded
-from kevscore.runner import EagerRunner
+from kevscore.model.kev import KevModel
+from kevscore.model.prompt import Encoded
+from kevscore.engine.runner import EagerRunner
 
 @pytest.fixture(scope="session")
 def example_rows() -> list[dict]:
@@ -47,7 +47,7 @@ def cpu_engine(ckpt, entries=None, tokens=None, max_rows=64, max_tokens=8192, do
 
 
 def gpu_engine(ckpt, docs, eager=False, max_rows=64, max_tokens=8192, entries=None, prefill_tokens=4096):
-    from kevscore.cuda_runner import build_cuda_runner
+    from kevscore.engine.cuda_runner import build_cuda_runner
 
     runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(d) for d in docs], entries, eager)
     return Engine(runner, max_rows=max_rows, max_tokens=max_tokens, prefill_tokens=prefill_tokens)
@@ -79,7 +79,7 @@ LABEL_SETS = [
 
 def labelled(enc: Encoded, sets=LABEL_SETS) -> Encoded:
     """`enc` with row r labelled by sets[r % len(sets)] (token ids; labels of several tokens)."""
-    from kevscore.prompt import first_and_tails
+    from kevscore.model.prompt import first_and_tails
 
     pairs = [first_and_tails(sets[r % len(sets)]) for r in range(len(enc))]
     return Encoded(enc.prefixes, enc.row_prefix, enc.branches, [[f"l{j}" for j in range(len(f))] for f, _ in pairs],
@@ -101,8 +101,8 @@ def material_masses(ckpt):
     Returns the encoded rows and transformers' (probs, label mass) per row."""
     from pathlib import Path
 
-    from kevscore.data import read_input
-    from kevscore.prompt import encode, load_template
+    from kevscore.job.data import read_input
+    from kevscore.model.prompt import encode, load_template
     from kevscore.reference import reference_model, reference_scores
 
     table = read_input(Path(__file__).resolve().parent.parent / "examples" / "questions.parquet")

@@ -14,9 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 import kevscore
-from kevscore import job
+from kevscore.job import run as job
 from kevscore.api import Scorer
-from kevscore.checkpoint import load_checkpoint
+from kevscore.model.checkpoint import load_checkpoint
 from kevscore.cli import app
 from kevscore.faults import Interrupted
 

@@ -20,10 +20,10 @@ import torch
 from typer.testing import CliRunner
 
 from kevscore import faults
-from kevscore.bank_dir import INDEX, MARKER
-from kevscore.bank_inspect import inspect_bank
+from kevscore.engine.bank_dir import INDEX, MARKER
+from kevscore.engine.bank_inspect import inspect_bank
 from kevscore.cli import app
-from kevscore.job import RunOptions, run_job
+from kevscore.job.run import RunOptions, run_job
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,8 +120,8 @@ def test_second_run_loads_every_entry_and_matches_exactly(tmp_path, src):
 
 
 def test_mixed_run_prefills_exactly_the_new_documents(tmp_path, rows, warm, monkeypatch):
-    from kevscore.checkpoint import load_checkpoint
-    from kevscore.runner import EagerRunner
+    from kevscore.model.checkpoint import load_checkpoint
+    from kevscore.engine.runner import EagerRunner
 
     old = {"market", "train", "garden"}
     run(subset(rows, old, tmp_path / "old.parquet"), tmp_path / "bank", tmp_path / "old.out.parquet")
@@ -221,7 +221,7 @@ def test_lost_index_is_rebuilt(tmp_path, src, bank, warm, damage):
 def test_bank_pointed_at_another_model(tmp_path, src, bank, warm):
     from safetensors.torch import load_file, save_file
 
-    from kevscore.demo import demo_checkpoint_dir
+    from kevscore.model.demo import demo_checkpoint_dir
 
     other = tmp_path / "other-model"
     shutil.copytree(demo_checkpoint_dir(), other)

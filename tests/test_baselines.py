@@ -8,7 +8,7 @@ import torch
 from conftest import cpu_engine
 from kevscore.baselines import (BASELINES, label_probs, length_batches, naive_call, prefix_cached_call,
                                 whole_documents)
-from kevscore.prompt import Encoded
+from kevscore.model.prompt import Encoded
 from kevscore.reference import reference_model, reference_scores
 
 # per document its question lengths: one-token questions, a document of one question, one whose

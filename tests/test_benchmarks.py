@@ -70,9 +70,9 @@ def test_the_floor_counts_the_weight_matmuls_the_model_runs(shape):
     each row's last position only, like the LM head; prefill runs every projection on every token."""
     import torch
 
-    from kevscore.config import SHAPES
+    from kevscore.model.config import SHAPES
     from kevscore.kernels import torch_ops
-    from kevscore.model import KevModel
+    from kevscore.model.kev import KevModel
 
     bench = bench_score()
     cfg = SHAPES[shape]
@@ -133,7 +133,7 @@ def test_profile_summary_adds_kernels_whose_short_names_collide():
 def test_job_benchmark_arithmetic():
     """GPU idle time counts only the gaps between phases (overlaps count none); the job floor is prefill of
     every document token plus scoring of every question, at the measured rate."""
-    from kevscore.config import SHAPES
+    from kevscore.model.config import SHAPES
 
     job = benchmark("bench_job")
     assert job.idle_between([("prefill", 0.0, 2.0), ("score", 2.5, 3.0), ("prefill", 3.0, 4.0)]) == 0.5

@@ -1,4 +1,4 @@
-"""kevscore.checkpoint: text-only, multimodal, sharded and untied checkpoint directories, and their errors."""
+"""kevscore.model.checkpoint: text-only, multimodal, sharded and untied checkpoint directories, and their errors."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from kevscore.checkpoint import load_checkpoint, load_directory
+from kevscore.model.checkpoint import load_checkpoint, load_directory
 from kevscore.cli import app
-from kevscore.config import KevConfig
-from kevscore.demo import DEMO_CONFIG, demo_checkpoint_dir, weight_shapes
+from kevscore.model.config import KevConfig
+from kevscore.model.demo import DEMO_CONFIG, demo_checkpoint_dir, weight_shapes
 from kevscore.errors import KevscoreError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kevscore.cli import app
-from kevscore.data import OUTPUT_SCHEMA
-from kevscore.prompt import DOC, chat_template
+from kevscore.job.data import OUTPUT_SCHEMA
+from kevscore.model.prompt import DOC, chat_template
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 runner = CliRunner()
@@ -186,7 +186,7 @@ def test_per_row_labels_column(work: Path, base: pa.Table, example_rows: list[di
 
 
 def test_template_file(work: Path, base: pa.Table) -> None:
-    from kevscore.checkpoint import load_checkpoint
+    from kevscore.model.checkpoint import load_checkpoint
 
     chat = chat_template(load_checkpoint("demo").tokenizer)
     same = work / "chat.txt"
@@ -299,7 +299,7 @@ def test_duplicate_question_id(work: Path, example_rows: list[dict]) -> None:
 
 
 def test_label_of_several_tokens_is_scored(work: Path, base: pa.Table) -> None:
-    from kevscore.checkpoint import load_checkpoint
+    from kevscore.model.checkpoint import load_checkpoint
 
     assert len(load_checkpoint("demo").tokenizer.encode("maybe", add_special_tokens=False)) > 1
     run_ok(work / "questions.parquet", "--labels", "Yes,No,maybe")

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kevscore import __version__
 from kevscore.cli import app
-from kevscore.parts import LOCK, parts_dir
+from kevscore.job.parts import LOCK, parts_dir
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

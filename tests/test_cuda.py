@@ -147,7 +147,7 @@ def test_graph_replay_equals_eager(tiny, case):
 
 
 def test_model_paths_bitwise_and_bank_unchanged(tiny):
-    from kevscore.engine import Scores
+    from kevscore.engine.pipeline import Scores
 
     enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 130])
     engine = gpu_engine(tiny, enc.prefixes, max_rows=7)
@@ -202,7 +202,7 @@ def test_label_mass_close_to_fp32_reference(demo):
 def test_prefill_states_close_to_cpu(tiny):
     """The GPU prefill (packed varlen, bf16) writes entries close to the CPU fp32 prefill's."""
     from conftest import cpu_engine
-    from kevscore.engine import Scores
+    from kevscore.engine.pipeline import Scores
 
     enc = synthetic([1, 5, 64, 65, 200], [4])
     gpu, cpu = gpu_engine(tiny, enc.prefixes), cpu_engine(tiny, docs=enc.prefixes)
@@ -244,7 +244,7 @@ def test_cli_runs_on_cuda(tmp_path):
 def test_branch_attention_matches_gathered_sdpa(dims, t):
     from kevscore.kernels import torch_ops
     from kevscore.kernels.branch_attn import branch_attention
-    from kevscore.layers.common import BranchContext
+    from kevscore.model.layers.common import BranchContext
 
     nh, nkv, d = dims
     rows = 5
@@ -336,7 +336,7 @@ def test_qk_norm_rotary_close_to_torch(dims):
     """The fused per-head RMSNorm + rotary of q (read from the q|gate projection in place) and k against the
     fp32 torch ops: within one bf16 rounding of the output."""
     from kevscore.kernels import fla_ops, torch_ops
-    from kevscore.layers.common import Rotary
+    from kevscore.model.layers.common import Rotary
 
     nh, nkv, d, rot = dims
     rows, t = 5, 70

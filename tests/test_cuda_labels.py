@@ -67,7 +67,7 @@ def test_bf16_close_to_fp32_reference(tiny):
 def test_rows_of_one_token_labels_keep_their_bits_beside_rows_of_several(tiny, eager):
     """Rows whose labels are one token each are batched among themselves, in the buckets (and graphs) of a job
     without the others."""
-    from kevscore.prompt import Encoded
+    from kevscore.model.prompt import Encoded
 
     enc = labelled(synthetic([40, 90, 130], [5, 17, 40, 64]))
     one = [r for r in range(len(enc)) if enc.one_token_labels(r)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import gpu_engine, synthetic, transformers_states
-from kevscore.engine import Scores
+from kevscore.engine.pipeline import Scores
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -72,8 +72,8 @@ def test_prefill_never_waits_on_the_gpu(tiny):
 
 
 def test_prefill_group_budget_fits_the_gpu(tiny):
-    from kevscore.config import SHAPES
-    from kevscore.cuda_runner import prefill_bytes_per_token
+    from kevscore.model.config import SHAPES
+    from kevscore.engine.cuda_runner import prefill_bytes_per_token
 
     engine = gpu_engine(tiny, [[1] * 100])
     assert 2048 <= engine.runner.prefill_tokens <= 65536
@@ -101,7 +101,7 @@ def test_pinned_configurations_are_used_without_autotuning(tiny):
 
 
 def test_warm_up_thread_compiles_the_kernels_without_error(tiny):
-    from kevscore.warmup import prepare_device
+    from kevscore.engine.warmup import prepare_device
 
     report = prepare_device(torch.device("cuda"), tiny.config, "indexed").join(600)
     assert report["error"] is None and report["seconds"] is not None
@@ -109,9 +109,9 @@ def test_warm_up_thread_compiles_the_kernels_without_error(tiny):
 
 COLD_START = """
 import json, torch, triton
-from kevscore.config import SHAPES
+from kevscore.model.config import SHAPES
 from kevscore.kernels import tuning
-from kevscore.warmup import compile_kernels
+from kevscore.engine.warmup import compile_kernels
 tuning.pin_for(torch.cuda.get_device_name())
 own = []
 triton.knobs.compilation.listener = lambda *, cache_hit, **_: own.append(cache_hit)

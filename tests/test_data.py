@@ -1,4 +1,4 @@
-"""kevscore.data: Parquet input validation, output schema and path checks; the atomic writes of kevscore.parts."""
+"""kevscore.job.data: Parquet input validation, output schema and path checks; the atomic writes of kevscore.job.parts."""
 from __future__ import annotations
 
 import os
@@ -9,11 +9,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kevscore import faults, parts
-from kevscore.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table, read_input
+from kevscore import faults
+from kevscore.job import parts
+from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table, read_input
 from kevscore.errors import KevscoreError, KevscoreFailure
-from kevscore.parts import write_parquet
-from kevscore.stream import InputTable
+from kevscore.job.parts import write_parquet
+from kevscore.job.scan import InputTable
 
 
 def put(path: Path, columns: dict[str, list | pa.Array], schema: pa.Schema | None = None) -> Path:

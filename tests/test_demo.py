@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kevscore.config import KevConfig
-from kevscore.demo import DEMO_CONFIG, DEMO_NAME, build_demo_checkpoint, demo_checkpoint_dir, weight_shapes
+from kevscore.model.config import KevConfig
+from kevscore.model.demo import DEMO_CONFIG, DEMO_NAME, build_demo_checkpoint, demo_checkpoint_dir, weight_shapes
 
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 PATCHED = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
@@ -69,8 +69,8 @@ def test_transformers_loads_and_runs(ckpt: Path, tok, monkeypatch: pytest.Monkey
     assert all(torch.equal(state[k], v) for k, v in weights.items())  # nothing re-initialised on load
     assert torch.equal(state["lm_head.weight"], weights["model.embed_tokens.weight"])  # tied
     # transformers itself, on the full prompt, answers the demo task's example questions
-    from kevscore.demo_train import example_rows
-    from kevscore.prompt import chat_template
+    from kevscore.demo.train import example_rows
+    from kevscore.model.prompt import chat_template
 
     template, rows = chat_template(tok), example_rows()[:8]
     yes, no = tok.convert_tokens_to_ids("Yes"), tok.convert_tokens_to_ids("No")

@@ -11,10 +11,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kevscore import demo_task, demo_train
-from kevscore.checkpoint import load_checkpoint
+from kevscore.demo import task as demo_task
+from kevscore.demo import train as demo_train
+from kevscore.model.checkpoint import load_checkpoint
 from kevscore.cli import app
-from kevscore.prompt import encode, load_template
+from kevscore.model.prompt import encode, load_template
 
 
 def test_examples_are_deterministic_and_balanced() -> None:
@@ -102,7 +103,7 @@ def test_key_positions_hold_the_deciding_word(demo) -> None:
 def test_recall_batch_targets() -> None:
     import random
 
-    from kevscore.checkpoint import load_checkpoint as load
+    from kevscore.model.checkpoint import load_checkpoint as load
 
     tok = load("demo").tokenizer
     answer_ids = {a: tok.convert_tokens_to_ids(a) for a in demo_task.ANSWERS}

@@ -22,11 +22,11 @@ import pytest
 from typer.testing import CliRunner
 
 from kevscore import faults
-from kevscore.bank_dir import INDEX
-from kevscore.bank_entry import EntryError, read_header
+from kevscore.engine.bank_dir import INDEX
+from kevscore.engine.bank_entry import EntryError, read_header
 from kevscore.cli import app
-from kevscore.job import RunOptions, run_job
-from kevscore.parts import parts_dir
+from kevscore.job.run import RunOptions, run_job
+from kevscore.job.parts import parts_dir
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ROOT = Path(__file__).resolve().parent.parent
@@ -393,7 +393,7 @@ def test_batch_invariant_results_do_not_depend_on_the_thread_count(tmp_path, src
     CPU job scores with one thread whatever the setting, so the bits agree (and the setting is restored)."""
     import torch
 
-    from kevscore.engine import Reporter
+    from kevscore.engine.pipeline import Reporter
 
     seen = []
 

@@ -66,8 +66,8 @@ def test_find_cycle_finds_one():
 
 def test_the_graph_sees_imports_inside_functions():
     edges = graph()
-    assert "kevscore.demo" in edges["kevscore.checkpoint"]  # imported inside load_checkpoint
-    assert "kevscore.kernels.torch_ops" in edges["kevscore.backend"]
+    assert "kevscore.model.demo" in edges["kevscore.model.checkpoint"]  # imported inside load_checkpoint
+    assert "kevscore.kernels.torch_ops" in edges["kevscore.engine.backend"]
 
 
 def test_no_import_circles():

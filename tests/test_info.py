@@ -9,8 +9,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from kevscore.cli import app, provenance_table
-from kevscore.job import RunOptions, run_job
-from kevscore.parts import output_provenance
+from kevscore.job.run import RunOptions, run_job
+from kevscore.job.parts import output_provenance
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "demo-task.parquet"
 

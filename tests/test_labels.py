@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kevscore.cli import app
 from kevscore.errors import KevscoreError
-from kevscore.labels import LabelTally, low_mass_warning, parse_labels
+from kevscore.job.labels import LabelTally, low_mass_warning, parse_labels
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -21,15 +21,15 @@ import pytest
 from typer.testing import CliRunner
 
 from kevscore.cli import app
-from kevscore.data import OUTPUT_SCHEMA, read_input
-from kevscore.engine import Reporter
+from kevscore.job.data import OUTPUT_SCHEMA, read_input
+from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted
-from kevscore.job import RunOptions, run_job
-from kevscore.parts import ERRORS_SCHEMA, PartStore, errors_path, parts_dir
-from kevscore.plan import plan_windows
-from kevscore.shard import shard_rows
-from kevscore.stream import RowReader, scan_input
+from kevscore.job.run import RunOptions, run_job
+from kevscore.job.parts import ERRORS_SCHEMA, PartStore, errors_path, parts_dir
+from kevscore.engine.plan import plan_windows
+from kevscore.job.shard import shard_rows
+from kevscore.job.scan import RowReader, scan_input
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -128,7 +128,7 @@ def test_each_window_bound_is_reached_and_windows_are_full(bound):
 
 def test_job_windows_use_the_row_and_token_bounds(tmp_path, template, monkeypatch):
     """The job plans with WINDOW_ROWS and WINDOW_TOKENS (1 M tokens; lowered here to reach them)."""
-    from kevscore import job
+    from kevscore.job import run as job
 
     src = make_input(tmp_path / "q.parquet", 6, 2)
     counts = {}
@@ -196,7 +196,7 @@ def test_two_file_form_in_windows_equals_one_file(tmp_path, template):
 
 
 def test_shard_in_windows_keeps_the_shard_assignment(tmp_path, template):
-    """Without doc_id, documents are keyed by their text, exactly as kevscore.shard does."""
+    """Without doc_id, documents are keyed by their text, exactly as kevscore.job.shard does."""
     src = make_input(tmp_path / "q.parquet", 9, 2, order="shuffled", doc_ids=False)
     table = read_input(src)
     rows = []

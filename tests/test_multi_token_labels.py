@@ -1,5 +1,5 @@
 """Labels of several tokens: each scored by the sum of its tokens' log-probabilities given the prompt, along
-branches that continue the question (kevscore.label_scoring), against transformers on full sequences; labels
+branches that continue the question (kevscore.engine.label_scoring), against transformers on full sequences; labels
 of one token keep the one-position path to the bit."""
 import json
 from pathlib import Path
@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from conftest import cpu_engine, labelled, sequence_reference, synthetic
 from kevscore.cli import app
-from kevscore.engine import Reporter, Scores
-from kevscore.label_scoring import label_branches
-from kevscore.prompt import Encoded
+from kevscore.engine.pipeline import Reporter, Scores
+from kevscore.engine.label_scoring import label_branches
+from kevscore.model.prompt import Encoded
 from kevscore.reference import reference_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -91,8 +91,8 @@ def test_rows_of_one_document_and_waves(tiny, enc, reference):
 
 def test_demo_labels_through_the_tokenizer(demo):
     """The demo model and tokenizer, labels as a user writes them: mixed, sharing prefixes, per row."""
-    from kevscore.data import read_input
-    from kevscore.prompt import encode, load_template
+    from kevscore.job.data import read_input
+    from kevscore.model.prompt import encode, load_template
 
     table = read_input(EXAMPLES / "questions.parquet")
     choices = [["Yes", "No", "maybe"], ["Yes sir", "Yes", "No way"], ["No way", "No thanks", "Not at all"]]
@@ -111,9 +111,9 @@ def test_one_token_labels_keep_their_bits(demo, path, monkeypatch):
     """The demo task's examples with labels of one token (Yes/No, every third row three labels) give the bits
     recorded by the one-position path before labels of several tokens existed (same torch and CPU kind; another
     kind rounds otherwise, and is held to 1e-12)."""
-    from kevscore.data import read_input
-    from kevscore.prompt import encode, load_template
-    from kevscore.runner import EagerRunner
+    from kevscore.job.data import read_input
+    from kevscore.model.prompt import encode, load_template
+    from kevscore.engine.runner import EagerRunner
 
     golden = json.loads(GOLDEN.read_text())
     table = read_input(EXAMPLES / "demo-task.parquet")
@@ -185,8 +185,8 @@ def test_cli_labels_column_of_mixed_labels(tmp_path, demo, example_rows):
         out[path] = pq.read_table(tmp_path / f"{path}.parquet").to_pylist()
     assert [r["probs"] for r in out["indexed"]] == [r["probs"] for r in out["gathered"]]
     assert [r["label_mass"] for r in out["indexed"]] == [r["label_mass"] for r in out["gathered"]]
-    from kevscore.data import read_input
-    from kevscore.prompt import encode, load_template
+    from kevscore.job.data import read_input
+    from kevscore.model.prompt import encode, load_template
 
     enc = encode(read_input(src), demo.tokenizer, load_template(None, demo.tokenizer), ["Yes", "No"], 4096)
     reference = reference_rows(demo, enc)
@@ -199,8 +199,8 @@ def test_cli_labels_column_of_mixed_labels(tmp_path, demo, example_rows):
 
 def test_cli_too_long_counts_the_labels_tokens(tmp_path, demo, example_rows):
     """The streaming check counts a label's tokens but its last into the prompt, as `encode` does."""
-    from kevscore.prompt import load_template
-    from kevscore.stream import measure_tokens, scan_input
+    from kevscore.model.prompt import load_template
+    from kevscore.job.scan import measure_tokens, scan_input
 
     src = tmp_path / "q.parquet"
     pq.write_table(pa.Table.from_pylist(example_rows[:1]), src)

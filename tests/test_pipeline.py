@@ -2,7 +2,7 @@
 import pytest
 
 from conftest import cpu_engine, material_masses, synthetic
-from kevscore.engine import Scores
+from kevscore.engine.pipeline import Scores
 from kevscore.reference import reference_model, reference_scores
 
 DOC_LENS = [1, 63, 64, 65, 300]
@@ -78,7 +78,7 @@ def test_waves_when_bank_is_smaller_than_input(tiny, enc):
 def test_last_layer_runs_only_at_the_scored_positions(tiny, monkeypatch):
     """The last layer's output projection and MLP see one position per row (its last), and the scores equal
     those of running every position through the last layer and selecting afterwards."""
-    from kevscore.model import KevModel
+    from kevscore.model.kev import KevModel
 
     enc = synthetic([30, 64], [5, 17, 40])
     engine = cpu_engine(tiny, docs=enc.prefixes)

@@ -1,13 +1,13 @@
-"""kevscore.prompt: templates split at the document, the demo chat template, and encoding of input rows."""
+"""kevscore.model.prompt: templates split at the document, the demo chat template, and encoding of input rows."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from kevscore.stream import InputTable
+from kevscore.job.scan import InputTable
 from kevscore.errors import KevscoreError
-from kevscore.prompt import (PLAIN_TEMPLATE, Template, chat_template, encode, label_token_ids, load_template,
+from kevscore.model.prompt import (PLAIN_TEMPLATE, Template, chat_template, encode, label_token_ids, load_template,
                              prefix_key)
 
 DEMO_HEAD = "<|im_start|>user\n"

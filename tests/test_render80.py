@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from kevscore.bank_store import BankStats
+from kevscore.engine.bank_store import BankStats
 from kevscore.cli import (RateColumn, RichProgress, compare_table, inspect_table, plan_table, progress_bars, summary_table,
                           print_inspect)
-from kevscore.dryrun import Plan
-from kevscore.engine import RunStats
-from kevscore.job import RunResult
+from kevscore.job.dryrun import Plan
+from kevscore.engine.pipeline import RunStats
+from kevscore.job.run import RunResult
 
 WIDTH = 80
 

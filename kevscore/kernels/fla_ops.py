@@ -33,7 +33,7 @@ from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
 
-NAME = "fla_ops"  # kevscore.layers.ops.Ops: the backend in model fingerprints
+NAME = "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
 FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch_conv.py; 0: FLA's conv (A/B)
 # prefill through FLA's whole ops (its conv, `chunk_gated_delta_rule`, padded SDPA) instead: A/B and oracle
 FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"

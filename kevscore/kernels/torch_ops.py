@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kevscore.kernels import gdr_ref
 
-NAME = "torch_ops"  # kevscore.layers.ops.Ops: the backend in model fingerprints
+NAME = "torch_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,7 +4,7 @@ import torch
 
 from kevscore.kernels import torch_ops
 from kevscore.kernels.branch_attn import branch_attention
-from kevscore.layers.common import BranchContext
+from kevscore.model.layers.common import BranchContext
 
 nh, nkv, d, rows = 4, 2, 64, 5
 worst = 0.0

@@ -4,7 +4,7 @@ import torch
 
 from kevscore.kernels import torch_ops
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows
-from kevscore.layers.common import Rotary
+from kevscore.model.layers.common import Rotary
 
 worst = 0.0
 for shape, inner in (((3, 5), 40), ((7,), 1100), ((1, 2, 3), 8)):

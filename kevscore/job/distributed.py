@@ -1,7 +1,7 @@
 """One job over several processes (one per GPU) and machines, under torch's launcher (torchrun).
 
-Every rank reads the input and plans the same windows: each rank's documents (`kevscore.shard`) cut into
-windows, rank 0's first. Rank 0 opens the output's parts directory (`kevscore.parts`, under the one job
+Every rank reads the input and plans the same windows: each rank's documents (`kevscore.job.shard`) cut into
+windows, rank 0's first. Rank 0 opens the output's parts directory (`kevscore.job.parts`, under the one job
 identity); every rank then scores its own windows into it as a one-process job does, and rank 0 merges
 them all with the same bounded merge. Each step ends with the ranks exchanging their status (gloo, CPU
 objects only): if any rank failed, every rank fails with that rank's error and no output is written. A
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from kevscore.backend import invariant_threads, resolve_device
-from kevscore.engine import Reporter
+from kevscore.engine.backend import invariant_threads, resolve_device
+from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
-from kevscore.job import (Job, RunOptions, check_options, finished_job, merge_job, open_parts, opened_inputs,
+from kevscore.job.run import (Job, RunOptions, check_options, finished_job, merge_job, open_parts, opened_inputs,
                           output_path, score_job, start_job)
-from kevscore.parts import PartStore, job_digest
+from kevscore.job.parts import PartStore, job_digest
 
 TIMEOUT = datetime.timedelta(hours=24)  # ranks wait this long for each other at a status exchange
 T = TypeVar("T")

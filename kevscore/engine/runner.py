@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kevscore.bank import StateBank
+from kevscore.engine.bank import StateBank
 from kevscore.kernels.gdr_ref import CHUNK
-from kevscore.layers.common import BranchContext, PrefillContext
-from kevscore.model import KevModel
-from kevscore.plan import Batch
+from kevscore.model.layers.common import BranchContext, PrefillContext
+from kevscore.model.kev import KevModel
+from kevscore.engine.plan import Batch
 
 SLOT, LAST, PLEN = 0, 1, 2  # metadata columns after the T token columns
 PAD_WASTE = 1.25  # a prefill group's attention pads its documents to the longest while that adds at most 25%

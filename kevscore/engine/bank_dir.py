@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kevscore import faults
-from kevscore.bank_entry import FORMAT, SUFFIX, VERSION, EntryFile
+from kevscore.engine.bank_entry import FORMAT, SUFFIX, VERSION, EntryFile
 from kevscore.errors import KevscoreError
 
 MARKER, INDEX, LOCK, ENTRIES, TMP = "kevbank.json", "index.json", "lock", "entries", "tmp"

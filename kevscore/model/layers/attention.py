@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kevscore.config import KevConfig
-from kevscore.layers.common import TOKENS, BankTensor, Context, PrefillContext
-from kevscore.layers.ops import Ops
+from kevscore.model.config import KevConfig
+from kevscore.model.layers.common import TOKENS, BankTensor, Context, PrefillContext
+from kevscore.model.layers.ops import Ops
 
 
 class Attention(nn.Module):

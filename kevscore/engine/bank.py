@@ -1,7 +1,7 @@
 """The state bank: one preallocated set of tensors holding every document entry of a wave.
 
 An entry is what the model needs to continue from a document, as its layers declare it (`BANK` of each
-layer, `kevscore.model.bank_tensors`): per DeltaNet layer its final recurrent state (fp32) and conv state
+layer, `kevscore.model.kev.bank_tensors`): per DeltaNet layer its final recurrent state (fp32) and conv state
 (the last k-1 conv inputs), per attention layer the K/V of every document token. Tensors without a token
 axis are indexed by entry slot; those with one form a token pool where each entry owns a contiguous range.
 The tensors are allocated once, so their addresses never change.
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kevscore.config import KevConfig
+from kevscore.model.config import KevConfig
 from kevscore.errors import KevscoreError
-from kevscore.model import bank_tensors
+from kevscore.model.kev import bank_tensors
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kevscore.config import FULL, LINEAR, KevConfig
+from kevscore.model.config import FULL, LINEAR, KevConfig
 
 # KEVSCORE_PARALLEL_COMPILE=0: compile in the warm-up thread alone (kevscore.kernels.precompile's A/B)
 PARALLEL_COMPILE = os.environ.get("KEVSCORE_PARALLEL_COMPILE", "1") != "0"
@@ -33,10 +33,10 @@ def small_model(cfg: KevConfig) -> KevConfig:
 def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> dict:
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` (on a CPU: the torch ops). On a
     GPU the kernels are first compiled side by side (kevscore.kernels.precompile). Returns seconds by step."""
-    from kevscore.backend import build_runner
-    from kevscore.checkpoint import Checkpoint, random_weights
-    from kevscore.engine import Engine
-    from kevscore.prompt import Encoded
+    from kevscore.engine.backend import build_runner
+    from kevscore.model.checkpoint import Checkpoint, random_weights
+    from kevscore.engine.pipeline import Engine
+    from kevscore.model.prompt import Encoded
 
     small = small_model(cfg)
     ckpt = Checkpoint("warm-up", small, random_weights(small, 0, torch.bfloat16, device),
@@ -85,7 +85,7 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str) -> Wa
     and, given the model's config, compiles the kernels. Join it before the job's own GPU work."""
     if device.type != "cuda":
         return None
-    from kevscore import cuda_runner  # noqa: F401
+    from kevscore.engine import cuda_runner  # noqa: F401
     from kevscore.kernels import fla_ops, tuning  # noqa: F401
 
     def work() -> None:

@@ -2,7 +2,7 @@
 
 The tokenizer is a byte-level BPE whose merges are counted here over a small embedded corpus, written as
 plain JSON by this module, so no library version changes the files. The weights are trained on the demo
-task (`kevscore.demo_task`, by `kevscore.demo_train`) and ship in `demo_model/`; training starts from
+task (`kevscore.demo.task`, by `kevscore.demo.train`) and ship in `demo_model/`; training starts from
 the deterministic initial weights made here by a counter-based generator (SplitMix64 over seed, tensor
 name and element index).
 """
@@ -23,13 +23,13 @@ from pathlib import Path
 import numpy as np
 from tokenizers.pre_tokenizers import ByteLevel
 
-from kevscore import config
-from kevscore.config import FULL, LINEAR, KevConfig
+from kevscore.model import config
+from kevscore.model.config import FULL, LINEAR, KevConfig
 from kevscore.errors import KevscoreError
 from kevscore.durable import cache_root, file_sha256
 
 DEMO_NAME = "demo-v3"
-TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo_train)
+TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo.train)
 SEED = 0x4B657653636F7265  # "KevScore"
 NUM_MERGES = 1000  # learned merges; with bytes, forced merges and specials the tokenizer stays in (1216, 1280]
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
@@ -310,7 +310,7 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def trained_weights() -> Path:
-    """The shipped trained weights (kevscore/demo_model/model.safetensors), checked against the SHA-256
+    """The shipped trained weights (kevscore/model/demo_model/model.safetensors), checked against the SHA-256
     that the training run recorded beside them (training.json)."""
     path = TRAINED_DIR / "model.safetensors"
     try:

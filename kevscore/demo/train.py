@@ -1,9 +1,9 @@
-"""Train the built-in demo model on the demo task (`kevscore.demo_task`), reproducibly from a seed.
+"""Train the built-in demo model on the demo task (`kevscore.demo.task`), reproducibly from a seed.
 
-    python -m kevscore.demo_train --out /tmp/demo-trained      # the shipped weights: ~55 min on 2 CPU cores
-    python -m kevscore.demo_train --out /tmp/smoke --steps 20 --recall-steps 10    # a smoke run
+    python -m kevscore.demo.train --out /tmp/demo-trained      # the shipped weights: ~55 min on 2 CPU cores
+    python -m kevscore.demo.train --out /tmp/smoke --steps 20 --recall-steps 10    # a smoke run
 
-It starts from the demo checkpoint's deterministic initial weights (`kevscore.demo.demo_weights`, with
+It starts from the demo checkpoint's deterministic initial weights (`kevscore.model.demo.demo_weights`, with
 long-memory DeltaNet decays) and trains transformers' Qwen3_5ForCausalLM (the Kev architecture) with
 AdamW: first a dense recall warm-up ("did this word occur before?"), then freshly generated task
 examples (`--pack` questions per document, documents and noun vocabulary growing over a curriculum),
@@ -31,8 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kevscore import demo, demo_task
-from kevscore.config import FULL, LINEAR, KevConfig
+from kevscore.demo import task as demo_task
+from kevscore.model import demo
+from kevscore.model.config import FULL, LINEAR, KevConfig
 from kevscore.kernels import gdr_ref
 from kevscore.durable import file_sha256
 
@@ -237,8 +238,8 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
           families: tuple[str, ...] = SHIPPED_FAMILIES, config: KevConfig = demo.DEMO_CONFIG,
           lm_weight: float = 0.0, start_vocabulary: int = 8, key_loss: bool = True, recall_steps: int = 300,
           start_from: Path | None = None, log=print) -> dict:
-    from kevscore.checkpoint import load_tokenizer
-    from kevscore.prompt import load_template
+    from kevscore.model.checkpoint import load_tokenizer
+    from kevscore.model.prompt import load_template
 
     torch.manual_seed(seed)
     torch.backends.cuda.matmul.allow_tf32 = False

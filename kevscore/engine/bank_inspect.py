@@ -5,8 +5,8 @@ import json
 import shutil
 from pathlib import Path
 
-from kevscore.bank_dir import ENTRIES, INDEX, TMP, VersionError, bank_lock, check_bank_dir, entry_files, read_index
-from kevscore.bank_entry import COMPONENTS, FORMAT, SUFFIX, VERSION, EntryError, read_entry, read_header
+from kevscore.engine.bank_dir import ENTRIES, INDEX, TMP, VersionError, bank_lock, check_bank_dir, entry_files, read_index
+from kevscore.engine.bank_entry import COMPONENTS, FORMAT, SUFFIX, VERSION, EntryError, read_entry, read_header
 from kevscore.errors import KevscoreError, first_line
 
 

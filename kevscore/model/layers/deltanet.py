@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kevscore.config import KevConfig
-from kevscore.layers.common import BankTensor, BranchContext, Context, PrefillContext
-from kevscore.layers.ops import Ops
+from kevscore.model.config import KevConfig
+from kevscore.model.layers.common import BankTensor, BranchContext, Context, PrefillContext
+from kevscore.model.layers.ops import Ops
 
 
 def conv_tail(x: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:

@@ -10,9 +10,9 @@ import torch
 
 from kevscore import faults
 from kevscore.errors import KevscoreFailure, first_line
-from kevscore.label_scoring import Scoring, scorings
-from kevscore.plan import Batch, make_batch, plan_batches, plan_waves
-from kevscore.prompt import Encoded
+from kevscore.engine.label_scoring import Scoring, scorings
+from kevscore.engine.plan import Batch, make_batch, plan_batches, plan_waves
+from kevscore.model.prompt import Encoded
 
 
 class Reporter:
@@ -73,7 +73,7 @@ class Engine:
                  store=None, stop=None, skip_failed: bool = False):
         self.runner = runner
         self.max_rows, self.max_tokens, self.prefill_tokens = max_rows, max_tokens, prefill_tokens
-        self.store = store  # a kevscore.bank_store.BankStore: entries loaded from / saved to disk
+        self.store = store  # a kevscore.engine.bank_store.BankStore: entries loaded from / saved to disk
         self.stop = stop    # a kevscore.faults.StopSignals: checked between batches and prefill groups
         self.skip_failed = skip_failed  # a row that fails alone (out of memory) is reported, not fatal
 
@@ -181,7 +181,7 @@ class Engine:
     def score_rows(self, enc: Encoded, rows: list[int], slot_of: dict[int, int], path: str,
                    scores: Scores, progress: Reporter | None = None) -> None:
         """Score `rows` (whose documents are in the bank at `slot_of`) into `scores`: rows whose labels are one
-        token each first, then the others (`kevscore.label_scoring`)."""
+        token each first, then the others (`kevscore.engine.label_scoring`)."""
         progress = progress or Reporter()
         other = faults.wrong_entry(list(slot_of))  # identity unless a test injects the fault
         slot_of = {d: slot_of[other[d]] for d in slot_of}

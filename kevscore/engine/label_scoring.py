@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kevscore.plan import Batch
-from kevscore.prompt import Encoded
+from kevscore.engine.plan import Batch
+from kevscore.model.prompt import Encoded
 
 Tokens = tuple[int, ...]
 Result = tuple[int, list[float], float]  # a completed row: (row, its labels' probabilities, its label mass)

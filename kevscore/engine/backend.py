@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import torch
 
-from kevscore.bank import BankLayout, StateBank
-from kevscore.checkpoint import Checkpoint
+from kevscore.engine.bank import BankLayout, StateBank
+from kevscore.model.checkpoint import Checkpoint
 from kevscore.errors import KevscoreError
-from kevscore.model import KevModel
+from kevscore.model.kev import KevModel
 
 CPU_BANK_BUDGET = 2 << 30  # bytes
 
@@ -44,11 +44,11 @@ def build_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int],
                  capacity: int | None = None, eager: bool = False):
     """The CPU runner (torch ops, fp32) or, on a GPU, the fused runner (bf16, FLA, CUDA graphs)."""
     if device.type == "cuda":
-        from kevscore.cuda_runner import build_cuda_runner
+        from kevscore.engine.cuda_runner import build_cuda_runner
 
         return build_cuda_runner(ckpt, device, doc_tokens, capacity, eager)
     from kevscore.kernels import torch_ops
-    from kevscore.runner import EagerRunner
+    from kevscore.engine.runner import EagerRunner
 
     model = KevModel.from_weights(ckpt.config, ckpt.weights, torch_ops, torch.float32, device)
     layout = BankLayout.plan(ckpt.config, torch.float32, doc_tokens, CPU_BANK_BUDGET, capacity)

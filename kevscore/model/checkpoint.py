@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kevscore.config import SHAPES, KevConfig, weight_shapes
+from kevscore.model.config import SHAPES, KevConfig, weight_shapes
 from kevscore.errors import KevscoreError, first_line
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name or org/name@revision
@@ -39,7 +39,7 @@ class Checkpoint:
 
 def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Checkpoint:
     """`demo`, a benchmark shape name (`kev-0.8b`, `kev-4b`) or a checkpoint directory."""
-    from kevscore.demo import demo_checkpoint_dir
+    from kevscore.model.demo import demo_checkpoint_dir
 
     if spec == "demo":
         ckpt = load_directory(demo_checkpoint_dir(), device)
@@ -95,7 +95,7 @@ def hub_directory(spec: str, download: bool = True) -> Path:
 
 def peek_config(spec: str) -> KevConfig | None:
     """The model config of `spec` without its weights, or None when it cannot be read (the load reports why)."""
-    from kevscore.demo import demo_checkpoint_dir
+    from kevscore.model.demo import demo_checkpoint_dir
 
     if spec in SHAPES:
         return SHAPES[spec]

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kevscore.bank import BankLayout, StateBank
-from kevscore.checkpoint import Checkpoint
-from kevscore.model import KevModel
-from kevscore.config import KevConfig
-from kevscore.plan import Batch, prefill_group_tokens
-from kevscore.runner import EagerRunner, fill_upload
+from kevscore.engine.bank import BankLayout, StateBank
+from kevscore.model.checkpoint import Checkpoint
+from kevscore.model.kev import KevModel
+from kevscore.model.config import KevConfig
+from kevscore.engine.plan import Batch, prefill_group_tokens
+from kevscore.engine.runner import EagerRunner, fill_upload
 
 BANK_SHARE = 0.6  # of the free GPU memory after loading the model
 
@@ -69,7 +69,7 @@ class GraphRunner(EagerRunner):
                 out = self.forward(device, batch, path)
         except RuntimeError as exc:
             # an allocation failing inside the capture can surface as a capture error on exit; report it as
-            # what it is, so the engine splits the batch (kevscore.engine) instead of failing the run
+            # what it is, so the engine splits the batch (kevscore.engine.pipeline) instead of failing the run
             cause = exc if isinstance(exc, torch.OutOfMemoryError) else exc.__context__
             if isinstance(cause, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
                 raise torch.OutOfMemoryError(f"out of memory capturing a graph of {batch.size} rows x "

@@ -7,11 +7,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from kevscore.config import FULL, LINEAR, KevConfig
-from kevscore.layers.attention import Attention
-from kevscore.layers.common import MLP, BankTensor, BranchContext, Context, PrefillContext, Rotary
-from kevscore.layers.deltanet import DeltaNet
-from kevscore.layers.ops import Ops
+from kevscore.model.config import FULL, LINEAR, KevConfig
+from kevscore.model.layers.attention import Attention
+from kevscore.model.layers.common import MLP, BankTensor, BranchContext, Context, PrefillContext, Rotary
+from kevscore.model.layers.deltanet import DeltaNet
+from kevscore.model.layers.ops import Ops
 
 FP32_PARAMS = ("A_log", "dt_bias", "_scale")  # kept in fp32 whatever the model dtype
 MIXERS = {LINEAR: DeltaNet, FULL: Attention}

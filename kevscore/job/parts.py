@@ -31,14 +31,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kevscore import faults
-from kevscore.data import OUTPUT_SCHEMA
+from kevscore.job.data import OUTPUT_SCHEMA
 from kevscore.durable import Filler, bytes_filler, file_sha256, replace_into, temp_path, write_atomic, write_new
 from kevscore.errors import KevscoreError, KevscoreFailure, first_line, os_failure
-from kevscore.formats import TableWriter, file_format
+from kevscore.job.formats import TableWriter, file_format
 
 FORMAT, VERSION = "kevscore-parts", 1
 MANIFEST, LOCK = "manifest.json", "lock"
-JOB_KEY = b"kevscore.job"
+JOB_KEY = b"kevscore.job.run"
 PROVENANCE_KEY = b"kevscore.provenance"  # how the output was made: version, inputs, model, options (`kevscore info`)
 PART_ROW_GROUP = 1024   # rows per row group in part files: a merge keeps about one per open part
 MERGE_ROWS = 16384      # input rows per merge chunk
@@ -87,7 +87,7 @@ def parquet_filler(schema: pa.Schema, tables: Iterable[pa.Table], hook: str | No
 
 def table_filler(tables: Iterable[pa.Table], fmt: str, metadata: dict[bytes, bytes],
                  hook: str | None) -> Filler:
-    """A `write_new` filler writing `tables` in `fmt` (kevscore.formats: Parquet with `metadata`, CSV, JSON
+    """A `write_new` filler writing `tables` in `fmt` (kevscore.job.formats: Parquet with `metadata`, CSV, JSON
     Lines); `hook` is a fault point after each table."""
     def fill(f: BinaryIO) -> None:
         with TableWriter(f, fmt, metadata) as writer:
@@ -349,7 +349,7 @@ class PartStore:
         """Merge the parts into the output in input order (and the errors file when `set_aside` is given:
         the rows the scan set aside); then remove the parts. Returns the output's row count. `finish`
         turns the merged chunks into the output's (columns added, rows observed); the output's format
-        follows its extension (kevscore.formats)."""
+        follows its extension (kevscore.job.formats)."""
         self.done = self._completed(remove_others=False)  # the other ranks' parts too
         failed = self.failed_rows()
         of_row = of_row.copy()

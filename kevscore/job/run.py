@@ -1,8 +1,8 @@
 """The `run` job: scan and validate the input, then score it window by window into resumable part files,
 merged into the output in input order at the end.
 
-    scan (validation, rows -> documents; kevscore.stream) -> load the model -> token lengths (validation)
-      -> windows of documents (kevscore.plan) -> bank sized for one window
+    scan (validation, rows -> documents; kevscore.job.scan) -> load the model -> token lengths (validation)
+      -> windows of documents (kevscore.engine.plan) -> bank sized for one window
       -> per window not yet done: read its rows, encode, prefill + score (waves), write its part
       -> merge the parts into the output (atomically), remove them
 
@@ -30,32 +30,32 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from kevscore.backend import build_runner, invariant_threads, resolve_device
-from kevscore.bank import BankLayout
-from kevscore.bank_dir import check_bank_dir
-from kevscore.bank_entry import Fingerprint, model_fingerprint
-from kevscore.bank_store import BankStats, BankStore
-from kevscore.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
-from kevscore.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table
-from kevscore.engine import Engine, Reporter, RunStats, Scores
+from kevscore.engine.backend import build_runner, invariant_threads, resolve_device
+from kevscore.engine.bank import BankLayout
+from kevscore.engine.bank_dir import check_bank_dir
+from kevscore.engine.bank_entry import Fingerprint, model_fingerprint
+from kevscore.engine.bank_store import BankStats, BankStore
+from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
+from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table
+from kevscore.engine.pipeline import Engine, Reporter, RunStats, Scores
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
-from kevscore.formats import STDOUT, Carry, Source, file_format, open_source
-from kevscore.labels import LabelTally, check_labels, low_mass_warning
+from kevscore.job.formats import STDOUT, Carry, Source, file_format, open_source
+from kevscore.job.labels import LabelTally, check_labels, low_mass_warning
 from kevscore.durable import file_sha256
-from kevscore.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, job_digest, merged_output,
+from kevscore.job.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, job_digest, merged_output,
                             output_job)
-from kevscore.plan import Windows, join_windows, plan_windows
-from kevscore.prompt import Template, encode, load_template
-from kevscore.shard import assign_documents
-from kevscore.stream import Cursor, InputScan, measure_tokens, scan_input
-from kevscore.warmup import WarmUp, prepare_device
+from kevscore.engine.plan import Windows, join_windows, plan_windows
+from kevscore.model.prompt import Template, encode, load_template
+from kevscore.job.shard import assign_documents
+from kevscore.job.scan import Cursor, InputScan, measure_tokens, scan_input
+from kevscore.engine.warmup import WarmUp, prepare_device
 
 STATE_READS = ("indexed", "gathered")  # --state-read: a row's document state read in place, or copied out
 WINDOW_DOCS = 1024          # documents per window (--window)
 WINDOW_ROWS = 65536         # rows per window; a document with more rows is split over windows of its own
 WINDOW_TOKENS = 1 << 20     # document tokens per window
-WARM_UP_WAIT_S = 300        # the longest the job waits for its kernels' compilation (kevscore.warmup)
+WARM_UP_WAIT_S = 300        # the longest the job waits for its kernels' compilation (kevscore.engine.warmup)
 
 
 @dataclass(slots=True)
@@ -72,9 +72,9 @@ class RunOptions:
     overwrite: bool = False
     bank_capacity: int | None = None
     eager: bool = False
-    bank: Path | None = None          # on-disk bank directory (kevscore.bank_store)
+    bank: Path | None = None          # on-disk bank directory (kevscore.engine.bank_store)
     bank_max_gb: float | None = None  # LRU-evict the on-disk bank down to this size
-    shard: tuple[int, int] | None = None  # (rank, world): score only this rank's documents (kevscore.shard)
+    shard: tuple[int, int] | None = None  # (rank, world): score only this rank's documents (kevscore.job.shard)
     batch_invariant: bool = False  # one row per batch, one document per prefill: results independent of batch-mates
     window: int = WINDOW_DOCS     # documents per window: host memory is bounded by a window, not the input
     restart: bool = False         # discard the completed parts of an interrupted run instead of resuming it
@@ -86,7 +86,7 @@ class RunOptions:
 
 @dataclass(slots=True)
 class Inputs:
-    """The input and documents as given, and the Parquet files a job streams (kevscore.formats)."""
+    """The input and documents as given, and the Parquet files a job streams (kevscore.job.formats)."""
     questions: Source
     documents: Source | None
     stage: Path                   # a temporary directory for staged copies (and `-o -`'s output)
@@ -122,7 +122,7 @@ class RunResult:
     peak_rss: int = 0             # bytes: this process's peak resident set size (getrusage)
     peak_gpu: int | None = None   # bytes: torch.cuda.max_memory_allocated, on a GPU
     load_phases: dict[str, float] = field(default_factory=dict)  # load_s in parts (scan, checkpoint, tokens, ...)
-    warm_up: dict | None = None   # the GPU warm-up thread's seconds and error (kevscore.warmup)
+    warm_up: dict | None = None   # the GPU warm-up thread's seconds and error (kevscore.engine.warmup)
     already_complete: bool = False  # the output was this very job's, merged by an earlier run: nothing done
     warnings: list[str] = field(default_factory=list)  # about the results (e.g. labels holding little mass)
     labels: dict | None = None    # label mass min / median, low-mass rows, predictions per label (LabelTally)
@@ -151,7 +151,7 @@ def check_options(opts: RunOptions) -> None:
 @contextmanager
 def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
     """The input and documents as Parquet files to stream, staged in a temporary directory when they are
-    not (kevscore.formats); errors about them name the input as given."""
+    not (kevscore.job.formats); errors about them name the input as given."""
     with tempfile.TemporaryDirectory(prefix="kevscore-") as tmp:
         stage = Path(tmp)
         (stage / "input").mkdir()
@@ -237,8 +237,8 @@ class Prepared:
     doc_of_row: np.ndarray        # each row's document (-1: not scored here)
     windows: Windows
     laps: Laps                    # scan, checkpoint, tokens so far
-    warm_up: WarmUp | None        # the GPU warm-up thread (kevscore.warmup), joined once the runner is built
-    finished: str | None = None   # the job digest an existing output records (kevscore.parts.output_job)
+    warm_up: WarmUp | None        # the GPU warm-up thread (kevscore.engine.warmup), joined once the runner is built
+    finished: str | None = None   # the job digest an existing output records (kevscore.job.parts.output_job)
 
 
 def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks: int = 1,
@@ -290,9 +290,9 @@ class Job:
     output: Path
     prep: Prepared
     runner: object                # runner.EagerRunner or cuda_runner.GraphRunner
-    fingerprint: Fingerprint      # the model's (kevscore.bank_store): the job identity's and the bank's
+    fingerprint: Fingerprint      # the model's (kevscore.engine.bank_store): the job identity's and the bank's
     identity: dict                # what the results depend on (job_identity)
-    ranks: int = 1                # processes the windows are split over (kevscore.distributed)
+    ranks: int = 1                # processes the windows are split over (kevscore.job.distributed)
     warm_up: dict | None = None   # the GPU warm-up thread's report
 
 
@@ -375,7 +375,7 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
 
 
 def open_parts(job: Job, progress: Reporter, member: bool = False) -> PartStore:
-    """The output's parts directory (kevscore.parts): opened, or joined by a rank other than 0 (`member`)."""
+    """The output's parts directory (kevscore.job.parts): opened, or joined by a rank other than 0 (`member`)."""
     opts, output = job.opts, job.output
     parts = PartStore(output, job.identity, job.prep.windows.rows, opts.restart, progress.warn, member)
     try:
@@ -544,7 +544,7 @@ def _doc_ids(table, enc) -> list[list[str]]:
 
 
 def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:
-    """doc_of_row keeping only the rows of documents that kevscore.shard assigns to `rank` (others -1)."""
+    """doc_of_row keeping only the rows of documents that kevscore.job.shard assigns to `rank` (others -1)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
     assignment = assign_documents(scan.costs(), world)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kevscore.layers.ops import Ops
+from kevscore.model.layers.ops import Ops
 
 TOKENS = "tokens"  # a bank tensor's token axis: one row per document token (an entry owns a range of them)
 

@@ -6,11 +6,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kevscore.engine import Engine
-from kevscore.job import (WARM_UP_WAIT_S, LoadedModel, Prepared, RunOptions, check_options, job_runner, make_engine,
+from kevscore.engine.pipeline import Engine
+from kevscore.job.run import (WARM_UP_WAIT_S, LoadedModel, Prepared, RunOptions, check_options, job_runner, make_engine,
                           opened_inputs, prepare)
-from kevscore.plan import plan_waves
-from kevscore.prompt import encode
+from kevscore.engine.plan import plan_waves
+from kevscore.model.prompt import encode
 
 CALIBRATION_DOCS = 4    # documents scored to measure the rates (after one warm-up document)
 CALIBRATION_ROWS = 64   # at most this many of their rows

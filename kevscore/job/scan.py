@@ -200,7 +200,7 @@ class InputScan:
                 self.doc_of_row[r] = -1
 
     def costs(self) -> dict[str, int]:
-        """Document key -> text length plus its questions' lengths (kevscore.shard.document_costs)."""
+        """Document key -> text length plus its questions' lengths (kevscore.job.shard.document_costs)."""
         total = self.doc_chars + self.question_chars
         return {k: int(c) for k, c in zip(self.doc_keys, total)}
 
@@ -211,7 +211,7 @@ class InputScan:
 def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False,
                keep_texts: bool = False) -> InputScan:
     """Validate the input (one file, or questions plus a documents file) and index its rows by document.
-    `keep_texts`: without doc_id, key documents by their text (as kevscore.shard does), not a digest."""
+    `keep_texts`: without doc_id, key documents by their text (as kevscore.job.shard does), not a digest."""
     path = Path(path)
     if documents is None:
         return _scan_one(path, skip_invalid, keep_texts)
@@ -539,7 +539,7 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
     """Tokenize every document (once) and question, keeping only lengths: each document's prefix length
     (int32; -1 for a document no row uses). Every row passes `prompt.PromptCheck`, the checks `encode`
     makes, named by input row; with skip_invalid a row that fails is set aside with its reason instead."""
-    from kevscore.prompt import PromptCheck, label_token_ids, longest_tail, tokenize
+    from kevscore.model.prompt import PromptCheck, label_token_ids, longest_tail, tokenize
 
     check = PromptCheck(tokenizer, scan.path.name, max_positions)
     doc_tokens = np.full(scan.documents, -1, dtype=np.int32)

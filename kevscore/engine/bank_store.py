@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 
 from kevscore import faults
-from kevscore.bank_dir import (ENTRIES, INDEX, MARKER, TMP, VersionError, bank_lock, check_bank_dir, entry_files,
+from kevscore.engine.bank_dir import (ENTRIES, INDEX, MARKER, TMP, VersionError, bank_lock, check_bank_dir, entry_files,
                                entry_record, merge_ids, read_index)
-from kevscore.bank_entry import (FORMAT, SUFFIX, VERSION, EntryError, Fingerprint, entry_bytes, entry_key,
+from kevscore.engine.bank_entry import (FORMAT, SUFFIX, VERSION, EntryError, Fingerprint, entry_bytes, entry_key,
                                  read_entry, read_header)
 from kevscore.durable import bytes_filler, fsync_dir, write_atomic, write_new
 from kevscore.errors import KevscoreFailure, first_line
-from kevscore.prompt import prefix_key
+from kevscore.model.prompt import prefix_key
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from kevscore.errors import KevscoreError
-from kevscore.stream import InputTable, scan_input
+from kevscore.job.scan import InputTable, scan_input
 
 OUTPUT_SCHEMA = pa.schema([
     ("row", pa.int64()),
@@ -26,7 +26,7 @@ OUTPUT_SCHEMA = pa.schema([
 
 def read_input(path: Path, documents: Path | None = None) -> InputTable:
     """Read the one-file form, or the questions file plus a documents file joined on doc_id: the whole
-    input in memory (`kevscore.stream` validates it; a job reads it a window at a time instead)."""
+    input in memory (`kevscore.job.scan` validates it; a job reads it a window at a time instead)."""
     scan = scan_input(Path(path), Path(documents) if documents is not None else None)
     table = scan.reader().read(np.arange(scan.rows, dtype=np.int64))
     table.rows = None

@@ -1,0 +1,1 @@
+"""The demo model's task and trainer (`python -m kevscore.demo.train`); the runtime never imports this."""
