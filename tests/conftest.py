@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 from kevscore.engine.bank import BankLayout, StateBank
 from kevscore.model.checkpoint import Checkpoint, load_checkpoint, random_weights
-from kevscore.engine.pipeline import Engine
+from kevscore.engine.pipeline import Engine, Scores
 from kevscore.kernels import torch_ops
 from kevscore.model.kev import KevModel
 from kevscore.model.prompt import Encoded
@@ -51,6 +51,19 @@ def gpu_engine(ckpt, docs, eager=False, max_rows=64, max_tokens=8192, entries=No
 
     runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(d) for d in docs], entries, eager)
     return Engine(runner, max_rows=max_rows, max_tokens=max_tokens, prefill_tokens=prefill_tokens)
+
+
+def both_paths(engine, enc: Encoded) -> dict:
+    """Prefill every document, then score every row through each state-read path: {path: Scores}. Asserts
+    that scoring never writes the bank."""
+    slot_of = engine.prefill_wave(enc, list(range(len(enc.prefixes))), Scores.empty(0).stats)
+    before = engine.runner.bank.checksum()
+    out = {}
+    for path in ("gathered", "indexed"):
+        out[path] = Scores.empty(len(enc))
+        engine.score_rows(enc, list(range(len(enc))), slot_of, path, out[path])
+        assert engine.runner.bank.checksum() == before  # branches never write the bank
+    return out
 
 
 def synthetic(doc_lens, branch_lens, vocab=1000, seed=0, labels=(361, 383)) -> Encoded:

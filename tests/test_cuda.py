@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from conftest import gpu_engine, synthetic, with_switch
+from conftest import both_paths, gpu_engine, synthetic, with_switch
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -147,17 +147,8 @@ def test_graph_replay_equals_eager(tiny, case):
 
 
 def test_model_paths_bitwise_and_bank_unchanged(tiny):
-    from kevscore.engine.pipeline import Scores
-
     enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 130])
-    engine = gpu_engine(tiny, enc.prefixes, max_rows=7)
-    slot_of = engine.prefill_wave(enc, list(range(len(enc.prefixes))), Scores.empty(0).stats)
-    before = engine.runner.bank.checksum()
-    out = {}
-    for path in ("gathered", "indexed"):
-        out[path] = Scores.empty(len(enc))
-        engine.score_rows(enc, list(range(len(enc))), slot_of, path, out[path])
-        assert engine.runner.bank.checksum() == before
+    out = both_paths(gpu_engine(tiny, enc.prefixes, max_rows=7), enc)
     assert out["indexed"].probs == out["gathered"].probs
     flips = sum(max(range(2), key=a.__getitem__) != max(range(2), key=b.__getitem__)
                 for a, b in zip(out["indexed"].probs, out["gathered"].probs))

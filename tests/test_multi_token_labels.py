@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from conftest import cpu_engine, labelled, sequence_reference, synthetic
+from conftest import both_paths, cpu_engine, labelled, sequence_reference, synthetic
 from kevscore.cli import app
 from kevscore.engine.pipeline import Reporter, Scores
 from kevscore.engine.label_scoring import label_branches
@@ -69,14 +69,7 @@ def test_summed_log_probabilities_match_transformers_on_full_sequences(tiny, enc
 
 
 def test_paths_identical_and_bank_unchanged(tiny, enc):
-    engine = cpu_engine(tiny, docs=enc.prefixes, max_rows=6)
-    slot_of = engine.prefill_wave(enc, list(range(len(enc.prefixes))), Scores.empty(0).stats)
-    before = engine.runner.bank.checksum()
-    results = {}
-    for path in ("gathered", "indexed"):
-        results[path] = Scores.empty(len(enc))
-        engine.score_rows(enc, list(range(len(enc))), slot_of, path, results[path])
-        assert engine.runner.bank.checksum() == before  # branches never write the bank
+    results = both_paths(cpu_engine(tiny, docs=enc.prefixes, max_rows=6), enc)
     assert results["indexed"].probs == results["gathered"].probs  # exact equality
     assert results["indexed"].label_mass == results["gathered"].label_mass
 
