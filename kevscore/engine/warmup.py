@@ -20,7 +20,8 @@ from kevscore.model.config import FULL, LINEAR, KevConfig
 PARALLEL_COMPILE = os.environ.get("KEVSCORE_PARALLEL_COMPILE", "1") != "0"
 
 # token counts whose divisibility by 16 differs (Triton specializes integer arguments on it), and the
-# branch buckets of both kinds: prefill groups and scoring batches of the shapes a job meets
+# branch buckets of both kinds: prefill groups and scoring batches of the shapes a job meets (rows of
+# one-token labels, and rows with a label of several tokens)
 PREFILL_GROUPS = ([100, 64], [64, 64])
 BRANCHES = ((4, 32), (1, 24), (2, 90))  # (rows, tokens)
 
@@ -49,9 +50,11 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> dict:
             prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
             batches = [(d, rows, length) for d in range(len(docs)) for rows, length in BRANCHES]
             n_rows = sum(rows for _, rows, _ in batches)
-            enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)],
-                          [[7] * length for _, rows, length in batches for _ in range(rows)],
-                          [["a", "b"]] * n_rows, [[3, 4]] * n_rows)
+            lengths = [length for _, rows, length in batches for _ in range(rows)]
+            # the longest branches' first label has three tokens: batches that score several positions per row
+            tails = [[(5, 6), ()] if length == max(lengths) else [(), ()] for length in lengths]
+            enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)], [[7] * n for n in lengths],
+                          [["a", "b"]] * n_rows, [[3, 4]] * n_rows, tails)
             engine.run(enc, path)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
