@@ -8,7 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kevscore.cli import app, provenance_table
+from kevscore.cli import app
+from kevscore.display import provenance_table
 from kevscore.job.run import RunOptions, run_job
 from kevscore.job.parts import output_provenance
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from kevscore.engine.bank_store import BankStats
-from kevscore.cli import (RateColumn, RichProgress, compare_table, inspect_table, plan_table, progress_bars, summary_table,
-                          print_inspect)
+from kevscore.display import (RateColumn, RichProgress, compare_table, inspect_table, plan_table, print_inspect,
+                              progress_bars, summary_table)
 from kevscore.job.dryrun import Plan
 from kevscore.engine.pipeline import RunStats
 from kevscore.job.run import RunResult

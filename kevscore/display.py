@@ -1,0 +1,384 @@
+"""How a run looks: rich progress bars or JSON Lines progress, and the tables of the run summary, the
+dry-run plan, an output's provenance, a bank's report and `compare`; text from files is escaped."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+from rich.console import Console
+from rich.markup import escape as markup_escape
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Column, Table
+from rich.text import Text
+
+from kevscore.engine.pipeline import Reporter
+
+console = Console(stderr=True)  # messages and progress; results go to stdout
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # never sent raw to a terminal (escape codes in doc ids, names)
+
+
+def escape(text: str) -> str:
+    """Text for rich: markup escaped, control characters shown as \\xNN (one line, no terminal codes)."""
+    return markup_escape(CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
+
+
+class RateColumn(ProgressColumn):
+    """Rows (or documents) per second of the phase, or seconds per one when slower; nothing for the bank."""
+
+    def render(self, task) -> Text:
+        unit, speed = task.fields.get("unit"), task.speed
+        if not unit or not speed:
+            return Text("")
+        rate = f"{speed:,.1f} {unit}s/s" if speed >= 1 else f"{1 / speed:,.1f} s/{unit}"
+        return Text(rate, style="progress.data.speed")
+
+
+class CountColumn(ProgressColumn):
+    """Done / total, with thousands separators."""
+
+    def render(self, task) -> Text:
+        return Text(f"{int(task.completed):,}/{int(task.total or 0):,}", style="progress.download")
+
+
+class EtaColumn(TimeRemainingColumn):
+    def render(self, task) -> Text:
+        return super().render(task) if task.fields.get("unit") else Text("")
+
+
+class RichProgress(Reporter):
+    """Prefill (documents) and score (rows) bars with rates and ETAs, and the bank's use in the current wave."""
+
+    def __init__(self, bar: Progress):
+        self.bar, self.tasks, self.windows = bar, {}, 0
+        self.loading = bar.add_task("start", total=None, unit="", info="checking the input, loading the model")
+
+    def start(self, phase: str, total: int, done: int = 0) -> None:
+        self.loaded()
+        unit = "row" if phase == "score" else "doc"
+        self.tasks[phase] = self.bar.add_task(phase, total=total, completed=done, unit=unit, info="")
+
+    def advance(self, phase: str, n: int) -> None:
+        self.bar.advance(self.tasks[phase], n)
+
+    def loaded(self) -> None:
+        """The run has started (or failed before it did): the loading line goes."""
+        if self.loading is not None:
+            self.bar.remove_task(self.loading)
+            self.loading = None
+
+    def event(self, name: str, **f) -> None:
+        if name == "start":
+            self.windows = f["windows"]
+            if f["windows_done"]:
+                self.bar.console.print(f"resuming: {f['windows_done']:,} of {f['windows']:,} windows "
+                                       f"({f['rows_done']:,} rows) were done by an earlier run", highlight=False)
+        elif name == "window" and "score" in self.tasks:
+            self.bar.update(self.tasks["score"], info=f"window {f['window'] + 1}/{self.windows}")
+        elif name == "wave":
+            if "bank" not in self.tasks:
+                self.tasks["bank"] = self.bar.add_task("bank", total=f["entry_capacity"], unit="", info="")
+            self.bar.update(self.tasks["bank"], completed=f["entries"], total=f["entry_capacity"],
+                            info=f"K/V {_compact(f['tokens'])}/{_compact(f['token_capacity'])}")
+
+    def warn(self, message: str) -> None:
+        self.bar.console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+class JsonProgress(Reporter):
+    """--log-json: one JSON object per line on stdout per event, and a `progress` line at most every
+    `every` seconds, for batch schedulers. Warnings also go to stderr."""
+
+    def __init__(self, every: float = 10.0, stream=None):
+        self.every, self.stream = every, stream or sys.stdout
+        self.total: dict[str, int] = {}
+        self.done: dict[str, int] = {}
+        self.began = self.last = time.monotonic()
+        self.resumed = 0
+
+    def emit(self, event: str, **fields) -> None:
+        self.stream.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+        self.stream.flush()
+
+    def rates(self) -> dict:
+        rows, total = self.done.get("score", 0), self.total.get("score", 0)
+        elapsed = time.monotonic() - self.began
+        rate = (rows - self.resumed) / elapsed if elapsed > 0 else 0.0
+        eta = (total - rows) / rate if rate > 0 else None
+        return {"rows_done": rows, "rows_total": total, "rows_per_s": round(rate, 2),
+                "eta_s": None if eta is None else round(eta, 1), "elapsed_s": round(elapsed, 2)}
+
+    def start(self, phase: str, total: int, done: int = 0) -> None:
+        self.total[phase], self.done[phase] = total, done
+        if phase == "score":
+            self.began, self.resumed = time.monotonic(), done
+
+    def advance(self, phase: str, n: int) -> None:
+        self.done[phase] = self.done.get(phase, 0) + n
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            self.emit("progress", phase=phase, docs_prefilled=self.done.get("prefill", 0),
+                      docs_total=self.total.get("prefill", 0), **self.rates())
+
+    def event(self, name: str, **fields) -> None:
+        self.emit(name, **fields, **(self.rates() if name in ("part", "merged") else {}))
+
+    def warn(self, message: str) -> None:
+        self.emit("warning", message=message)
+        console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def summary_fields(result) -> dict:
+    """The run's numbers (the summary table and --log-json's `done` line)."""
+    s = result.stats
+    scored = s.rows - result.resumed_rows
+    out = {"output": str(result.output), "model": result.model, "device": result.device, "rows": s.rows,
+           "rows_scored": scored, "rows_resumed": result.resumed_rows, "documents": result.documents,
+           "windows": result.windows, "windows_resumed": result.resumed, "prefixes": s.prefixes,
+           "prefilled": s.prefilled, "waves": s.waves, "batches": s.batches, "prefix_tokens": s.prefix_tokens,
+           "branch_tokens": s.branch_tokens, "load_s": round(result.load_s, 3), "read_s": round(s.read_s, 3),
+           "prefill_s": round(s.prefill_s, 3), "score_s": round(s.score_s, 3), "write_s": round(s.write_s, 3),
+           "wall_s": round(result.wall_s, 3), "oom_retries": s.oom_retries,
+           "rows_per_s": round(scored / s.score_s, 2) if s.score_s > 0 else None,
+           "rows_per_s_wall": round(scored / result.wall_s, 2) if result.wall_s > 0 else None,
+           "peak_rss_bytes": result.peak_rss, "peak_gpu_bytes": result.peak_gpu,
+           "already_complete": result.already_complete}
+    if result.errors is not None:
+        out.update(errors=str(result.errors), set_aside=result.set_aside)
+    if result.labels is not None:
+        out.update(result.labels)
+    return out
+
+
+def progress_bars(out: Console, disable: bool = False) -> Progress:
+    """The live display, for 80 columns: phase, bar, done/total, rate, time left, and a note."""
+    whole = Column(no_wrap=True)  # figures are never cut; the note folds instead
+    return Progress(TextColumn("{task.description:>7}"), BarColumn(bar_width=10), CountColumn(table_column=whole),
+                    RateColumn(table_column=whole), EtaColumn(table_column=whole),
+                    TextColumn("{task.fields[info]}", table_column=Column(overflow="fold")),
+                    console=out, disable=disable, transient=False)
+
+
+def key_value_table(title: str) -> Table:
+    """Two columns, names and values; a long value (a path, a list) folds onto the next line, never cut."""
+    table = Table(title=escape(title), show_header=False)
+    table.add_column("name", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    return table
+
+
+def summary_table(result) -> Table:
+    s, f = result.stats, summary_fields(result)
+    table = key_value_table(f"kevscore run · {result.model} on {result.device}")
+    rate = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
+    resumed = f" ({result.resumed_rows:,} from parts of an earlier run)" if result.resumed_rows else ""
+    for key, value in [
+        ("documents", f"{result.documents:,}"), ("distinct prefixes", f"{s.prefixes:,}"),
+        ("prefilled", f"{s.prefilled:,} in {s.waves:,} {_plural(s.waves, 'wave')}"),
+        ("rows", f"{s.rows:,} in {s.batches:,} {_plural(s.batches, 'batch')}" + resumed),
+        ("windows", f"{result.windows:,}" + (f", {result.resumed:,} resumed" if result.resumed else "")),
+        ("prefix tokens", f"{s.prefix_tokens:,}"), ("branch tokens", f"{s.branch_tokens:,}"),
+        ("load + encode", f"{result.load_s:.2f} s"), ("prefill time", f"{s.prefill_s:.3f} s"),
+        ("scoring time", f"{s.score_s:.3f} s"), ("read + write", f"{s.read_s:.2f} s + {s.write_s:.2f} s"),
+        ("wall time", f"{result.wall_s:.2f} s"), ("rows/s", f"{rate(f['rows_per_s'])} scoring, "
+                                                           f"{rate(f['rows_per_s_wall'])} wall"),
+        ("peak host memory", _size(result.peak_rss)),
+    ]:
+        table.add_row(key, value)
+    if result.peak_gpu is not None:
+        table.add_row("peak GPU memory", _size(result.peak_gpu))
+    if s.oom_retries:
+        table.add_row("out of memory", f"{s.oom_retries:,} {_plural(s.oom_retries, 'batch')} split and retried")
+    if result.errors is not None:
+        table.add_row("set aside", f"{result.set_aside:,} rows -> {escape(str(result.errors))}")
+    if result.labels and result.labels["predictions"]:
+        table.add_row("label mass", f"min {_mass(result.labels['label_mass_min'])}, "
+                                    f"median {_mass(result.labels['label_mass_median'])}")
+        table.add_row("predictions", escape(", ".join(f"{label} {n:,}" for label, n in
+                                                      result.labels["predictions"].items())))
+    table.add_row("output", escape(str(result.output)))
+    if result.bank is not None:
+        b = result.bank
+        table.add_row("bank entries", f"{b.loaded:,} loaded, {s.prefilled:,} prefilled, {b.saved:,} saved, "
+                                      f"{b.evicted:,} evicted" + (f", {b.rejected:,} rejected" if b.rejected else ""))
+        table.add_row("bank bytes", f"{_size(b.read_bytes)} read in {b.load_s:.3f} s, "
+                                    f"{_size(b.written_bytes)} written in {b.save_s:.3f} s")
+    return table
+
+
+def _compact(n: int) -> str:
+    """12,345 as is; 1,048,576 as 1.05M."""
+    return f"{n:,}" if n < 100_000 else f"{n / 1e6:.3g}M"
+
+
+def _mass(p: float) -> str:
+    return f"{p:.4f}" if p >= 1e-3 else f"{p:.2g}"
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n:,.1f} TB"
+
+
+def plan_table(plan) -> Table:
+    table = key_value_table(f"kevscore run --dry-run · {plan.model} on {plan.device}")
+    waves = f"{plan.waves:,} {_plural(plan.waves, 'wave')} (the bank holds {plan.bank_entries:,} documents)"
+    for key, value in [
+        ("rows", f"{plan.rows:,}" + (f" ({plan.set_aside:,} set aside)" if plan.set_aside else "")),
+        ("documents", f"{plan.documents:,} ({plan.prefix_tokens:,} tokens to prefill)"),
+        ("windows", f"{plan.windows:,}, {waves}"),
+        ("model load", f"{plan.load_s:.1f} s (with tokenizing every prompt)"),
+    ]:
+        table.add_row(key, value)
+    if plan.estimate_s is not None:
+        table.add_row("calibration", f"{plan.calibration_docs} {_plural(plan.calibration_docs, 'document')}, "
+                                     f"{plan.calibration_rows} rows: prefill {plan.prefill_tokens_per_s:,.0f} "
+                                     f"tokens/s, scoring {plan.score_rows_per_s:,.1f} rows/s")
+        table.add_row("estimate", f"about {_duration(plan.estimate_s)} on {plan.device}")
+        gpu = ("without Triton autotuning and CUDA-graph capture at the start (tens of seconds)"
+               if plan.device.startswith("cuda") else "a GPU (--device cuda) is not estimated here")
+        table.add_row("assumes", f"the whole input runs at the calibrated rates; {gpu}")
+    return table
+
+
+def _plural(n: int, word: str) -> str:
+    return word if n == 1 else word + ("es" if word.endswith("ch") else "s")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def provenance_table(record: dict) -> Table:
+    """The record in two columns, the figures a reader checks first."""
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    opts = record.get("options", {})
+
+    def file(entry) -> str:
+        return "-" if not entry else f"{entry['name']} (sha256 {entry['sha256'][:16]})"
+
+    model, plan = record.get("model", {}), record.get("plan", {})
+    rows = [("kevscore", str(record.get("kevscore"))),
+            ("input", file(record.get("input"))), ("documents", file(record.get("documents"))),
+            ("template", file(record.get("template")) if record.get("template") else "the model's chat template"),
+            ("model", f"{model.get('name')} (fingerprint {str(model.get('fingerprint'))[:16]})"),
+            ("device", f"{opts.get('device')}, {record.get('dtype')}, state read "
+                       f"{opts.get('state_read', opts.get('path'))}"),
+            ("labels", ", ".join(repr(label) for label in opts.get("labels", []))),
+            ("rows", f"{plan.get('rows', 0):,} in {plan.get('windows', 0):,} window{'s' * (plan.get('windows') != 1)}"),
+            ("options", ", ".join(f"{k} {v}" for k, v in opts.items()
+                                  if k not in ("device", "state_read", "path", "labels"))),
+            ("job", str(record.get("job")))]
+    for name, value in rows:
+        table.add_row(name, markup_escape(value))
+    return table
+
+
+def _when(t: float | None, short: bool = False) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(t).strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def inspect_table(r: dict) -> Table:
+    """Entries, least recently used first, for 80 columns: a model column only when the bank holds several."""
+    tot = r["totals"]
+    models = len(r["models"]) > 1
+    table = Table(title="entries (least recently used first)")
+    for name, justify in [("key", "left"), *([("model", "left")] if models else []), ("doc ids", "left"),
+                          ("tokens", "right"), ("size", "right"), ("last used", "left"), ("status", "left")]:
+        wraps = name in ("doc ids", "status")
+        table.add_column(name, justify=justify, no_wrap=not wraps, overflow="fold" if wraps else "ellipsis")
+    for row in sorted(r["entries"], key=lambda e: (e.get("last_used") or 0, e["key"])):
+        ids = ", ".join(row.get("doc_ids") or []) or "-"
+        status = row["status"] + ("" if row["indexed"] else " (not indexed)")
+        style = "" if row["status"] in ("ok", "unchecked") else "red"
+        model = [escape((row.get("model") or "?")[:8])] if models else []
+        table.add_row(escape(row["key"][:12]), *model, escape(ids), f"{row.get('tokens') or 0:,}", _size(row["file_bytes"]),
+                      _when(row.get("last_used"), short=True), escape(status), style=style)
+    table.add_row("total", *([""] if models else []), "", f"{tot['tokens']:,}", _size(tot["file_bytes"]), "", "",
+                  style="bold")
+    return table
+
+
+def print_inspect(out: Console, r: dict, detail: bool) -> None:
+    tot = r["totals"]
+    out.print(f"bank {escape(r['bank'])}", highlight=False, soft_wrap=True)
+    out.print(f"format {r['format']} v{r['version']} · {tot['entries']:,} entries, {_size(tot['file_bytes'])} · "
+              f"{_size(r['disk']['free_bytes'])} free on disk", highlight=False)
+    for fp, m in r["models"].items():
+        about = m["about"]
+        name, dtype, backend = (escape(str(about.get(k, "?"))) for k in ("name", "dtype", "backend"))
+        out.print(f"model {escape(fp[:12])} · {name} · {dtype} {backend} · {m['entries']:,} entries, "
+                  f"{_size(m['file_bytes'])}", highlight=False)
+    for note in r["notes"]:
+        out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    if r["temporary"]:
+        out.print(f"[yellow]note:[/] {len(r['temporary'])} temporary file(s) of an interrupted or running write "
+                  "in tmp/ (never used; the next run removes them if their process is gone)", highlight=False)
+    if detail:
+        row = r["entries"][0]
+        table = key_value_table(f"entry {row['key']}")
+        for key in ("key", "file", "model", "status", "tokens", "doc_ids", "bytes", "file_bytes", "indexed",
+                    "tensors", "crc32", "ids_head"):
+            if key in row:
+                table.add_row(key, escape(str(row[key])))
+        table.add_row("created", _when(row.get("created")))
+        table.add_row("last used", _when(row.get("last_used")))
+        out.print(table)
+        return
+    out.print(inspect_table(r))
+    out.print(f"in all: recurrent state {_size(tot.get('recurrent', 0))}, conv {_size(tot.get('conv', 0))}, "
+              f"K/V {_size(tot.get('kv', 0))} (per entry: --entry KEY or --json)", highlight=False)
+    if r["verified"]:
+        bad = len(r["bad_entries"])
+        out.print(f"verify: {tot['entries'] - bad:,} ok, {bad:,} bad", highlight=False,
+                  style="red" if bad else "green")
+
+
+def compare_table(r: dict) -> Table:
+    """Per case: rows, each path's median latency (p10-p90 below), their ratio and parity; 80 columns."""
+    env = r["environment"]
+    where = env.get("gpu") or f"CPU, {env.get('threads')} threads"
+    unit = "GPU-event ms" if r["timer"] == "cuda-events" else "wall-clock ms"
+    table = Table(title=escape(f"kevscore compare · {r['model']} · {where}"),
+                  caption=f"{unit}: median, p10-p90 below", caption_justify="left")
+    for name in ("case", "rows", "gathered", "indexed", "i / g", "parity"):
+        words = name in ("case", "parity")
+        table.add_column(name, justify="left" if words else "right", no_wrap=not words, overflow="fold")
+    for c in r["cases"]:
+        s = c["summary"]
+        lat = {p: f"{_ms(s[p]['median_ms'])}\n{_ms(s[p]['p10_ms'])}-{_ms(s[p]['p90_ms'])}"
+               for p in ("gathered", "indexed")}
+        name = c["name"] + (f"\n+{c['prefilled_in_call']} prefilled" if c["prefilled_in_call"] else "")
+        ratio = f"{s['indexed_over_gathered']:.3f}" + ("\n[yellow]noise[/]" if s.get("spread_overlap") else "")
+        table.add_row(escape(name), f"{c['rows']:,}", lat["gathered"], lat["indexed"], ratio, _parity(c))
+    warm = ", ".join(f"{c['name']} {sum(c['warmup_s'].values()):.1f} s" for c in r["cases"])
+    first = "warm-up incl. graph capture" if r["timer"] == "cuda-events" else "warm-up"
+    table.caption += f"; {first} (not in the latencies): {warm}"
+    if any(c.get("hf_ms") for c in r["cases"]):
+        table.caption += "; transformers naive: " + ", ".join(
+            f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
+            for c in r["cases"] if c.get("hf_ms"))
+    return table
+
+
+def _ms(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def _parity(c: dict) -> str:
+    bad = ([f"max |dp| {c['max_abs_diff']:.3g}"] if c["max_abs_diff"] else []) + (
+        [f"{c['flips']} flips"] if c["flips"] else []) + ([] if c["bank_unchanged"] else ["bank changed"])
+    return "[red]" + escape(", ".join(bad)) + "[/]" if bad else "ok"
