@@ -29,7 +29,8 @@ from kevscore.job.run import RunOptions, run_job
 from kevscore.job.parts import ERRORS_SCHEMA, PartStore, errors_path, parts_dir
 from kevscore.engine.plan import plan_windows
 from kevscore.job.shard import shard_rows
-from kevscore.job.scan import RowReader, scan_input
+from kevscore.job.rows import RowReader
+from kevscore.job.scan import scan_input
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -154,7 +155,7 @@ def test_reader_takes_any_rows_of_a_shuffled_file(tmp_path, two_file):
                        row_group_size=16)
     whole = read_input(src, documents)
     scan = scan_input(src, documents)
-    reader = scan.reader()
+    reader = RowReader(scan)
     rng = random.Random(1)
     for _ in range(12):  # forwards, backwards, across row groups, one row, none
         rows = np.asarray(sorted(rng.sample(range(210), rng.choice([0, 1, 5, 60]))), dtype=np.int64)

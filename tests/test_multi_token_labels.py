@@ -193,7 +193,8 @@ def test_cli_labels_column_of_mixed_labels(tmp_path, demo, example_rows):
 def test_cli_too_long_counts_the_labels_tokens(tmp_path, demo, example_rows):
     """The streaming check counts a label's tokens but its last into the prompt, as `encode` does."""
     from kevscore.model.prompt import load_template
-    from kevscore.job.scan import measure_tokens, scan_input
+    from kevscore.job.scan import scan_input
+    from kevscore.job.tokens import measure_tokens
 
     src = tmp_path / "q.parquet"
     pq.write_table(pa.Table.from_pylist(example_rows[:1]), src)

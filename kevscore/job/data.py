@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from kevscore.errors import KevscoreError
+from kevscore.job.rows import RowReader
 from kevscore.job.scan import InputTable, scan_input
 
 OUTPUT_SCHEMA = pa.schema([
@@ -28,7 +29,7 @@ def read_input(path: Path, documents: Path | None = None) -> InputTable:
     """Read the one-file form, or the questions file plus a documents file joined on doc_id: the whole
     input in memory (`kevscore.job.scan` validates it; a job reads it a window at a time instead)."""
     scan = scan_input(Path(path), Path(documents) if documents is not None else None)
-    table = scan.reader().read(np.arange(scan.rows, dtype=np.int64))
+    table = RowReader(scan).read(np.arange(scan.rows, dtype=np.int64))
     table.rows = None
     return table
 

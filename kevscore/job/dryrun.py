@@ -10,6 +10,7 @@ from kevscore.engine.pipeline import Engine
 from kevscore.job.run import (WARM_UP_WAIT_S, LoadedModel, Prepared, RunOptions, check_options, job_runner, make_engine,
                           opened_inputs, prepare)
 from kevscore.engine.plan import plan_waves
+from kevscore.job.rows import RowReader
 from kevscore.model.prompt import encode
 
 CALIBRATION_DOCS = 4    # documents scored to measure the rates (after one warm-up document)
@@ -72,7 +73,7 @@ def calibrate(plan: Plan, opts: RunOptions, p: Prepared, engine: Engine) -> None
     the plan's rates and estimate from them."""
     rows = p.windows.rows_of(0)
     docs = list(dict.fromkeys(p.doc_of_row[rows].tolist()))[:CALIBRATION_DOCS + 1]
-    reader = p.scan.reader()
+    reader = RowReader(p.scan)
     for group in (docs[:1], docs[1:] or docs[:1]):  # the warm-up, then the measured documents
         picked = rows[np.isin(p.doc_of_row[rows], group)][:CALIBRATION_ROWS]
         enc = encode(reader.read(picked), p.ckpt.tokenizer, p.template, opts.labels,

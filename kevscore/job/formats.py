@@ -16,7 +16,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from kevscore.errors import KevscoreError, first_line
-from kevscore.job.scan import Cursor
+from kevscore.job.rows import Cursor
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 STDOUT = "-"  # `-o -`: JSON Lines on stdout

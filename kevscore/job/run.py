@@ -48,7 +48,9 @@ from kevscore.job.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, error
 from kevscore.engine.plan import Windows, join_windows, plan_windows
 from kevscore.model.prompt import Template, encode, load_template
 from kevscore.job.shard import assign_documents
-from kevscore.job.scan import Cursor, InputScan, measure_tokens, scan_input
+from kevscore.job.rows import Cursor, RowReader
+from kevscore.job.scan import InputScan, scan_input
+from kevscore.job.tokens import measure_tokens
 from kevscore.engine.warmup import WarmUp, prepare_device
 
 STATE_READS = ("indexed", "gathered")  # --state-read: a row's document state read in place, or copied out
@@ -479,7 +481,7 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
     progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()) if todo else total_rows)
     progress.event("start", rows=total_rows, windows=len(mine), windows_done=len(mine) - len(todo),
                    rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
-    reader = scan.reader()
+    reader = RowReader(scan)
 
     def load(w: int):
         table = reader.read(windows.rows_of(w))

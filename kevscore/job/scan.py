@@ -57,7 +57,6 @@ class InputTable:
                           pick(self.labels), self.sources, rows)
 
 
-
 # ---------------------------------------------------------------- small helpers (messages)
 
 def few(values: Iterable[str], limit: int = 5) -> str:
@@ -203,9 +202,6 @@ class InputScan:
         """Document key -> text length plus its questions' lengths (kevscore.job.shard.document_costs)."""
         total = self.doc_chars + self.question_chars
         return {k: int(c) for k, c in zip(self.doc_keys, total)}
-
-    def reader(self) -> RowReader:
-        return RowReader(self)
 
 
 def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False,
@@ -448,136 +444,5 @@ def _check_duplicates(path: Path, file: pq.ParquetFile, qhash: np.ndarray) -> No
 
 # ---------------------------------------------------------------- reading rows
 
-class Cursor:
-    """Reads chosen rows of one Parquet file in ascending order, a record batch at a time, continuing
-    from the batch it stopped in when the next rows lie ahead."""
-
-    def __init__(self, path: Path, columns: Sequence[str]):
-        self.path, self.columns = path, list(columns)
-        self.file = open_parquet(path)
-        meta = self.file.metadata
-        self.starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
-        self.it: Iterator[pa.RecordBatch] | None = None
-        self.batch: pa.RecordBatch | None = None
-        self.start = 0  # input row of self.batch's first row
-
-    def _group(self, row: int) -> int:
-        return int(np.searchsorted(self.starts, row, side="right")) - 1
-
-    def _seek(self, row: int) -> None:
-        group = self._group(row)
-        self.it = self.file.iter_batches(batch_size=BATCH_ROWS, columns=self.columns, use_threads=False,
-                                         row_groups=list(range(group, len(self.starts) - 1)))
-        self.batch, self.start = None, int(self.starts[group])
-        self._next()
-
-    def _next(self) -> None:
-        if self.batch is not None:
-            self.start += self.batch.num_rows
-        try:
-            self.batch = next(self.it)
-        except StopIteration:
-            raise KevscoreError(f"{self.path}: fewer rows than when it was scanned; was it changed?") from None
-        except (pa.ArrowException, OSError) as e:
-            raise KevscoreError(f"{self.path}: cannot read the Parquet data ({first_line(e)})") from e
-
-    def take(self, rows: np.ndarray) -> dict[str, list]:
-        """The values of `rows` (ascending input rows) per column, in that order."""
-        pieces = []
-        i = 0
-        while i < len(rows):
-            r = int(rows[i])
-            if self.batch is None or r < self.start:
-                self._seek(r)
-            while r >= self.start + self.batch.num_rows:
-                if self._group(r) > self._group(self.start + self.batch.num_rows):
-                    self._seek(r)  # skip whole row groups without decoding them
-                else:
-                    self._next()
-            j = int(np.searchsorted(rows, self.start + self.batch.num_rows, side="left"))
-            pieces.append(self.batch.take(pa.array(rows[i:j] - self.start, pa.int64())))
-            i = j
-        if not pieces:
-            return {c: [] for c in self.columns}
-        return decoded(self.path, pa.Table.from_batches(pieces), self.columns, lambda j: int(rows[j]))
-
-
-class RowReader:
-    """Reads the rows of a scanned input (one window at a time) as InputTables."""
-
-    def __init__(self, scan: InputScan):
-        self.scan = scan
-        cols = ["question"] + [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id),
-                                                 ("labels", scan.has_labels)) if has]
-        if scan.documents_path is None:
-            cols.append("document")
-            self.docs = None
-        else:
-            self.docs = Cursor(scan.documents_path, ["document"])
-        self.rows = Cursor(scan.path, cols)
-
-    def read(self, rows: np.ndarray):
-        """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""
-        scan = self.scan
-        cols = self.rows.take(rows)
-        if self.docs is None:
-            texts: dict[str, str] = {}
-            documents = [texts.setdefault(t, t) for t in cols["document"]]  # one string per distinct text
-        else:
-            wanted = scan.doc_of_row[rows]
-            doc_rows = np.unique(scan.doc_row[wanted])
-            text_of = dict(zip(doc_rows.tolist(), self.docs.take(doc_rows)["document"]))
-            documents = [text_of[int(scan.doc_row[d])] for d in wanted]
-        return InputTable(documents, cols["question"], cols.get("doc_id"), cols.get("question_id"),
-                          cols.get("labels"), scan.sources, rows.tolist())
-
 
 # ---------------------------------------------------------------- tokens
-
-def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequence[str], max_positions: int,
-                   skip_invalid: bool = False) -> np.ndarray:
-    """Tokenize every document (once) and question, keeping only lengths: each document's prefix length
-    (int32; -1 for a document no row uses). Every row passes `prompt.PromptCheck`, the checks `encode`
-    makes, named by input row; with skip_invalid a row that fails is set aside with its reason instead."""
-    from kevscore.model.prompt import PromptCheck, label_token_ids, longest_tail, tokenize
-
-    check = PromptCheck(tokenizer, scan.path.name, max_positions)
-    doc_tokens = np.full(scan.documents, -1, dtype=np.int32)
-    if scan.documents_path is not None:
-        wanted = {int(r): d for d, r in enumerate(scan.doc_row) if r >= 0}
-        file = open_parquet(scan.documents_path)
-        for start, cols in batches(scan.documents_path, file, ["document"]):
-            todo = [(wanted[start + j], t) for j, t in enumerate(cols["document"]) if start + j in wanted]
-            for (d, _), ids in zip(todo, tokenize(tokenizer, [template.prefix(t) for _, t in todo])):
-                doc_tokens[d] = len(ids)
-    tail = 0 if scan.has_labels else longest_tail(label_token_ids(tokenizer, default_labels, "--labels"))
-    file = open_parquet(scan.path)
-    columns = ["question"] + (["document"] if scan.documents_path is None else []) + (
-        ["labels"] if scan.has_labels else [])
-    for start, cols in batches(scan.path, file, columns):
-        docs = scan.doc_of_row[start:start + len(cols["question"])]
-        live = [j for j in range(len(docs)) if docs[j] >= 0]
-        if scan.documents_path is None:
-            new = list(dict.fromkeys(int(docs[j]) for j in live if doc_tokens[docs[j]] < 0))
-            first = {}
-            for j in live:
-                first.setdefault(int(docs[j]), j)
-            texts = [template.prefix(cols["document"][first[d]]) for d in new]
-            for d, ids in zip(new, tokenize(tokenizer, texts)):
-                doc_tokens[d] = len(ids)
-        for j in live if scan.has_labels else ():
-            if (reason := check.labels(cols["labels"][j])) and not skip_invalid:
-                raise check.label_error(start + j, reason)
-            if reason:
-                scan.set_aside([start + j], reason)
-        live = [j for j in live if scan.doc_of_row[start + j] >= 0]
-        branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
-        for j, ids in zip(live, branches):
-            row_tail = check.label_tail(cols["labels"][j]) if scan.has_labels else tail
-            reason = check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids), row_tail)
-            if reason and skip_invalid:
-                scan.set_aside([start + j], reason)
-    if (error := check.error()) and not skip_invalid:
-        raise error
-    return doc_tokens
-

@@ -1,0 +1,96 @@
+"""Reading rows back from a scanned input by row number (row groups skipped, not decoded): a window's
+questions with their documents (`RowReader`), or chosen columns (`Cursor`)."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from kevscore.errors import KevscoreError, first_line
+from kevscore.job.scan import BATCH_ROWS, InputScan, InputTable, decoded, open_parquet
+
+
+class Cursor:
+    """Reads chosen rows of one Parquet file in ascending order, a record batch at a time, continuing
+    from the batch it stopped in when the next rows lie ahead."""
+
+    def __init__(self, path: Path, columns: Sequence[str]):
+        self.path, self.columns = path, list(columns)
+        self.file = open_parquet(path)
+        meta = self.file.metadata
+        self.starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+        self.it: Iterator[pa.RecordBatch] | None = None
+        self.batch: pa.RecordBatch | None = None
+        self.start = 0  # input row of self.batch's first row
+
+    def _group(self, row: int) -> int:
+        return int(np.searchsorted(self.starts, row, side="right")) - 1
+
+    def _seek(self, row: int) -> None:
+        group = self._group(row)
+        self.it = self.file.iter_batches(batch_size=BATCH_ROWS, columns=self.columns, use_threads=False,
+                                         row_groups=list(range(group, len(self.starts) - 1)))
+        self.batch, self.start = None, int(self.starts[group])
+        self._next()
+
+    def _next(self) -> None:
+        if self.batch is not None:
+            self.start += self.batch.num_rows
+        try:
+            self.batch = next(self.it)
+        except StopIteration:
+            raise KevscoreError(f"{self.path}: fewer rows than when it was scanned; was it changed?") from None
+        except (pa.ArrowException, OSError) as e:
+            raise KevscoreError(f"{self.path}: cannot read the Parquet data ({first_line(e)})") from e
+
+    def take(self, rows: np.ndarray) -> dict[str, list]:
+        """The values of `rows` (ascending input rows) per column, in that order."""
+        pieces = []
+        i = 0
+        while i < len(rows):
+            r = int(rows[i])
+            if self.batch is None or r < self.start:
+                self._seek(r)
+            while r >= self.start + self.batch.num_rows:
+                if self._group(r) > self._group(self.start + self.batch.num_rows):
+                    self._seek(r)  # skip whole row groups without decoding them
+                else:
+                    self._next()
+            j = int(np.searchsorted(rows, self.start + self.batch.num_rows, side="left"))
+            pieces.append(self.batch.take(pa.array(rows[i:j] - self.start, pa.int64())))
+            i = j
+        if not pieces:
+            return {c: [] for c in self.columns}
+        return decoded(self.path, pa.Table.from_batches(pieces), self.columns, lambda j: int(rows[j]))
+
+
+class RowReader:
+    """Reads the rows of a scanned input (one window at a time) as InputTables."""
+
+    def __init__(self, scan: InputScan):
+        self.scan = scan
+        cols = ["question"] + [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id),
+                                                 ("labels", scan.has_labels)) if has]
+        if scan.documents_path is None:
+            cols.append("document")
+            self.docs = None
+        else:
+            self.docs = Cursor(scan.documents_path, ["document"])
+        self.rows = Cursor(scan.path, cols)
+
+    def read(self, rows: np.ndarray):
+        """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""
+        scan = self.scan
+        cols = self.rows.take(rows)
+        if self.docs is None:
+            texts: dict[str, str] = {}
+            documents = [texts.setdefault(t, t) for t in cols["document"]]  # one string per distinct text
+        else:
+            wanted = scan.doc_of_row[rows]
+            doc_rows = np.unique(scan.doc_row[wanted])
+            text_of = dict(zip(doc_rows.tolist(), self.docs.take(doc_rows)["document"]))
+            documents = [text_of[int(scan.doc_row[d])] for d in wanted]
+        return InputTable(documents, cols["question"], cols.get("doc_id"), cols.get("question_id"),
+                          cols.get("labels"), scan.sources, rows.tolist())

@@ -1,0 +1,57 @@
+"""The token pass over a scanned input: each document's prefix length, every row's prompt checked (labels,
+empty questions, lengths), rows set aside with --skip-invalid."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kevscore.job.scan import InputScan, batches, open_parquet
+
+
+def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequence[str], max_positions: int,
+                   skip_invalid: bool = False) -> np.ndarray:
+    """Tokenize every document (once) and question, keeping only lengths: each document's prefix length
+    (int32; -1 for a document no row uses). Every row passes `prompt.PromptCheck`, the checks `encode`
+    makes, named by input row; with skip_invalid a row that fails is set aside with its reason instead."""
+    from kevscore.model.prompt import PromptCheck, label_token_ids, longest_tail, tokenize
+
+    check = PromptCheck(tokenizer, scan.path.name, max_positions)
+    doc_tokens = np.full(scan.documents, -1, dtype=np.int32)
+    if scan.documents_path is not None:
+        wanted = {int(r): d for d, r in enumerate(scan.doc_row) if r >= 0}
+        file = open_parquet(scan.documents_path)
+        for start, cols in batches(scan.documents_path, file, ["document"]):
+            todo = [(wanted[start + j], t) for j, t in enumerate(cols["document"]) if start + j in wanted]
+            for (d, _), ids in zip(todo, tokenize(tokenizer, [template.prefix(t) for _, t in todo])):
+                doc_tokens[d] = len(ids)
+    tail = 0 if scan.has_labels else longest_tail(label_token_ids(tokenizer, default_labels, "--labels"))
+    file = open_parquet(scan.path)
+    columns = ["question"] + (["document"] if scan.documents_path is None else []) + (
+        ["labels"] if scan.has_labels else [])
+    for start, cols in batches(scan.path, file, columns):
+        docs = scan.doc_of_row[start:start + len(cols["question"])]
+        live = [j for j in range(len(docs)) if docs[j] >= 0]
+        if scan.documents_path is None:
+            new = list(dict.fromkeys(int(docs[j]) for j in live if doc_tokens[docs[j]] < 0))
+            first = {}
+            for j in live:
+                first.setdefault(int(docs[j]), j)
+            texts = [template.prefix(cols["document"][first[d]]) for d in new]
+            for d, ids in zip(new, tokenize(tokenizer, texts)):
+                doc_tokens[d] = len(ids)
+        for j in live if scan.has_labels else ():
+            if (reason := check.labels(cols["labels"][j])) and not skip_invalid:
+                raise check.label_error(start + j, reason)
+            if reason:
+                scan.set_aside([start + j], reason)
+        live = [j for j in live if scan.doc_of_row[start + j] >= 0]
+        branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
+        for j, ids in zip(live, branches):
+            row_tail = check.label_tail(cols["labels"][j]) if scan.has_labels else tail
+            reason = check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids), row_tail)
+            if reason and skip_invalid:
+                scan.set_aside([start + j], reason)
+    if (error := check.error()) and not skip_invalid:
+        raise error
+    return doc_tokens
