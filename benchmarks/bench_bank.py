@@ -145,8 +145,8 @@ def main() -> None:
     from kevscore.engine.backend import build_runner, resolve_device
     from kevscore.engine.bank_entry import model_fingerprint, read_entry, read_header
     from kevscore.engine.bank_store import BankStore
-    from kevscore.model.checkpoint import load_checkpoint
     from kevscore.engine.pipeline import Engine, Scores
+    from kevscore.model.checkpoint import load_checkpoint
 
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.model, device)

@@ -143,8 +143,8 @@ def sample_rows(data: Path, docs: int, model: str):
     """The rows of the input's first `docs` documents, encoded as the job encodes them: (Encoded, checkpoint)."""
     import pyarrow.parquet as pq
 
-    from kevscore.model.checkpoint import load_checkpoint
     from kevscore.job.data import read_input
+    from kevscore.model.checkpoint import load_checkpoint
     from kevscore.model.prompt import encode, load_template
 
     doc_ids = pq.read_table(data, columns=["doc_id"]).column("doc_id").to_pylist()
@@ -184,8 +184,8 @@ def scoring_budgets(args, data: Path, tflops: float) -> list[dict]:
 
     from kevscore.engine.cuda_runner import build_cuda_runner
     from kevscore.engine.pipeline import Engine, Scores
-    from kevscore.measure import events_ms
     from kevscore.engine.plan import plan_batches
+    from kevscore.measure import events_ms
 
     enc, ckpt = sample_rows(data, args.budget_docs, args.model)
     runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(p) for p in enc.prefixes], None, False)
@@ -215,10 +215,10 @@ def prefill_alone(args, cfg_name: str, tflops: float, doc_tokens: int) -> dict:
     share of the matmul roof, median of 3 after a warm-up, with a profile by kernel group."""
     import torch
 
-    from kevscore.model.checkpoint import load_checkpoint
     from kevscore.engine.cuda_runner import build_cuda_runner
     from kevscore.engine.pipeline import Engine, Scores
     from kevscore.measure import events_ms
+    from kevscore.model.checkpoint import load_checkpoint
 
     bench = _bench_score()
     ckpt = load_checkpoint(cfg_name, "cuda")

@@ -51,11 +51,11 @@ def main() -> None:
     args = ap.parse_args()
     sweep = (lambda variants: list(variants)[:1]) if args.defaults else list
 
-    from kevscore.model.config import SHAPES
     from kevscore.kernels import fla_ops
     from kevscore.kernels.branch_attn import branch_attention
     from kevscore.kernels.branch_conv import branch_conv
     from kevscore.kernels.elementwise import qk_norm_rope, swiglu_rows
+    from kevscore.model.config import SHAPES
     from kevscore.model.layers.common import Rotary
 
     cfg = SHAPES["kev-4b"]

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from kevscore.baselines import naive_call
-from kevscore.model.config import SHAPES, KevConfig
 from kevscore.measure import environment, events_ms
+from kevscore.model.config import SHAPES, KevConfig
 from kevscore.model.prompt import Encoded
 
 
@@ -84,7 +84,8 @@ KERNEL_GROUPS = [
 def profile(fn, reps: int = 3) -> dict[str, dict]:
     """GPU time per call (ms) by kernel group and for the 25 costliest kernels (with launches per call), and
     the number of kernel launches per call, from the torch profiler."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     fn()
     torch.cuda.synchronize()
@@ -133,9 +134,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    from kevscore.model.checkpoint import load_checkpoint
     from kevscore.engine.cuda_runner import build_cuda_runner
     from kevscore.engine.pipeline import Engine, Scores
+    from kevscore.model.checkpoint import load_checkpoint
 
     rate = MatmulRate()
     tflops = statistics.median(rate.samples(20, warmup=3))  # the floor's rate

@@ -35,9 +35,9 @@ def child(model: str) -> dict:
     steps["the import made the CUDA context"] = torch.cuda.is_initialized()
     lap("import FLA's kernels (fla_ops)")
     from kevscore.engine import cuda_runner  # noqa: F401
-    from kevscore.model.config import SHAPES
-    from kevscore.kernels import tuning
     from kevscore.engine.warmup import compile_kernels
+    from kevscore.kernels import tuning
+    from kevscore.model.config import SHAPES
     lap("import kevscore's GPU modules")
     torch.cuda.init()
     lap("torch.cuda.init")

@@ -13,8 +13,8 @@ def main() -> None:
         with _deferred_interrupt():
             # A SIGINT inside a C extension's import can surface as an ImportError that a library catches
             # and works around: the heavy imports run with it held, and it is raised once they are done.
-            from kevscore.job import run as job  # noqa: F401  (numpy, pyarrow, torch)
             from kevscore.cli import main as cli_main
+            from kevscore.job import run as job  # noqa: F401  (numpy, pyarrow, torch)
         cli_main()
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")

@@ -24,12 +24,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kevscore.engine.backend import resolve_device
-from kevscore.job.dryrun import Plan, dry_run
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError, first_line, reported
 from kevscore.faults import Interrupted
-from kevscore.job.run import WINDOW_DOCS, LoadedModel, RunOptions, RunResult, check_options, run_job
+from kevscore.job.dryrun import Plan, dry_run
 from kevscore.job.labels import parse_labels
+from kevscore.job.run import WINDOW_DOCS, LoadedModel, RunOptions, RunResult, check_options, run_job
 
 PathLike = Union[str, "os.PathLike[str]"]
 Tabular = Any  # a pyarrow Table or RecordBatch, or a pandas DataFrame (pandas is not a dependency)

@@ -12,8 +12,19 @@ from rich.console import Console
 from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from kevscore.display import (JsonProgress, RichProgress, compare_table, console, escape, plan_table, print_inspect,
-                              progress_bars, provenance_table, summary_fields, summary_table)
+from kevscore.display import (
+    JsonProgress,
+    RichProgress,
+    compare_table,
+    console,
+    escape,
+    plan_table,
+    print_inspect,
+    progress_bars,
+    provenance_table,
+    summary_fields,
+    summary_table,
+)
 from kevscore.errors import KevscoreError, reported
 
 
@@ -144,9 +155,9 @@ def run(
     """Score every question row against its document; write probabilities over the labels."""
     from kevscore.api import Scorer
     from kevscore.job.distributed import world_from_env
-    from kevscore.job.run import RunOptions
     from kevscore.job.formats import file_format
     from kevscore.job.labels import parse_labels
+    from kevscore.job.run import RunOptions
 
     if path is not None:
         console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)
@@ -365,7 +376,8 @@ def compare(
 ) -> None:
     """Run the gathered and indexed paths on the same weights and inputs; time them and check parity.
     Exits 1 when any case shows a probability difference, a decision flip or a changed bank."""
-    from kevscore.compare import CompareOptions, compare as run_compare
+    from kevscore.compare import CompareOptions
+    from kevscore.compare import compare as run_compare
 
     opts = CompareOptions(model=model, data=data, documents=documents,
                           cases=cases.split(",") if cases else None, reps=reps, warmup=warmup, device=device,

@@ -10,12 +10,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kevscore.engine.bank import BankLayout, StateBank
-from kevscore.model.checkpoint import Checkpoint, load_checkpoint, random_weights
 from kevscore.engine.pipeline import Engine, Scores
+from kevscore.engine.runner import EagerRunner
 from kevscore.kernels import torch_ops
+from kevscore.model.checkpoint import Checkpoint, load_checkpoint, random_weights
 from kevscore.model.kev import KevModel
 from kevscore.model.prompt import Encoded
-from kevscore.engine.runner import EagerRunner
+
 
 @pytest.fixture(scope="session")
 def example_rows() -> list[dict]:

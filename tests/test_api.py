@@ -14,11 +14,11 @@ import pytest
 from typer.testing import CliRunner
 
 import kevscore
-from kevscore.job import run as job
 from kevscore.api import Scorer
-from kevscore.model.checkpoint import load_checkpoint
 from kevscore.cli import app
 from kevscore.faults import Interrupted
+from kevscore.job import run as job
+from kevscore.model.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -20,9 +20,9 @@ import torch
 from typer.testing import CliRunner
 
 from kevscore import faults
+from kevscore.cli import app
 from kevscore.engine.bank_dir import INDEX, MARKER
 from kevscore.engine.bank_inspect import inspect_bank
-from kevscore.cli import app
 from kevscore.job.run import RunOptions, run_job
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -120,8 +120,8 @@ def test_second_run_loads_every_entry_and_matches_exactly(tmp_path, src):
 
 
 def test_mixed_run_prefills_exactly_the_new_documents(tmp_path, rows, warm, monkeypatch):
-    from kevscore.model.checkpoint import load_checkpoint
     from kevscore.engine.runner import EagerRunner
+    from kevscore.model.checkpoint import load_checkpoint
 
     old = {"market", "train", "garden"}
     run(subset(rows, old, tmp_path / "old.parquet"), tmp_path / "bank", tmp_path / "old.out.parquet")

@@ -4,10 +4,9 @@ import random
 
 import pytest
 import torch
-
 from conftest import cpu_engine
-from kevscore.baselines import (BASELINES, label_probs, length_batches, naive_call, prefix_cached_call,
-                                whole_documents)
+
+from kevscore.baselines import BASELINES, label_probs, length_batches, naive_call, prefix_cached_call, whole_documents
 from kevscore.model.prompt import Encoded
 from kevscore.reference import reference_model, reference_scores
 

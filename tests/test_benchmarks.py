@@ -70,8 +70,8 @@ def test_the_floor_counts_the_weight_matmuls_the_model_runs(shape):
     each row's last position only, like the LM head; prefill runs every projection on every token."""
     import torch
 
-    from kevscore.model.config import SHAPES
     from kevscore.kernels import torch_ops
+    from kevscore.model.config import SHAPES
     from kevscore.model.kev import KevModel
 
     bench = bench_score()

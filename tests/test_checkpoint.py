@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from kevscore.model.checkpoint import load_checkpoint, load_directory
 from kevscore.cli import app
+from kevscore.errors import KevscoreError
+from kevscore.model.checkpoint import load_checkpoint, load_directory
 from kevscore.model.config import KevConfig
 from kevscore.model.demo import DEMO_CONFIG, demo_checkpoint_dir, weight_shapes
-from kevscore.errors import KevscoreError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

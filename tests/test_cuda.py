@@ -3,7 +3,6 @@ import random
 
 import pytest
 import torch
-
 from conftest import both_paths, gpu_engine, synthetic, with_switch
 
 pytestmark = [pytest.mark.cuda,
@@ -176,6 +175,7 @@ def test_label_mass_close_to_fp32_reference(demo):
     """label_mass on the GPU (bf16 model, log-sum-exp over the vocabulary) against transformers in fp32, on
     labels where it is material (conftest.material_masses): relatively as close as transformers' bf16."""
     from conftest import material_masses
+
     from kevscore.reference import reference_model, reference_scores
 
     enc, reference = material_masses(demo)
@@ -193,6 +193,7 @@ def test_label_mass_close_to_fp32_reference(demo):
 def test_prefill_states_close_to_cpu(tiny):
     """The GPU prefill (packed varlen, bf16) writes entries close to the CPU fp32 prefill's."""
     from conftest import cpu_engine
+
     from kevscore.engine.pipeline import Scores
 
     enc = synthetic([1, 5, 64, 65, 200], [4])

@@ -3,7 +3,6 @@ chunk pipeline as the branch path runs it (`fla_ops.gdr_branch`, indexed), the t
 KEVSCORE_FUSED_GDR, graph replays with new slots, and the model with the switch on."""
 import pytest
 import torch
-
 from conftest import synthetic, with_switch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

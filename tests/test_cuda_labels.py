@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import gpu_engine, labelled, sequence_reference, synthetic
 
 pytestmark = [pytest.mark.cuda,

@@ -2,8 +2,8 @@
 FLA's whole ops, and a prefill that never waits on the GPU."""
 import pytest
 import torch
-
 from conftest import gpu_engine, synthetic, transformers_states
+
 from kevscore.engine.pipeline import Scores
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -72,8 +72,8 @@ def test_prefill_never_waits_on_the_gpu(tiny):
 
 
 def test_prefill_group_budget_fits_the_gpu(tiny):
-    from kevscore.model.config import SHAPES
     from kevscore.engine.cuda_runner import prefill_bytes_per_token
+    from kevscore.model.config import SHAPES
 
     engine = gpu_engine(tiny, [[1] * 100])
     assert 2048 <= engine.runner.prefill_tokens <= 65536

@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from kevscore import faults
+from kevscore.errors import KevscoreError, KevscoreFailure
 from kevscore.job import parts
 from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table, read_input
-from kevscore.errors import KevscoreError, KevscoreFailure
 from kevscore.job.parts import write_parquet
 from kevscore.job.scan import InputTable
 

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from kevscore.cli import app
 from kevscore.demo import train as demo_train
 from kevscore.model import demo
-from kevscore.cli import app
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TASK = EXAMPLES / "demo-task.parquet"

@@ -11,10 +11,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kevscore.cli import app
 from kevscore.demo import task as demo_task
 from kevscore.demo import train as demo_train
 from kevscore.model.checkpoint import load_checkpoint
-from kevscore.cli import app
 from kevscore.model.prompt import encode, load_template
 
 

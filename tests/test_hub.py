@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kevscore.errors import KevscoreError
 from kevscore.model.checkpoint import hub_cache, load_checkpoint, peek_config
 from kevscore.model.demo import demo_checkpoint_dir
-from kevscore.errors import KevscoreError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -21,16 +21,16 @@ import pytest
 from typer.testing import CliRunner
 
 from kevscore.cli import app
-from kevscore.job.data import OUTPUT_SCHEMA, read_input
 from kevscore.engine.pipeline import Reporter
+from kevscore.engine.plan import plan_windows
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted
-from kevscore.job.run import RunOptions, run_job
+from kevscore.job.data import OUTPUT_SCHEMA, read_input
 from kevscore.job.parts import ERRORS_SCHEMA, PartStore, errors_path, parts_dir
-from kevscore.engine.plan import plan_windows
-from kevscore.job.shard import shard_rows
 from kevscore.job.rows import RowReader
+from kevscore.job.run import RunOptions, run_job
 from kevscore.job.scan import scan_input
+from kevscore.job.shard import shard_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

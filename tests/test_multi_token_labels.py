@@ -8,12 +8,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import both_paths, cpu_engine, labelled, sequence_reference, synthetic
 from typer.testing import CliRunner
 
-from conftest import both_paths, cpu_engine, labelled, sequence_reference, synthetic
 from kevscore.cli import app
-from kevscore.engine.pipeline import Reporter, Scores
 from kevscore.engine.label_scoring import label_branches
+from kevscore.engine.pipeline import Reporter, Scores
 from kevscore.model.prompt import Encoded
 from kevscore.reference import reference_model
 
@@ -104,9 +104,9 @@ def test_one_token_labels_keep_their_bits(demo, path, monkeypatch):
     """The demo task's examples with labels of one token (Yes/No, every third row three labels) give the bits
     recorded by the one-position path before labels of several tokens existed (same torch and CPU kind; another
     kind rounds otherwise, and is held to 1e-12)."""
+    from kevscore.engine.runner import EagerRunner
     from kevscore.job.data import read_input
     from kevscore.model.prompt import encode, load_template
-    from kevscore.engine.runner import EagerRunner
 
     golden = json.loads(GOLDEN.read_text())
     table = read_input(EXAMPLES / "demo-task.parquet")
@@ -192,9 +192,9 @@ def test_cli_labels_column_of_mixed_labels(tmp_path, demo, example_rows):
 
 def test_cli_too_long_counts_the_labels_tokens(tmp_path, demo, example_rows):
     """The streaming check counts a label's tokens but its last into the prompt, as `encode` does."""
-    from kevscore.model.prompt import load_template
     from kevscore.job.scan import scan_input
     from kevscore.job.tokens import measure_tokens
+    from kevscore.model.prompt import load_template
 
     src = tmp_path / "q.parquet"
     pq.write_table(pa.Table.from_pylist(example_rows[:1]), src)

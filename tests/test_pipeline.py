@@ -1,7 +1,7 @@
 """The CPU bank/branch pipeline against transformers on the full sequence, and its invariants."""
 import pytest
-
 from conftest import cpu_engine, material_masses, synthetic
+
 from kevscore.engine.pipeline import Scores
 from kevscore.reference import reference_model, reference_scores
 

@@ -2,8 +2,8 @@
 packed group writes against one document at a time."""
 import pytest
 import torch
-
 from conftest import cpu_engine, synthetic, transformers_states
+
 from kevscore.engine.bank import BankLayout, StateBank
 from kevscore.engine.pipeline import Scores
 from kevscore.engine.plan import prefill_group_tokens
@@ -101,8 +101,8 @@ def test_padded_attention_indices_round_trip(demo):
 def test_warm_up_model_runs_a_job_of_the_same_layer_shapes(demo):
     """The warm-up's two-layer model keeps every layer shape of the job's model and runs prefill groups and
     scoring batches of each kind through the runner (here the CPU one, whose ops it shares the plan with)."""
-    from kevscore.model.config import FULL, LINEAR, SHAPES
     from kevscore.engine.warmup import compile_kernels, prepare_device, small_model
+    from kevscore.model.config import FULL, LINEAR, SHAPES
 
     cfg = SHAPES["kev-4b"]
     small = small_model(cfg)

@@ -5,10 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from kevscore.job.scan import InputTable
 from kevscore.errors import KevscoreError
-from kevscore.model.prompt import (PLAIN_TEMPLATE, Template, chat_template, encode, label_token_ids, load_template,
-                             prefix_key)
+from kevscore.job.scan import InputTable
+from kevscore.model.prompt import PLAIN_TEMPLATE, Template, chat_template, encode, label_token_ids, load_template, prefix_key
 
 DEMO_HEAD = "<|im_start|>user\n"
 DEMO_TAIL = "\n\n{question}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

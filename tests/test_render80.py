@@ -9,11 +9,19 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
+from kevscore.display import (
+    RateColumn,
+    RichProgress,
+    compare_table,
+    inspect_table,
+    plan_table,
+    print_inspect,
+    progress_bars,
+    summary_table,
+)
 from kevscore.engine.bank_store import BankStats
-from kevscore.display import (RateColumn, RichProgress, compare_table, inspect_table, plan_table, print_inspect,
-                              progress_bars, summary_table)
-from kevscore.job.dryrun import Plan
 from kevscore.engine.pipeline import RunStats
+from kevscore.job.dryrun import Plan
 from kevscore.job.run import RunResult
 
 WIDTH = 80

@@ -21,8 +21,8 @@ import dataclasses
 import hashlib
 import json
 import math
-import shutil
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from kevscore.demo import task as demo_task
+from kevscore.durable import file_sha256
+from kevscore.kernels import gdr_ref
 from kevscore.model import demo
 from kevscore.model.config import FULL, LINEAR, KevConfig
-from kevscore.kernels import gdr_ref
-from kevscore.durable import file_sha256
 
 SMALL = dataclasses.replace(demo.DEMO_CONFIG, hidden_size=64, intermediate_size=128,
                             layer_types=(LINEAR, LINEAR, LINEAR, FULL), num_attention_heads=2, num_key_value_heads=1,

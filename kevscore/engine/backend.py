@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import torch
 
 from kevscore.engine.bank import BankLayout, StateBank
-from kevscore.model.checkpoint import Checkpoint
 from kevscore.errors import KevscoreError
+from kevscore.model.checkpoint import Checkpoint
 from kevscore.model.kev import KevModel
 
 CPU_BANK_BUDGET = 2 << 30  # bytes
@@ -47,8 +47,8 @@ def build_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int],
         from kevscore.engine.cuda_runner import build_cuda_runner
 
         return build_cuda_runner(ckpt, device, doc_tokens, capacity, eager)
-    from kevscore.kernels import torch_ops
     from kevscore.engine.runner import EagerRunner
+    from kevscore.kernels import torch_ops
 
     model = KevModel.from_weights(ckpt.config, ckpt.weights, torch_ops, torch.float32, device)
     layout = BankLayout.plan(ckpt.config, torch.float32, doc_tokens, CPU_BANK_BUDGET, capacity)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kevscore.model.config import KevConfig
 from kevscore.errors import KevscoreError
+from kevscore.model.config import KevConfig
 from kevscore.model.kev import bank_tensors
 
 

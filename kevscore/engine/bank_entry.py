@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from kevscore.durable import cached_sha256
-from kevscore.model.layers.common import TOKENS
 from kevscore.model.kev import BANK_GROUPS, BANK_TENSORS
+from kevscore.model.layers.common import TOKENS
 from kevscore.model.prompt import prefix_key
 
 FORMAT, VERSION = "kevscore-bank", 1

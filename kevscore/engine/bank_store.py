@@ -20,8 +20,6 @@ check is reported on one line and recomputed (its file is replaced by the recomp
 """
 from __future__ import annotations
 
-from __future__ import annotations
-
 import fcntl
 import json
 import os
@@ -36,11 +34,31 @@ from pathlib import Path
 import torch
 
 from kevscore import faults
-from kevscore.engine.bank_dir import (ENTRIES, INDEX, MARKER, TMP, VersionError, bank_lock, check_bank_dir, entry_files,
-                               entry_record, merge_ids, read_index)
-from kevscore.engine.bank_entry import (FORMAT, SUFFIX, VERSION, EntryError, Fingerprint, entry_bytes, entry_key,
-                                 read_entry, read_header)
 from kevscore.durable import bytes_filler, fsync_dir, write_atomic, write_new
+from kevscore.engine.bank_dir import (
+    ENTRIES,
+    INDEX,
+    MARKER,
+    TMP,
+    VersionError,
+    bank_lock,
+    check_bank_dir,
+    entry_files,
+    entry_record,
+    merge_ids,
+    read_index,
+)
+from kevscore.engine.bank_entry import (
+    FORMAT,
+    SUFFIX,
+    VERSION,
+    EntryError,
+    Fingerprint,
+    entry_bytes,
+    entry_key,
+    read_entry,
+    read_header,
+)
 from kevscore.errors import KevscoreFailure, first_line
 from kevscore.model.prompt import prefix_key
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from kevscore.engine.bank import BankLayout, StateBank
-from kevscore.model.checkpoint import Checkpoint
-from kevscore.model.kev import KevModel
-from kevscore.model.config import KevConfig
 from kevscore.engine.plan import Batch, prefill_group_tokens
 from kevscore.engine.runner import EagerRunner, fill_upload
+from kevscore.model.checkpoint import Checkpoint
+from kevscore.model.config import KevConfig
+from kevscore.model.kev import KevModel
 
 BANK_SHARE = 0.6  # of the free GPU memory after loading the model
 

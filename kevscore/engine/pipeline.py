@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kevscore import faults
-from kevscore.errors import KevscoreFailure, first_line
 from kevscore.engine.label_scoring import Scoring, scorings
 from kevscore.engine.plan import Batch, make_batch, plan_batches, plan_waves
+from kevscore.errors import KevscoreFailure, first_line
 from kevscore.model.prompt import Encoded
 
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import torch
 
 from kevscore.engine.bank import StateBank
-from kevscore.kernels.gdr_ref import CHUNK
-from kevscore.model.layers.common import BranchContext, PrefillContext
-from kevscore.model.kev import KevModel
 from kevscore.engine.plan import Batch
+from kevscore.kernels.gdr_ref import CHUNK
+from kevscore.model.kev import KevModel
+from kevscore.model.layers.common import BranchContext, PrefillContext
 
 SLOT, LAST, PLEN = 0, 1, 2  # metadata columns after the T token columns
 PAD_WASTE = 1.25  # a prefill group's attention pads its documents to the longest while that adds at most 25%

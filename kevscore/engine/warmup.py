@@ -35,8 +35,8 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> dict:
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` (on a CPU: the torch ops). On a
     GPU the kernels are first compiled side by side (kevscore.kernels.precompile). Returns seconds by step."""
     from kevscore.engine.backend import build_runner
-    from kevscore.model.checkpoint import Checkpoint, random_weights
     from kevscore.engine.pipeline import Engine
+    from kevscore.model.checkpoint import Checkpoint, random_weights
     from kevscore.model.prompt import Encoded
 
     small = small_model(cfg)

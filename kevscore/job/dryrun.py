@@ -7,10 +7,19 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kevscore.engine.pipeline import Engine
-from kevscore.job.run import (WARM_UP_WAIT_S, LoadedModel, Prepared, RunOptions, check_options, job_runner, make_engine,
-                          opened_inputs, prepare)
 from kevscore.engine.plan import plan_waves
 from kevscore.job.rows import RowReader
+from kevscore.job.run import (
+    WARM_UP_WAIT_S,
+    LoadedModel,
+    Prepared,
+    RunOptions,
+    check_options,
+    job_runner,
+    make_engine,
+    opened_inputs,
+    prepare,
+)
 from kevscore.model.prompt import encode
 
 CALIBRATION_DOCS = 4    # documents scored to measure the rates (after one warm-up document)

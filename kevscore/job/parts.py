@@ -31,9 +31,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kevscore import faults
-from kevscore.job.data import OUTPUT_SCHEMA
 from kevscore.durable import Filler, bytes_filler, file_sha256, replace_into, temp_path, write_atomic, write_new
 from kevscore.errors import KevscoreError, KevscoreFailure, first_line, os_failure
+from kevscore.job.data import OUTPUT_SCHEMA
 from kevscore.job.formats import TableWriter, file_format
 
 FORMAT, VERSION = "kevscore-parts", 1

@@ -30,28 +30,27 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from kevscore.durable import file_sha256
 from kevscore.engine.backend import build_runner, invariant_threads, resolve_device
 from kevscore.engine.bank import BankLayout
 from kevscore.engine.bank_dir import check_bank_dir
 from kevscore.engine.bank_entry import Fingerprint, model_fingerprint
 from kevscore.engine.bank_store import BankStats, BankStore
-from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
-from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table
 from kevscore.engine.pipeline import Engine, Reporter, RunStats, Scores
+from kevscore.engine.plan import Windows, join_windows, plan_windows
+from kevscore.engine.warmup import WarmUp, prepare_device
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
+from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table
 from kevscore.job.formats import STDOUT, Carry, Source, file_format, open_source
 from kevscore.job.labels import LabelTally, check_labels, low_mass_warning
-from kevscore.durable import file_sha256
-from kevscore.job.parts import (ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, job_digest, merged_output,
-                            output_job)
-from kevscore.engine.plan import Windows, join_windows, plan_windows
-from kevscore.model.prompt import Template, encode, load_template
-from kevscore.job.shard import assign_documents
+from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, job_digest, merged_output, output_job
 from kevscore.job.rows import Cursor, RowReader
 from kevscore.job.scan import InputScan, scan_input
+from kevscore.job.shard import assign_documents
 from kevscore.job.tokens import measure_tokens
-from kevscore.engine.warmup import WarmUp, prepare_device
+from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
+from kevscore.model.prompt import Template, encode, load_template
 
 STATE_READS = ("indexed", "gathered")  # --state-read: a row's document state read in place, or copied out
 WINDOW_DOCS = 1024          # documents per window (--window)

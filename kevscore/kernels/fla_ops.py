@@ -15,22 +15,22 @@ import os
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # always FLA's own Triton kernels
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
 # FLA's ops that only the A/B switches and the tests' oracles use are imported where they are called: the
 # default path then never imports FLA's modules package (several seconds, `fla_packages`)
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h  # noqa: E402
 from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
-from fla.ops.gated_delta_rule.chunk_fwd import (  # noqa: E402
-    chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_kkt_solve_kernel)
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_kkt_solve_kernel  # noqa: E402
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd  # noqa: E402
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
 from kevscore.kernels.branch_gdr import MAX_T, branch_gdr  # noqa: E402
-from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows  # noqa: E402
+from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
 
 NAME = "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from kevscore.model.config import SHAPES, KevConfig, weight_shapes
 from kevscore.errors import KevscoreError, first_line
+from kevscore.model.config import SHAPES, KevConfig, weight_shapes
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name or org/name@revision
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 from tokenizers.pre_tokenizers import ByteLevel
 
+from kevscore.durable import cache_root, file_sha256
+from kevscore.errors import KevscoreError
 from kevscore.model import config
 from kevscore.model.config import FULL, LINEAR, KevConfig
-from kevscore.errors import KevscoreError
-from kevscore.durable import cache_root, file_sha256
 
 DEMO_NAME = "demo-v3"
 TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo.train)
