@@ -60,7 +60,8 @@ def child(args) -> None:
     import torch
 
     from kevscore.engine.pipeline import Reporter
-    from kevscore.job.run import RunOptions, run_job
+    from kevscore.job.options import RunOptions
+    from kevscore.job.run import run_job
 
     import_s = time.perf_counter() - t0
 

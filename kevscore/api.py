@@ -29,7 +29,8 @@ from kevscore.errors import KevscoreError, first_line, reported
 from kevscore.faults import Interrupted
 from kevscore.job.dryrun import Plan, dry_run
 from kevscore.job.labels import parse_labels
-from kevscore.job.run import WINDOW_DOCS, LoadedModel, RunOptions, RunResult, check_options, run_job
+from kevscore.job.options import WINDOW_DOCS, RunOptions, check_options
+from kevscore.job.run import LoadedModel, RunResult, run_job
 
 PathLike = Union[str, "os.PathLike[str]"]
 Tabular = Any  # a pyarrow Table or RecordBatch, or a pandas DataFrame (pandas is not a dependency)

@@ -157,7 +157,7 @@ def run(
     from kevscore.job.distributed import world_from_env
     from kevscore.job.formats import file_format
     from kevscore.job.labels import parse_labels
-    from kevscore.job.run import RunOptions
+    from kevscore.job.options import RunOptions
 
     if path is not None:
         console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)

@@ -23,7 +23,8 @@ from kevscore import faults
 from kevscore.cli import app
 from kevscore.engine.bank_dir import INDEX, MARKER
 from kevscore.engine.bank_inspect import inspect_bank
-from kevscore.job.run import RunOptions, run_job
+from kevscore.job.options import RunOptions
+from kevscore.job.run import run_job
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,8 +8,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from kevscore.job.options import RunOptions
 from kevscore.job.parts import MANIFEST, parts_dir
-from kevscore.job.run import RunOptions, run_job
+from kevscore.job.run import run_job
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

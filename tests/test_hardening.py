@@ -25,8 +25,9 @@ from kevscore import faults
 from kevscore.cli import app
 from kevscore.engine.bank_dir import INDEX
 from kevscore.engine.bank_entry import EntryError, read_header
+from kevscore.job.options import RunOptions
 from kevscore.job.parts import parts_dir
-from kevscore.job.run import RunOptions, run_job
+from kevscore.job.run import run_job
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ROOT = Path(__file__).resolve().parent.parent

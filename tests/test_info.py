@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from kevscore.cli import app
 from kevscore.display import provenance_table
+from kevscore.job.options import RunOptions
 from kevscore.job.parts import output_provenance
-from kevscore.job.run import RunOptions, run_job
+from kevscore.job.run import run_job
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "demo-task.parquet"
 

@@ -26,9 +26,10 @@ from kevscore.engine.plan import plan_windows
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted
 from kevscore.job.data import OUTPUT_SCHEMA, read_input
+from kevscore.job.options import RunOptions
 from kevscore.job.parts import ERRORS_SCHEMA, PartStore, errors_path, parts_dir
 from kevscore.job.rows import RowReader
-from kevscore.job.run import RunOptions, run_job
+from kevscore.job.run import run_job
 from kevscore.job.scan import scan_input
 from kevscore.job.shard import shard_rows
 

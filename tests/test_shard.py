@@ -6,7 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kevscore.job.run import RunOptions, run_job
+from kevscore.job.options import RunOptions
+from kevscore.job.run import run_job
 from kevscore.job.shard import assign_documents, document_costs, rank_loads, shard_rows
 
 EXAMPLES = Path(__file__).parent.parent / "examples"

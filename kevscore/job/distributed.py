@@ -23,11 +23,10 @@ from typing import TypeVar
 from kevscore.engine.backend import invariant_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
+from kevscore.job.options import RunOptions, check_options
 from kevscore.job.parts import PartStore, job_digest
 from kevscore.job.run import (
     Job,
-    RunOptions,
-    check_options,
     finished_job,
     merge_job,
     open_parts,

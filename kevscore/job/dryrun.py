@@ -8,18 +8,10 @@ import numpy as np
 
 from kevscore.engine.pipeline import Engine
 from kevscore.engine.plan import plan_waves
+from kevscore.job.options import RunOptions, check_options
 from kevscore.job.rows import RowReader
-from kevscore.job.run import (
-    WARM_UP_WAIT_S,
-    LoadedModel,
-    Prepared,
-    RunOptions,
-    check_options,
-    job_runner,
-    make_engine,
-    opened_inputs,
-    prepare,
-)
+from kevscore.job.run import WARM_UP_WAIT_S, LoadedModel, Prepared, job_runner, opened_inputs, prepare
+from kevscore.job.windows import make_engine
 from kevscore.model.prompt import encode
 
 CALIBRATION_DOCS = 4    # documents scored to measure the rates (after one warm-up document)

@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,56 +32,27 @@ import torch
 from kevscore.durable import file_sha256
 from kevscore.engine.backend import build_runner, invariant_threads, resolve_device
 from kevscore.engine.bank import BankLayout
-from kevscore.engine.bank_dir import check_bank_dir
 from kevscore.engine.bank_entry import Fingerprint, model_fingerprint
 from kevscore.engine.bank_store import BankStats, BankStore
-from kevscore.engine.pipeline import Engine, Reporter, RunStats, Scores
+from kevscore.engine.pipeline import Reporter, RunStats
 from kevscore.engine.plan import Windows, join_windows, plan_windows
 from kevscore.engine.warmup import WarmUp, prepare_device
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
-from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table
+from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path
 from kevscore.job.formats import STDOUT, Carry, Source, file_format, open_source
-from kevscore.job.labels import LabelTally, check_labels, low_mass_warning
+from kevscore.job.labels import LabelTally, low_mass_warning
+from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, check_options
 from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, job_digest, merged_output, output_job
-from kevscore.job.rows import Cursor, RowReader
+from kevscore.job.rows import Cursor
 from kevscore.job.scan import InputScan, scan_input
 from kevscore.job.shard import assign_documents
 from kevscore.job.tokens import measure_tokens
+from kevscore.job.windows import make_engine, score_windows
 from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
-from kevscore.model.prompt import Template, encode, load_template
+from kevscore.model.prompt import Template, load_template
 
-STATE_READS = ("indexed", "gathered")  # --state-read: a row's document state read in place, or copied out
-WINDOW_DOCS = 1024          # documents per window (--window)
-WINDOW_ROWS = 65536         # rows per window; a document with more rows is split over windows of its own
-WINDOW_TOKENS = 1 << 20     # document tokens per window
 WARM_UP_WAIT_S = 300        # the longest the job waits for its kernels' compilation (kevscore.engine.warmup)
-
-
-@dataclass(slots=True)
-class RunOptions:
-    input: Path
-    documents: Path | None = None
-    output: Path | None = None
-    model: str = "demo"
-    device: str = "auto"
-    state_read: str = "indexed"   # how a row's document state is read from the bank (STATE_READS)
-    labels: list[str] = field(default_factory=lambda: ["Yes", "No"])
-    template: Path | None = None
-    batch_rows: int = 64
-    overwrite: bool = False
-    bank_capacity: int | None = None
-    eager: bool = False
-    bank: Path | None = None          # on-disk bank directory (kevscore.engine.bank_store)
-    bank_max_gb: float | None = None  # LRU-evict the on-disk bank down to this size
-    shard: tuple[int, int] | None = None  # (rank, world): score only this rank's documents (kevscore.job.shard)
-    batch_invariant: bool = False  # one row per batch, one document per prefill: results independent of batch-mates
-    window: int = WINDOW_DOCS     # documents per window: host memory is bounded by a window, not the input
-    restart: bool = False         # discard the completed parts of an interrupted run instead of resuming it
-    skip_invalid: bool = False    # rows that cannot be scored on their own go to an errors Parquet
-    limit: int | None = None      # score only the input's first rows
-    carry: bool = False           # copy the input's other columns into the output
-    rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
 
 
 @dataclass(slots=True)
@@ -127,26 +97,6 @@ class RunResult:
     already_complete: bool = False  # the output was this very job's, merged by an earlier run: nothing done
     warnings: list[str] = field(default_factory=list)  # about the results (e.g. labels holding little mass)
     labels: dict | None = None    # label mass min / median, low-mass rows, predictions per label (LabelTally)
-
-
-def check_options(opts: RunOptions) -> None:
-    if opts.state_read not in STATE_READS:
-        raise KevscoreError(f"--state-read {opts.state_read}: choose indexed or gathered")
-    if opts.batch_rows < 1:
-        raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
-    if opts.bank_capacity is not None and opts.bank_capacity < 1:
-        raise KevscoreError(f"--bank-capacity {opts.bank_capacity}: must be at least 1")
-    if opts.limit is not None and opts.limit < 1:
-        raise KevscoreError(f"--limit {opts.limit}: must be at least 1")
-    if opts.window < 1:
-        raise KevscoreError(f"--window {opts.window}: must be at least 1")
-    check_labels(list(opts.labels))
-    if opts.bank_max_gb is not None and opts.bank is None:
-        raise KevscoreError("--bank-max-gb needs --bank DIR")
-    if opts.bank_max_gb is not None and not opts.bank_max_gb > 0:
-        raise KevscoreError(f"--bank-max-gb {opts.bank_max_gb}: must be more than 0")
-    if opts.bank is not None:
-        check_bank_dir(Path(opts.bank), create=True)
 
 
 @contextmanager
@@ -460,90 +410,6 @@ def finished_job(opts: RunOptions, output: Path, same: bool, model: str, device:
     return result
 
 
-def make_engine(opts: RunOptions, runner, store: BankStore | None = None) -> Engine:
-    """The engine a job scores with: one row per batch and one document per prefill with --batch-invariant."""
-    return Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
-                  prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, store=store,
-                  skip_failed=opts.skip_invalid)
-
-
-def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
-                  tokenizer, template, max_positions: int, stats: RunStats, progress: Reporter, rank: int = 0) -> None:
-    """Score every window of `rank` without a completed part. The next window is read and tokenized on one
-    worker thread while this one is scored, and the last window's part is written on another (at most two
-    windows' inputs and one window's output in memory); a failure on either thread ends the run with its error."""
-    mine = windows.of_rank(rank)
-    todo = [w for w in mine if w not in parts.done]
-    resumed_rows = sum(parts.done[w] for w in mine if w in parts.done)
-    total_rows = int(windows.rows[mine].sum())
-    progress.start("prefill", int(windows.docs[todo].sum()) if todo else 0)
-    progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()) if todo else total_rows)
-    progress.event("start", rows=total_rows, windows=len(mine), windows_done=len(mine) - len(todo),
-                   rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
-    reader = RowReader(scan)
-
-    def load(w: int):
-        table = reader.read(windows.rows_of(w))
-        return table, encode(table, tokenizer, template, opts.labels, max_positions)
-
-    def write(w: int, table, enc, scores: Scores) -> None:  # on the writing thread
-        t0 = time.perf_counter()
-        parts.write(w, *_part_tables(table, enc, scores))
-        stats.write_s += time.perf_counter() - t0  # only this thread adds to it while windows are scored
-        progress.event("part", window=w, rows=len(enc) - len(scores.failed), failed=len(scores.failed),
-                       windows_done=len(parts.done.keys() & set(mine)), windows=len(mine))
-
-    reading = ThreadPoolExecutor(1, thread_name_prefix="kevscore-read")
-    writing = ThreadPoolExecutor(1, thread_name_prefix="kevscore-write")
-    last_write = None
-    try:
-        upcoming = reading.submit(load, todo[0]) if todo else None
-        for k, w in enumerate(todo):
-            t0 = time.perf_counter()
-            table, enc = upcoming.result()
-            stats.read_s += time.perf_counter() - t0  # the time scoring waited for its window
-            upcoming = reading.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
-            progress.event("window", window=w, rows=len(enc), documents=len(enc.prefixes))
-            if engine.store is not None:
-                engine.store.note_documents(enc.prefixes, _doc_ids(table, enc))
-            scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
-            engine.run_waves(enc, opts.state_read, scores, progress)
-            progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
-            if last_write is not None:
-                last_write.result()  # the previous part is on disk (or its error is raised here)
-            last_write = writing.submit(write, w, table, enc, scores)
-        if last_write is not None:
-            last_write.result()
-    finally:
-        reading.shutdown(wait=False, cancel_futures=True)
-        writing.shutdown(wait=True)  # a stopped or failed run keeps the part being written
-
-
-def _part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table | None]:
-    """A window's scores in output form, and its rows that failed on their own (or None)."""
-    ok = [i for i in range(len(enc)) if i not in scores.failed]
-    kept = table if len(ok) == len(enc) else table.take(ok)
-    part = output_table(kept, [enc.labels[i] for i in ok], [scores.probs[i] for i in ok],
-                        [scores.label_mass[i] for i in ok])
-    if not scores.failed:
-        return part, None
-    failed = sorted(scores.failed)
-    errors = pa.table({"row": [table.rows[i] for i in failed],
-                       "doc_id": [table.doc_ids[i] if table.doc_ids else None for i in failed],
-                       "question_id": [table.question_ids[i] if table.question_ids else None for i in failed],
-                       "reason": [scores.failed[i] for i in failed]}, schema=ERRORS_SCHEMA)
-    return part, errors
-
-
-def _doc_ids(table, enc) -> list[list[str]]:
-    doc_ids: list[list[str]] = [[] for _ in enc.prefixes]
-    if table.doc_ids:
-        for r, p in enumerate(enc.row_prefix):
-            if table.doc_ids[r] not in doc_ids[p]:
-                doc_ids[p].append(table.doc_ids[r])
-    return doc_ids
-
-
 def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:
     """doc_of_row keeping only the rows of documents that kevscore.job.shard assigns to `rank` (others -1)."""
     if not 0 <= rank < world:
@@ -616,4 +482,3 @@ def open_store(opts: RunOptions, fingerprint, progress: Reporter | None) -> Bank
         return BankStore(Path(opts.bank), fingerprint, max_bytes, warn=(progress or Reporter()).warn)
     except OSError as exc:
         raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc
-

@@ -1,0 +1,60 @@
+"""A job's options (`kevscore run`'s flags, `Scorer`'s arguments) and their checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kevscore.engine.bank_dir import check_bank_dir
+from kevscore.errors import KevscoreError
+from kevscore.job.labels import check_labels
+
+STATE_READS = ("indexed", "gathered")  # --state-read: a row's document state read in place, or copied out
+WINDOW_DOCS = 1024          # documents per window (--window)
+WINDOW_ROWS = 65536         # rows per window; a document with more rows is split over windows of its own
+WINDOW_TOKENS = 1 << 20     # document tokens per window
+
+
+@dataclass(slots=True)
+class RunOptions:
+    input: Path
+    documents: Path | None = None
+    output: Path | None = None
+    model: str = "demo"
+    device: str = "auto"
+    state_read: str = "indexed"   # how a row's document state is read from the bank (STATE_READS)
+    labels: list[str] = field(default_factory=lambda: ["Yes", "No"])
+    template: Path | None = None
+    batch_rows: int = 64
+    overwrite: bool = False
+    bank_capacity: int | None = None
+    eager: bool = False
+    bank: Path | None = None          # on-disk bank directory (kevscore.engine.bank_store)
+    bank_max_gb: float | None = None  # LRU-evict the on-disk bank down to this size
+    shard: tuple[int, int] | None = None  # (rank, world): score only this rank's documents (kevscore.job.shard)
+    batch_invariant: bool = False  # one row per batch, one document per prefill: results independent of batch-mates
+    window: int = WINDOW_DOCS     # documents per window: host memory is bounded by a window, not the input
+    restart: bool = False         # discard the completed parts of an interrupted run instead of resuming it
+    skip_invalid: bool = False    # rows that cannot be scored on their own go to an errors Parquet
+    limit: int | None = None      # score only the input's first rows
+    carry: bool = False           # copy the input's other columns into the output
+    rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
+
+
+def check_options(opts: RunOptions) -> None:
+    if opts.state_read not in STATE_READS:
+        raise KevscoreError(f"--state-read {opts.state_read}: choose indexed or gathered")
+    if opts.batch_rows < 1:
+        raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
+    if opts.bank_capacity is not None and opts.bank_capacity < 1:
+        raise KevscoreError(f"--bank-capacity {opts.bank_capacity}: must be at least 1")
+    if opts.limit is not None and opts.limit < 1:
+        raise KevscoreError(f"--limit {opts.limit}: must be at least 1")
+    if opts.window < 1:
+        raise KevscoreError(f"--window {opts.window}: must be at least 1")
+    check_labels(list(opts.labels))
+    if opts.bank_max_gb is not None and opts.bank is None:
+        raise KevscoreError("--bank-max-gb needs --bank DIR")
+    if opts.bank_max_gb is not None and not opts.bank_max_gb > 0:
+        raise KevscoreError(f"--bank-max-gb {opts.bank_max_gb}: must be more than 0")
+    if opts.bank is not None:
+        check_bank_dir(Path(opts.bank), create=True)

@@ -1,0 +1,102 @@
+"""Scoring a job's windows: each read and tokenized ahead on one thread, run through the engine wave by wave,
+its part written on another while the next window is scored."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow as pa
+
+from kevscore.engine.bank_store import BankStore
+from kevscore.engine.pipeline import Engine, Reporter, RunStats, Scores
+from kevscore.engine.plan import Windows
+from kevscore.job.data import output_table
+from kevscore.job.options import RunOptions
+from kevscore.job.parts import ERRORS_SCHEMA, PartStore
+from kevscore.job.rows import RowReader
+from kevscore.job.scan import InputScan
+from kevscore.model.prompt import encode
+
+
+def make_engine(opts: RunOptions, runner, store: BankStore | None = None) -> Engine:
+    """The engine a job scores with: one row per batch and one document per prefill with --batch-invariant."""
+    return Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
+                  prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, store=store,
+                  skip_failed=opts.skip_invalid)
+
+
+def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
+                  tokenizer, template, max_positions: int, stats: RunStats, progress: Reporter, rank: int = 0) -> None:
+    """Score every window of `rank` without a completed part. The next window is read and tokenized on one
+    worker thread while this one is scored, and the last window's part is written on another (at most two
+    windows' inputs and one window's output in memory); a failure on either thread ends the run with its error."""
+    mine = windows.of_rank(rank)
+    todo = [w for w in mine if w not in parts.done]
+    resumed_rows = sum(parts.done[w] for w in mine if w in parts.done)
+    total_rows = int(windows.rows[mine].sum())
+    progress.start("prefill", int(windows.docs[todo].sum()) if todo else 0)
+    progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()) if todo else total_rows)
+    progress.event("start", rows=total_rows, windows=len(mine), windows_done=len(mine) - len(todo),
+                   rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
+    reader = RowReader(scan)
+
+    def load(w: int):
+        table = reader.read(windows.rows_of(w))
+        return table, encode(table, tokenizer, template, opts.labels, max_positions)
+
+    def write(w: int, table, enc, scores: Scores) -> None:  # on the writing thread
+        t0 = time.perf_counter()
+        parts.write(w, *part_tables(table, enc, scores))
+        stats.write_s += time.perf_counter() - t0  # only this thread adds to it while windows are scored
+        progress.event("part", window=w, rows=len(enc) - len(scores.failed), failed=len(scores.failed),
+                       windows_done=len(parts.done.keys() & set(mine)), windows=len(mine))
+
+    reading = ThreadPoolExecutor(1, thread_name_prefix="kevscore-read")
+    writing = ThreadPoolExecutor(1, thread_name_prefix="kevscore-write")
+    last_write = None
+    try:
+        upcoming = reading.submit(load, todo[0]) if todo else None
+        for k, w in enumerate(todo):
+            t0 = time.perf_counter()
+            table, enc = upcoming.result()
+            stats.read_s += time.perf_counter() - t0  # the time scoring waited for its window
+            upcoming = reading.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
+            progress.event("window", window=w, rows=len(enc), documents=len(enc.prefixes))
+            if engine.store is not None:
+                engine.store.note_documents(enc.prefixes, doc_ids(table, enc))
+            scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
+            engine.run_waves(enc, opts.state_read, scores, progress)
+            progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
+            if last_write is not None:
+                last_write.result()  # the previous part is on disk (or its error is raised here)
+            last_write = writing.submit(write, w, table, enc, scores)
+        if last_write is not None:
+            last_write.result()
+    finally:
+        reading.shutdown(wait=False, cancel_futures=True)
+        writing.shutdown(wait=True)  # a stopped or failed run keeps the part being written
+
+
+def part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table | None]:
+    """A window's scores in output form, and its rows that failed on their own (or None)."""
+    ok = [i for i in range(len(enc)) if i not in scores.failed]
+    kept = table if len(ok) == len(enc) else table.take(ok)
+    part = output_table(kept, [enc.labels[i] for i in ok], [scores.probs[i] for i in ok],
+                        [scores.label_mass[i] for i in ok])
+    if not scores.failed:
+        return part, None
+    failed = sorted(scores.failed)
+    errors = pa.table({"row": [table.rows[i] for i in failed],
+                       "doc_id": [table.doc_ids[i] if table.doc_ids else None for i in failed],
+                       "question_id": [table.question_ids[i] if table.question_ids else None for i in failed],
+                       "reason": [scores.failed[i] for i in failed]}, schema=ERRORS_SCHEMA)
+    return part, errors
+
+
+def doc_ids(table, enc) -> list[list[str]]:
+    doc_ids: list[list[str]] = [[] for _ in enc.prefixes]
+    if table.doc_ids:
+        for r, p in enumerate(enc.row_prefix):
+            if table.doc_ids[r] not in doc_ids[p]:
+                doc_ids[p].append(table.doc_ids[r])
+    return doc_ids
