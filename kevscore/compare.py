@@ -249,7 +249,6 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     """Run the cases; returns the report (also written to `opts.json_path` when given)."""
     from kevscore.engine.backend import build_runner, resolve_device
     from kevscore.model.checkpoint import load_checkpoint
-    from kevscore.model.prompt import encode, label_token_ids, load_template
 
     cases = _check(opts)
     device = resolve_device(opts.device)
@@ -257,21 +256,7 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     log(f"loading {opts.model} on {device.type}")
     ckpt = load_checkpoint(opts.model, device)
     small = device.type != "cuda"
-    workloads: dict[str, tuple[Encoded, float, dict]] = {}
-    if opts.data:
-        from kevscore.job.data import read_input
-
-        table = read_input(Path(opts.data), Path(opts.documents) if opts.documents else None)
-        enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],
-                     ckpt.config.max_position_embeddings)
-        for c in cases:
-            workloads[c] = (enc, TEMPERATURES[c], {"data": Path(opts.data).name, "rows": len(enc),
-                                                   "documents": len(enc.prefixes), "warm": TEMPERATURES[c]})
-    else:
-        labels = label_token_ids(ckpt.tokenizer, ["Yes", "No"], "compare")
-        specs = case_specs(small)
-        for c in cases:
-            workloads[c] = (synthetic(specs[c], ckpt.config.vocab_size, labels), specs[c].warm, asdict(specs[c]))
+    workloads = _workloads(opts, ckpt, cases, small)
     if opts.baseline == "hf":
         _one_token_labels(next(iter(workloads.values()))[0], Path(opts.data).name if opts.data else "compare")
     doc_tokens = [len(p) for enc, _, _ in workloads.values() for p in enc.prefixes]
@@ -311,6 +296,24 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     if opts.plot:
         plot(report, Path(opts.plot))
     return report
+
+
+def _workloads(opts: CompareOptions, ckpt, cases: list[str], small: bool) -> dict[str, tuple[Encoded, float, dict]]:
+    """Per case: its encoded rows, its warm-up share and what defines it (the --data rows, else synthetic)."""
+    from kevscore.model.prompt import encode, label_token_ids, load_template
+
+    if not opts.data:
+        labels = label_token_ids(ckpt.tokenizer, ["Yes", "No"], "compare")
+        specs = case_specs(small)
+        return {c: (synthetic(specs[c], ckpt.config.vocab_size, labels), specs[c].warm, asdict(specs[c]))
+                for c in cases}
+    from kevscore.job.data import read_input
+
+    table = read_input(Path(opts.data), Path(opts.documents) if opts.documents else None)
+    enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],
+                 ckpt.config.max_position_embeddings)
+    return {c: (enc, TEMPERATURES[c], {"data": Path(opts.data).name, "rows": len(enc),
+                                       "documents": len(enc.prefixes), "warm": TEMPERATURES[c]}) for c in cases}
 
 
 def spread_warnings(report: dict) -> list[str]:
