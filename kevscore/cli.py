@@ -204,6 +204,11 @@ def run(
         if log:
             log.emit("interrupted", message=message)
         _fail(message, 130)
+    _report(result, log, quiet)
+
+
+def _report(result, log: JsonProgress | None, quiet: bool) -> None:
+    """A finished run's last words: the `done` event, the summary table, or a line when nothing was to do."""
     if log:
         log.emit("done", **summary_fields(result))
     elif quiet:
