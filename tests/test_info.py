@@ -35,6 +35,11 @@ def test_an_output_records_how_it_was_made(tmp_path):
     assert (opts["device"], opts["state_read"], opts["labels"], opts["batch_rows"], opts["limit"]) == \
         ("cpu", "indexed", ["No", "Yes"], 5, 12)
     assert record["plan"]["rows"] == 12
+    # the metadata keys are part of the file format: outputs of earlier versions must stay readable
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(out).metadata
+    assert meta[b"kevscore.job"].decode() == record["job"] and b"kevscore.provenance" in meta
 
 
 def test_info_prints_it_at_80_columns_or_as_json(tmp_path):

@@ -38,7 +38,7 @@ from kevscore.job.formats import TableWriter, file_format
 
 FORMAT, VERSION = "kevscore-parts", 1
 MANIFEST, LOCK = "manifest.json", "lock"
-JOB_KEY = b"kevscore.job.run"
+JOB_KEY = b"kevscore.job"
 PROVENANCE_KEY = b"kevscore.provenance"  # how the output was made: version, inputs, model, options (`kevscore info`)
 PART_ROW_GROUP = 1024   # rows per row group in part files: a merge keeps about one per open part
 MERGE_ROWS = 16384      # input rows per merge chunk
