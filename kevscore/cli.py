@@ -342,7 +342,7 @@ def info(
 ) -> None:
     """How a Parquet output was made: kevscore's version, the inputs and their SHA-256s, the template, the
     model and its fingerprint, the device, dtype, path, labels and options."""
-    from kevscore.job.parts import output_provenance
+    from kevscore.job.provenance import output_provenance
 
     try:
         record = output_provenance(output)

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from kevscore.cli import app
 from kevscore.display import provenance_table
 from kevscore.job.options import RunOptions
-from kevscore.job.parts import output_provenance
+from kevscore.job.provenance import output_provenance
 from kevscore.job.run import run_job
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "demo-task.parquet"

@@ -24,7 +24,8 @@ from kevscore.engine.backend import invariant_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
 from kevscore.job.options import RunOptions, check_options
-from kevscore.job.parts import PartStore, job_digest
+from kevscore.job.parts import PartStore
+from kevscore.job.provenance import job_digest
 from kevscore.job.run import (
     Job,
     finished_job,

@@ -43,7 +43,8 @@ from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_p
 from kevscore.job.formats import STDOUT, Carry, Source, file_format, open_source
 from kevscore.job.labels import LabelTally, low_mass_warning
 from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, check_options
-from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, job_digest, merged_output, output_job
+from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, merged_output
+from kevscore.job.provenance import job_digest, output_job
 from kevscore.job.rows import Cursor
 from kevscore.job.scan import InputScan, scan_input
 from kevscore.job.shard import assign_documents
@@ -189,7 +190,7 @@ class Prepared:
     windows: Windows
     laps: Laps                    # scan, checkpoint, tokens so far
     warm_up: WarmUp | None        # the GPU warm-up thread (kevscore.engine.warmup), joined once the runner is built
-    finished: str | None = None   # the job digest an existing output records (kevscore.job.parts.output_job)
+    finished: str | None = None   # the job digest an existing output records (kevscore.job.provenance.output_job)
 
 
 def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks: int = 1,

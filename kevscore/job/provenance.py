@@ -1,0 +1,82 @@
+"""What an output records about the job that made it: the job's digest (a rerun of the same job is
+"already complete"), its provenance (`kevscore info`), and what changed between two jobs, in words."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kevscore.errors import KevscoreError, first_line
+from kevscore.job.formats import file_format
+
+JOB_KEY = b"kevscore.job"
+PROVENANCE_KEY = b"kevscore.provenance"  # how the output was made: version, inputs, model, options (`kevscore info`)
+OPTION_FLAGS = {"state_read": "--state-read", "labels": "--labels", "batch_rows": "--batch-rows",
+                "bank_capacity": "--bank-capacity", "eager": "--eager", "batch_invariant": "--batch-invariant",
+                "window": "--window",
+                "shard": "shard (rank, world)", "ranks": "ranks (--gpus, torchrun)", "device": "--device",
+                "model": "--model", "skip_invalid": "--skip-invalid", "limit": "--limit", "carry": "--carry/--no-carry",
+                "rename": "the column options (--question-column, ...)"}
+
+
+def job_digest(identity: dict) -> str:
+    """The digest naming a job in its parts' and its output's Parquet metadata."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def output_job(output: Path) -> str | None:
+    """The job digest a merged output records (None: not a kevscore output, or unreadable)."""
+    try:
+        meta = pq.read_schema(output).metadata or {}
+    except (OSError, pa.ArrowException):
+        return None
+    job = meta.get(JOB_KEY)
+    return job.decode("ascii", "replace") if job else None
+
+
+def provenance(identity: dict) -> dict:
+    """What an output records of how it was made: the job's identity (inputs and their SHA-256s, template,
+    model and its fingerprint, options, plan), kevscore's version and the weights' dtype. No time: the same
+    job writes the same bytes, so a resumed run's output equals an uninterrupted one's."""
+    from kevscore import __version__
+
+    dtype = "bfloat16" if identity["options"]["device"] == "cuda" else "float32"
+    return {"kevscore": __version__, "dtype": dtype, "job": job_digest(identity), **identity}
+
+
+def output_provenance(output: Path) -> dict | None:
+    """The provenance a kevscore Parquet output records (None: a Parquet file without it)."""
+    fmt = file_format(output)
+    if fmt != "parquet":
+        raise KevscoreError(f"{output}: a {fmt} file; only Parquet outputs record how they were made")
+    try:
+        meta = pq.read_schema(output).metadata or {}
+        return json.loads(meta[PROVENANCE_KEY]) if PROVENANCE_KEY in meta else None
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        raise KevscoreError(f"{output}: not a readable Parquet file ({first_line(exc)})") from exc
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """What changed between two job identities, in words."""
+    out = []
+    for name in ("input", "documents", "template"):
+        if old.get(name) != new.get(name):
+            was, now = old.get(name), new.get(name)
+            if was and now and was.get("name") == now.get("name"):
+                out.append(f"{name} {now['name']} changed (SHA-256 {was['sha256'][:12]} -> {now['sha256'][:12]})")
+            else:
+                out.append(f"{name} {(was or {}).get('name', 'none')} -> {(now or {}).get('name', 'none')}")
+    if old.get("model") != new.get("model"):
+        was, now = old.get("model") or {}, new.get("model") or {}
+        out.append(f"model {was.get('name')} ({str(was.get('fingerprint'))[:12]}) -> "
+                   f"{now.get('name')} ({str(now.get('fingerprint'))[:12]})")
+    was, now = old.get("options") or {}, new.get("options") or {}
+    for key in sorted(set(was) | set(now)):
+        if was.get(key) != now.get(key):
+            out.append(f"{OPTION_FLAGS.get(key, key)} {was.get(key)} -> {now.get(key)}")
+    if not out and old.get("plan") != new.get("plan"):
+        out.append("the window plan")
+    return out or ["the parts' format"]
