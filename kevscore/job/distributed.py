@@ -23,19 +23,11 @@ from typing import TypeVar
 from kevscore.engine.backend import invariant_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
+from kevscore.job.inputs import opened_inputs, output_path
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.parts import PartStore
 from kevscore.job.provenance import job_digest
-from kevscore.job.run import (
-    Job,
-    finished_job,
-    merge_job,
-    open_parts,
-    opened_inputs,
-    output_path,
-    score_job,
-    start_job,
-)
+from kevscore.job.run import Job, finished_job, merge_job, open_parts, score_job, start_job
 
 TIMEOUT = datetime.timedelta(hours=24)  # ranks wait this long for each other at a status exchange
 T = TypeVar("T")

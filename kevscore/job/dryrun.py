@@ -8,9 +8,10 @@ import numpy as np
 
 from kevscore.engine.pipeline import Engine
 from kevscore.engine.plan import plan_waves
+from kevscore.job.inputs import opened_inputs
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.rows import RowReader
-from kevscore.job.run import WARM_UP_WAIT_S, LoadedModel, Prepared, job_runner, opened_inputs, prepare
+from kevscore.job.run import WARM_UP_WAIT_S, LoadedModel, Prepared, job_runner, prepare
 from kevscore.job.windows import make_engine
 from kevscore.model.prompt import encode
 

@@ -58,3 +58,8 @@ def check_options(opts: RunOptions) -> None:
         raise KevscoreError(f"--bank-max-gb {opts.bank_max_gb}: must be more than 0")
     if opts.bank is not None:
         check_bank_dir(Path(opts.bank), create=True)
+
+
+def carries(opts: RunOptions, ranks: int = 1) -> bool:
+    """Whether the output gets the input's other columns (a one-process job's output, not a shard's or the ranks')."""
+    return opts.carry and opts.shard is None and ranks == 1

@@ -1,5 +1,6 @@
 """What an output records about the job that made it: the job's digest (a rerun of the same job is
-"already complete"), its provenance (`kevscore info`), and what changed between two jobs, in words."""
+"already complete") from its identity (what its results depend on), its provenance (`kevscore info`),
+and what changed between two jobs, in words."""
 from __future__ import annotations
 
 import hashlib
@@ -9,8 +10,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kevscore.durable import file_sha256
+from kevscore.engine.plan import Windows
 from kevscore.errors import KevscoreError, first_line
-from kevscore.job.formats import file_format
+from kevscore.job.formats import Source, file_format
+from kevscore.job.inputs import Inputs
+from kevscore.job.options import RunOptions, carries
 
 JOB_KEY = b"kevscore.job"
 PROVENANCE_KEY = b"kevscore.provenance"  # how the output was made: version, inputs, model, options (`kevscore info`)
@@ -80,3 +85,30 @@ def differences(old: dict, new: dict) -> list[str]:
     if not out and old.get("plan") != new.get("plan"):
         out.append("the window plan")
     return out or ["the parts' format"]
+
+
+def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str, device: str,
+                 windows: Windows, ranks: int = 1) -> dict:
+    """What a job's results depend on; a resumed run (on any number of processes) must match it exactly."""
+    def file(path):
+        return None if path is None else {"name": Path(path).name, "sha256": file_sha256(Path(path))}
+
+    def source(src: Source | None):
+        if src is None or len(src.files) == 1:
+            return file(src.files[0] if src else None)
+        if not src.files:  # a URI: its staged copy stands for it
+            return {"name": src.given, "sha256": file_sha256(src.path)}
+        listing = "\n".join(f"{f} {file_sha256(f)}" for f in src.files)
+        return {"name": src.given, "sha256": hashlib.sha256(listing.encode()).hexdigest()}
+
+    return {
+        "input": source(inputs.questions), "documents": source(inputs.documents), "template": file(opts.template),
+        "model": {"name": model, "fingerprint": fingerprint},
+        "options": {"device": device, "state_read": opts.state_read, "labels": list(opts.labels),
+                    "batch_rows": opts.batch_rows,
+                    "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
+                    "window": opts.window, "shard": list(opts.shard) if opts.shard else None, "ranks": ranks,
+                    "skip_invalid": opts.skip_invalid, "limit": opts.limit, "carry": carries(opts, ranks),
+                    "rename": {k: v for k, v in sorted(opts.rename.items()) if k != v}},
+        "plan": {"windows": len(windows), "rows": int(windows.rows.sum()), "digest": windows.digest()},
+    }

@@ -12,15 +12,9 @@ the plan; GPU memory by the bank (waves inside a window when it does not fit).
 from __future__ import annotations
 
 import gc
-import hashlib
-import os
 import resource
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +23,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from kevscore.durable import file_sha256
 from kevscore.engine.backend import build_runner, invariant_threads, resolve_device
 from kevscore.engine.bank import BankLayout
 from kevscore.engine.bank_entry import Fingerprint, model_fingerprint
@@ -39,12 +32,13 @@ from kevscore.engine.plan import Windows, join_windows, plan_windows
 from kevscore.engine.warmup import WarmUp, prepare_device
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
-from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path
-from kevscore.job.formats import STDOUT, Carry, Source, file_format, open_source
+from kevscore.job.data import OUTPUT_SCHEMA, check_output_path
+from kevscore.job.formats import STDOUT, Carry, file_format
+from kevscore.job.inputs import Inputs, opened_inputs, output_path, to_stdout
 from kevscore.job.labels import LabelTally, low_mass_warning
-from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, check_options
+from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, carries, check_options
 from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, merged_output
-from kevscore.job.provenance import job_digest, output_job
+from kevscore.job.provenance import job_digest, job_identity, output_job
 from kevscore.job.rows import Cursor
 from kevscore.job.scan import InputScan, scan_input
 from kevscore.job.shard import assign_documents
@@ -54,26 +48,6 @@ from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, 
 from kevscore.model.prompt import Template, load_template
 
 WARM_UP_WAIT_S = 300        # the longest the job waits for its kernels' compilation (kevscore.engine.warmup)
-
-
-@dataclass(slots=True)
-class Inputs:
-    """The input and documents as given, and the Parquet files a job streams (kevscore.job.formats)."""
-    questions: Source
-    documents: Source | None
-    stage: Path                   # a temporary directory for staged copies (and `-o -`'s output)
-
-    @property
-    def files(self) -> list[Path]:
-        return [f for s in (self.questions, self.documents) if s is not None for f in s.files]
-
-    def message(self, text: str) -> str:
-        """An error message about staged copies and renamed columns, told about the input as given."""
-        for source in (self.questions, self.documents):
-            text = source.message(text) if source is not None else text
-        for theirs, ours in self.questions.rename.items():
-            text = text.replace(f"column {ours!r}", f"column {theirs!r}")
-        return text
 
 
 @dataclass(slots=True)
@@ -100,35 +74,6 @@ class RunResult:
     labels: dict | None = None    # label mass min / median, low-mass rows, predictions per label (LabelTally)
 
 
-@contextmanager
-def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
-    """The input and documents as Parquet files to stream, staged in a temporary directory when they are
-    not (kevscore.job.formats); errors about them name the input as given."""
-    with tempfile.TemporaryDirectory(prefix="kevscore-") as tmp:
-        stage = Path(tmp)
-        (stage / "input").mkdir()
-        (stage / "documents").mkdir()
-        questions = open_source(opts.input, stage / "input", opts.rename, opts.limit)
-        documents = open_source(opts.documents, stage / "documents", opts.rename) if opts.documents else None
-        inputs = Inputs(questions, documents, stage)
-        try:
-            yield inputs
-        except KevscoreError as exc:
-            message = inputs.message(str(exc))
-            if message == str(exc):
-                raise
-            raise type(exc)(message) from exc
-
-
-def output_path(opts: RunOptions) -> Path:
-    """The output file: -o, else <input stem>.scores.parquet beside the input."""
-    if opts.output is not None:
-        return Path(opts.output)
-    if any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
-        raise KevscoreError(f"{opts.input}: a glob or URI input needs -o/--output")
-    return default_output_path(Path(opts.input))
-
-
 @dataclass(slots=True)
 class LoadedModel:
     """A model kept loaded between jobs (kevscore.api.Scorer): its checkpoint, once loaded, and the last
@@ -153,16 +98,6 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
                 to_stdout(result.output)
                 result.output = Path(STDOUT)
         return result
-
-
-def to_stdout(path: Path) -> None:
-    """Copy a file to stdout; a reader that stops early (`| head`) has all it wanted."""
-    try:
-        with open(path, "rb") as f:
-            shutil.copyfileobj(f, sys.stdout.buffer)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
 
 
 class Laps:
@@ -432,38 +367,6 @@ def bank_documents(windows: Windows, doc_of_row: np.ndarray, doc_tokens: np.ndar
     if lengths[-1] < longest:
         lengths[0] = longest
     return lengths + [0] * max(0, int(windows.docs.max()) - len(lengths))
-
-
-def carries(opts: RunOptions, ranks: int = 1) -> bool:
-    """Whether the output gets the input's other columns (a one-process job's output, not a shard's or the ranks')."""
-    return opts.carry and opts.shard is None and ranks == 1
-
-
-def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str, device: str,
-                 windows: Windows, ranks: int = 1) -> dict:
-    """What a job's results depend on; a resumed run (on any number of processes) must match it exactly."""
-    def file(path):
-        return None if path is None else {"name": Path(path).name, "sha256": file_sha256(Path(path))}
-
-    def source(src: Source | None):
-        if src is None or len(src.files) == 1:
-            return file(src.files[0] if src else None)
-        if not src.files:  # a URI: its staged copy stands for it
-            return {"name": src.given, "sha256": file_sha256(src.path)}
-        listing = "\n".join(f"{f} {file_sha256(f)}" for f in src.files)
-        return {"name": src.given, "sha256": hashlib.sha256(listing.encode()).hexdigest()}
-
-    return {
-        "input": source(inputs.questions), "documents": source(inputs.documents), "template": file(opts.template),
-        "model": {"name": model, "fingerprint": fingerprint},
-        "options": {"device": device, "state_read": opts.state_read, "labels": list(opts.labels),
-                    "batch_rows": opts.batch_rows,
-                    "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
-                    "window": opts.window, "shard": list(opts.shard) if opts.shard else None, "ranks": ranks,
-                    "skip_invalid": opts.skip_invalid, "limit": opts.limit, "carry": carries(opts, ranks),
-                    "rename": {k: v for k, v in sorted(opts.rename.items()) if k != v}},
-        "plan": {"windows": len(windows), "rows": int(windows.rows.sum()), "digest": windows.digest()},
-    }
 
 
 def set_aside_table(scan: InputScan) -> pa.Table:

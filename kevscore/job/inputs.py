@@ -1,0 +1,76 @@
+"""A job's files: the input and documents as given, opened as the Parquet files a job streams (staged in a
+temporary directory when they are not: kevscore.job.formats); the output's path; copying it to stdout."""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kevscore.errors import KevscoreError
+from kevscore.job.data import default_output_path
+from kevscore.job.formats import Source, open_source
+from kevscore.job.options import RunOptions
+
+
+@dataclass(slots=True)
+class Inputs:
+    """The input and documents as given, and the Parquet files a job streams (kevscore.job.formats)."""
+    questions: Source
+    documents: Source | None
+    stage: Path                   # a temporary directory for staged copies (and `-o -`'s output)
+
+    @property
+    def files(self) -> list[Path]:
+        return [f for s in (self.questions, self.documents) if s is not None for f in s.files]
+
+    def message(self, text: str) -> str:
+        """An error message about staged copies and renamed columns, told about the input as given."""
+        for source in (self.questions, self.documents):
+            text = source.message(text) if source is not None else text
+        for theirs, ours in self.questions.rename.items():
+            text = text.replace(f"column {ours!r}", f"column {theirs!r}")
+        return text
+
+
+@contextmanager
+def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
+    """The input and documents as Parquet files to stream, staged in a temporary directory when they are
+    not (kevscore.job.formats); errors about them name the input as given."""
+    with tempfile.TemporaryDirectory(prefix="kevscore-") as tmp:
+        stage = Path(tmp)
+        (stage / "input").mkdir()
+        (stage / "documents").mkdir()
+        questions = open_source(opts.input, stage / "input", opts.rename, opts.limit)
+        documents = open_source(opts.documents, stage / "documents", opts.rename) if opts.documents else None
+        inputs = Inputs(questions, documents, stage)
+        try:
+            yield inputs
+        except KevscoreError as exc:
+            message = inputs.message(str(exc))
+            if message == str(exc):
+                raise
+            raise type(exc)(message) from exc
+
+
+def output_path(opts: RunOptions) -> Path:
+    """The output file: -o, else <input stem>.scores.parquet beside the input."""
+    if opts.output is not None:
+        return Path(opts.output)
+    if any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
+        raise KevscoreError(f"{opts.input}: a glob or URI input needs -o/--output")
+    return default_output_path(Path(opts.input))
+
+
+def to_stdout(path: Path) -> None:
+    """Copy a file to stdout; a reader that stops early (`| head`) has all it wanted."""
+    try:
+        with open(path, "rb") as f:
+            shutil.copyfileobj(f, sys.stdout.buffer)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
