@@ -7,7 +7,7 @@ table and writes JSON.
 The job (defaults: the shape of issue 17's table): `make_long_input.py --rows 6000 --docs 1000 --doc-words
 1000 --question-words 40`, ~1,700-token documents with 6 questions of ~85 tokens each, run through
 `kevscore.job.run.run_job` (the code behind `kevscore run`, Parquet in and out) in a child process per start:
-`cold` with empty Triton and FLA caches (a user's first job), then `warm` on the caches the cold run left.
+`cold` with empty Triton, FLA and kevscore caches (a user's first job), then `warm` on the caches the cold run left.
 The GPU's idle time between phases comes from CUDA events recorded around each prefill and scoring phase.
 The floor is the job's weight-matmul FLOPs at the bf16 rate measured in the same run.
 """
@@ -117,13 +117,14 @@ def make_input(args, folder: Path) -> Path:
 
 
 def run_start(args, start: str, data: Path, folder: Path, cache: Path) -> dict:
-    """One job in a child process; `cold` starts from empty Triton/FLA caches in `cache`."""
+    """One job in a child process; `cold` starts from empty Triton, FLA and kevscore caches in `cache`."""
     if start == "cold" and cache.exists():
         import shutil
 
         shutil.rmtree(cache)
     cache.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "KEVSCORE_CACHE": str(cache / "kevscore"),
+           "PYTHONUNBUFFERED": "1"}
     report = folder / f"{start}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(report), "--input", str(data),
            "--output", str(folder / f"{start}.scores.parquet"), "--model", args.model, "--device", args.device,

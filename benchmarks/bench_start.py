@@ -1,7 +1,9 @@
 """A job's start on the GPU, step by step, each start in a fresh process: imports, the CUDA context, cuBLAS's
 first matmul, and the warm-up's kernel compilation (kevscore.engine.warmup.compile_kernels at the model's layer
 shapes) with an empty Triton cache (a user's first job) and with the cache a cold start left; the cold start
-once with the parallel compile (kevscore.kernels.precompile) and once without. Prints a table, writes JSON.
+once with the parallel compile (kevscore.kernels.precompile) and once without; then a checkpoint load's
+steps (transformers' import, the tokenizer, seeded weights), and a warm start's slowest imports. Prints a
+table, writes JSON.
 
     python benchmarks/bench_start.py --model kev-4b --json benchmarks/results/start-kev-4b-h200.json
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 # (name, empty cache first, KEVSCORE_PARALLEL_COMPILE)
 STARTS = (("cold, parallel", True, "1"), ("warm", False, "1"), ("cold, serial", True, "0"))
+HEAVY = "transformers.models.auto.auto_factory"  # AutoTokenizer's import: transformers' model code
 
 
 def child(model: str) -> dict:
@@ -56,18 +59,46 @@ def child(model: str) -> dict:
     triton.knobs.compilation.listener = listen
     warm_up = compile_kernels(SHAPES[model], torch.device("cuda"), "indexed")
     lap("compile_kernels")
+    from kevscore.model.checkpoint import load_tokenizer, random_weights
+    from kevscore.model.demo import demo_checkpoint_dir
+    tokenizer_dir = demo_checkpoint_dir()
+    t = time.perf_counter()
+    load_tokenizer(tokenizer_dir)
+    lap("load the tokenizer as a job does")  # the class AutoTokenizer picked in an earlier process
+    steps["it imported dynamo, AutoTokenizer"] = [m in sys.modules for m in ("torch._dynamo", HEAVY)]
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    lap("AutoTokenizer's import and load")
+    steps["then dynamo, AutoTokenizer"] = [m in sys.modules for m in ("torch._dynamo", HEAVY)]
+    random_weights(SHAPES[model], 0, torch.bfloat16, torch.device("cuda"))
+    torch.cuda.synchronize()
+    lap("seeded weights on the GPU")
     return {"steps": steps, "warm_up": warm_up, "compiles_in_this_process": compiles}
 
 
-def run_start(model: str, cache: str, parallel: str) -> dict:
+def top_imports(stderr: str, most: int = 25) -> list[tuple[str, float]]:
+    """The imports that took longest, with what they imported (`python -X importtime`'s cumulative column)."""
+    rows = []
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            _, cumulative, name = line.split("|")
+            if cumulative.strip().isdigit():
+                rows.append((name.rstrip(), int(cumulative) / 1e6))
+    return sorted(rows, key=lambda r: -r[1])[:most]
+
+
+def run_start(model: str, cache: str, parallel: str, importtime: bool = False) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=cache, KEVSCORE_PARALLEL_COMPILE=parallel)
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, "--child", "--model", model], env=env, capture_output=True,
-                         text=True, check=False)
+    flags = ["-X", "importtime"] if importtime else []
+    out = subprocess.run([sys.executable, *flags, __file__, "--child", "--model", model], env=env,
+                         capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"child failed ({out.returncode}):\n{out.stderr[-3000:]}")
     report = json.loads(out.stdout.strip().splitlines()[-1])
     report["process_s"] = time.perf_counter() - t0
+    if importtime:
+        report["imports"] = top_imports(out.stderr)
     return report
 
 
@@ -87,6 +118,8 @@ def main() -> None:
             cache = caches[False] if not cold else str(Path(root) / f"cache{i}")
             caches[False] = caches[False] or cache
             results[name] = run_start(args.model, cache, parallel)
+        # the warm start again under -X importtime (its own timings are inflated by the tracing)
+        imports = run_start(args.model, caches[False], "1", importtime=True)["imports"]
     names = list(results)
     rows = sorted({k for r in results.values() for k in r["steps"]}, key=list(results[names[0]]["steps"]).index)
     print(f"{'step (seconds)':34}" + "".join(f"{n:>16}" for n in names))
@@ -103,8 +136,11 @@ def main() -> None:
     for k in ("compiled", "cache hits"):
         print(f"{'  in-process ' + k:34}" + "".join(f"{r['compiles_in_this_process'][k]:16d}" for r in results.values()))
     print(f"{'process':34}" + "".join(f"{r['process_s']:16.2f}" for r in results.values()))
+    print("slowest imports of a warm start (cumulative s, under -X importtime):")
+    for name, seconds in imports[:12]:
+        print(f"  {seconds:6.2f} {name}")
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "starts": results}, indent=1))
+        args.json.write_text(json.dumps({"model": args.model, "starts": results, "imports": imports}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Files that survive a kill: atomic writes, SHA-256s of files (cached for large ones), kevscore's cache directory.
+"""Files that survive a kill: atomic writes, SHA-256s of files, kevscore's cache directory and what it remembers.
 
 A write goes to a temporary file (beside its target, or in a directory on the same filesystem), is
 fsynced, renamed over the target, and the directory is fsynced: a reader sees the old file or the new
@@ -20,7 +20,7 @@ from kevscore import faults
 from kevscore.errors import KevscoreFailure, os_failure
 
 Filler = Callable[[BinaryIO], None]  # writes a file's contents into the open temporary file
-_DIGESTS: dict[str, str] = {}       # this process's cached_sha256 results, by file identity
+_REMEMBERED: dict[tuple[str, str], str] = {}  # this process's `remembered` values, by (cache, key)
 
 
 def cache_root() -> Path:
@@ -104,26 +104,33 @@ def file_sha256(path: Path) -> str:
 
 
 def cached_sha256(path: Path) -> str:
-    """file_sha256, remembered in `cache_root()/weights-sha256.json` by (path, size, mtime, inode), so a large
-    file (a checkpoint's weights) is hashed once per version. The cache is best effort: a failed write
-    costs a rehash next time."""
+    """file_sha256, remembered by (path, size, mtime, inode) (`remembered`), so a large file (a checkpoint's
+    weights) is hashed once per version."""
     st = path.stat()
     ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-    if ident in _DIGESTS:
-        return _DIGESTS[ident]
-    cache = cache_root() / "weights-sha256.json"
+    return remembered("weights-sha256.json", ident, lambda: file_sha256(path),
+                      lambda key: os.path.exists(key.rsplit(":", 3)[0]))
+
+
+def remembered(name: str, key: str, compute: Callable[[], str], keep: Callable[[str], bool] = lambda _: True) -> str:
+    """`compute()`, remembered under `key` in this process and in `cache_root()/name` (a JSON object) across
+    processes. A new value also drops the stored keys that `keep` rejects (their files are gone). Best
+    effort: an unreadable cache is recomputed, a failed write costs a recompute next time."""
+    if (name, key) in _REMEMBERED:
+        return _REMEMBERED[name, key]
+    cache = cache_root() / name
     try:
         known = json.loads(cache.read_text())
         assert isinstance(known, dict)
     except (OSError, ValueError, AssertionError):
         known = {}
-    if not isinstance(known.get(ident), str):
-        known = {k: v for k, v in known.items() if os.path.exists(k.rsplit(":", 3)[0])}  # gone: forget
-        known[ident] = file_sha256(path)
+    if not isinstance(known.get(key), str):
+        known = {k: v for k, v in known.items() if keep(k)}
+        known[key] = compute()
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(cache, bytes_filler(json.dumps(known).encode()))
         except (OSError, KevscoreFailure):
             pass
-    _DIGESTS[ident] = known[ident]
-    return known[ident]
+    _REMEMBERED[name, key] = known[key]
+    return known[key]

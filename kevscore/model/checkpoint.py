@@ -1,6 +1,8 @@
 """Loading Kev / Qwen3.5 checkpoints: a local directory, the built-in demo, or a benchmark shape."""
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
 import os
 import re
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kevscore.durable import remembered
 from kevscore.errors import KevscoreError, first_line
 from kevscore.model.config import SHAPES, KevConfig, weight_shapes
 
@@ -121,12 +124,42 @@ def load_directory(path: Path, device: str | torch.device = "cpu") -> Checkpoint
 
 
 def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    """The checkpoint's tokenizer, of the class transformers' AutoTokenizer picks for it. The class is
+    remembered per transformers version and tokenizer files, and later loads import only it: AutoTokenizer's
+    import brings in transformers' model and generation code (seconds, on some versions)."""
+    import transformers
+
+    picked = []
+
+    def pick() -> str:  # AutoTokenizer's choice of class, by its name
+        from transformers import AutoTokenizer
+
+        picked.append(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+        return f"{type(picked[0]).__module__}:{type(picked[0]).__qualname__}"
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        name = remembered("tokenizer-classes.json", tokenizer_key(path, transformers.__version__), pick,
+                          lambda key: os.path.isdir(key.partition(":")[2].rpartition(":")[0]))
+        if picked:
+            return picked[0]
+        module, _, qualname = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), qualname)
+        except (ImportError, AttributeError):  # remembered wrongly: AutoTokenizer decides again
+            pick()
+            return picked[0]
+        return cls.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises many types here
         raise KevscoreError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+
+
+def tokenizer_key(path: Path, version: str) -> str:
+    """What AutoTokenizer's choice of class depends on: transformers' version, the directory (it matches some
+    hub names) and the contents of its config files."""
+    digest = hashlib.sha256()
+    for name in ("config.json", "tokenizer_config.json"):
+        digest.update(name.encode() + b"\0" + ((path / name).read_bytes() if (path / name).is_file() else b""))
+    return f"{version}:{path.resolve()}:{digest.hexdigest()}"
 
 
 def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
