@@ -109,9 +109,11 @@ def sequence_reference(model, enc: Encoded) -> list[tuple[list[float], float]]:
 
 
 def material_masses(ckpt):
-    """The example questions on the demo model (its chat template) with labels whose mass is material: even
-    rows Yes/No (mass near 1), odd rows the runner-up tokens of transformers' distribution (ranks 2 and 3:
-    mass well below 1, and off by the top token's probability if the vocabulary's log-sum-exp were a max).
+    """The example questions on the demo model (its chat template), each row labelled by two tokens that hold
+    a material share of transformers' distribution at its last position: where the runner-up token has
+    probability >= 1e-3, the runner-up and the third (mass 1e-3 to 0.5, the top token left out of the labels
+    but in the vocabulary's log-sum-exp), else the top two (mass near 1). A row's labels are chosen by its
+    probabilities, not its number: a confident model gives few rows a material runner-up.
     Returns the encoded rows and transformers' (probs, label mass) per row."""
     from pathlib import Path
 
@@ -126,10 +128,11 @@ def material_masses(ckpt):
     refs = []
     for r in range(len(enc)):
         ids = torch.tensor([enc.prefixes[enc.row_prefix[r]] + enc.branches[r]])
-        if r % 2:
-            with torch.no_grad():
-                logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1]
-            enc.label_ids[r] = logits.topk(3).indices[1:].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].double()
+        top = torch.softmax(logits, 0).topk(3)
+        enc.label_ids[r] = top.indices[1:].tolist() if top.values[1] >= 1e-3 else top.indices[:2].tolist()
+        enc.labels[r] = [ckpt.tokenizer.decode([i]) for i in enc.label_ids[r]]
         refs.append(reference_scores(model, enc.prefixes[enc.row_prefix[r]], enc.branches[r], enc.label_ids[r]))
     return enc, refs
 

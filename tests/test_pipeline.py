@@ -36,7 +36,9 @@ def test_probs_match_transformers_on_full_sequence(tiny, enc, reference, path):
 def test_label_mass_matches_transformers_where_it_is_material(demo, path):
     enc, reference = material_masses(demo)
     masses = [mass for _, mass in reference]
-    assert min(masses) < 0.5 < max(masses) and sum(1e-3 < m < 0.9 for m in masses) >= 3  # material values
+    # every mass material, and in >= 3 rows below 0.5: there the labels leave out the top token (or it is below
+    # 0.5), so the rest of the vocabulary holds > 1e-3 and a max for its log-sum-exp would be off by > rel 1e-3
+    assert min(masses) > 1e-3 and max(masses) > 0.5 and sum(m < 0.5 for m in masses) >= 3
     scores = cpu_engine(demo, docs=enc.prefixes, max_rows=4).run(enc, path)
     for r, (probs, mass) in enumerate(reference):
         assert scores.probs[r] == pytest.approx(probs, abs=1e-5), f"row {r}"
