@@ -28,7 +28,7 @@ from kevscore.errors import KevscoreError
 from kevscore.model import config
 from kevscore.model.config import FULL, LINEAR, KevConfig
 
-DEMO_NAME = "demo-v3"
+DEMO_NAME = "demo-v4"
 TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo.train)
 SEED = 0x4B657653636F7265  # "KevScore"
 NUM_MERGES = 1000  # learned merges; with bytes, forced merges and specials the tokenizer stays in (1216, 1280]
