@@ -1,4 +1,4 @@
-"""Streaming input: validate a Parquet input without loading it, and read the rows of one window at a time.
+"""Streaming input validation: a Parquet input checked in record batches and indexed by document, not loaded.
 
 `scan_input` reads the input in record batches, a few columns at a time, and keeps only compact arrays:
 each row's document (an int32 index), and per document its key, its text length and its questions'
@@ -9,8 +9,7 @@ value that is null, empty or repeats a label, a `doc_id` with no document) are s
 instead of stopping the run; problems of identity or structure (missing columns, wrong types, null or
 duplicate ids, one `doc_id` with two texts) always stop it.
 
-`RowReader` then reads chosen rows (one window's) as an `InputTable`, in ascending order, continuing from
-where the last call stopped when the rows lie ahead: a file whose windows follow the file order is read once.
+`kevscore.job.rows` then reads chosen rows (one window's) back as an `InputTable`.
 """
 from __future__ import annotations
 
@@ -77,6 +76,9 @@ def _is_labels(t: pa.DataType) -> bool:
     return (pa.types.is_list(t) or pa.types.is_large_list(t)) and is_string(t.value_type)
 
 
+TYPES = {"labels": (_is_labels, "list<string>")}  # a column's expected type; any other column: a string
+
+
 def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
@@ -115,16 +117,15 @@ def _type(file: pq.ParquetFile, name: str) -> pa.DataType:
     return file.schema_arrow.field(name).type
 
 
-def _check_string(path: Path, file: pq.ParquetFile, name: str) -> None:
-    t = _type(file, name)
-    if not is_string(t):
-        raise KevscoreError(f"{path}: column {name!r} has type {t}, expected string")
+def _typed(file: pq.ParquetFile, name: str) -> bool:
+    """Whether the file has column `name` of its expected type (TYPES)."""
+    return name in file.schema_arrow.names and TYPES.get(name, (is_string,))[0](_type(file, name))
 
 
-def _check_labels_type(path: Path, file: pq.ParquetFile) -> None:
-    t = _type(file, "labels")
-    if not _is_labels(t):
-        raise KevscoreError(f"{path}: column 'labels' has type {t}, expected list<string>")
+def _check_type(path: Path, file: pq.ParquetFile, name: str) -> None:
+    if not _typed(file, name):
+        expected = TYPES.get(name, (None, "string"))[1]
+        raise KevscoreError(f"{path}: column {name!r} has type {_type(file, name)}, expected {expected}")
 
 
 def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str]) -> Iterator[tuple[int, dict[str, list]]]:
@@ -214,79 +215,52 @@ def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = F
     return _scan_two(path, Path(documents), skip_invalid)
 
 
-class _Docs:
-    """Documents met in row order: key -> index, text digest, length, a row holding the text."""
-
-    def __init__(self):
-        self.index: dict = {}
-        self.keys: list = []
-        self.digests: list[bytes] = []
-        self.chars: list[int] = []
-        self.rows: list[int] = []
-
-    def add(self, key, digest: bytes, chars: int, row: int) -> tuple[int, bool]:
-        """(index, same text as when first met)."""
-        d = self.index.get(key)
-        if d is None:
-            d = self.index[key] = len(self.keys)
-            self.keys.append(key)
-            self.digests.append(digest)
-            self.chars.append(chars)
-            self.rows.append(row)
-            return d, True
-        return d, self.digests[d] == digest
-
-
 def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
     file = open_parquet(path)
     names = file.schema_arrow.names
     check_names(path, names, ("document", "question"), None)
     n = file.metadata.num_rows
-    _check_string(path, file, "document")
+    _check_type(path, file, "document")
     has_id = "doc_id" in names
-    id_ok = has_id and is_string(_type(file, "doc_id"))
     doc_of_row = np.full(n, -1, dtype=np.int32)
-    docs = _Docs()
+    index: dict = {}  # document key -> its index; per document its text's digest, length and first row
+    digests, chars, first_rows = [], [], []
     null_docs, null_ids = [], []
     clash: dict[int, None] = {}
-    for start, cols in batches(path, file, ["document", "doc_id"] if id_ok else ["document"]):
+    for start, cols in batches(path, file, ["document", "doc_id"] if _typed(file, "doc_id") else ["document"]):
         ids = cols.get("doc_id")
         for j, text in enumerate(cols["document"]):
             i = start + j
+            if ids is not None and ids[j] is None:
+                null_ids.append(i)
             if text is None:
                 null_docs.append(i)
-                if ids is not None and ids[j] is None:
-                    null_ids.append(i)
+            if text is None or (ids is not None and ids[j] is None):
                 continue
             digest = _digest(text)
-            if ids is not None:
-                if ids[j] is None:
-                    null_ids.append(i)
-                    continue
-                key = ids[j]
-            else:
-                key = text if keep_texts else digest
-            d, same = docs.add(key, digest, len(text), i)
-            if not same:
+            d = index.setdefault(ids[j] if ids is not None else text if keep_texts else digest, len(index))
+            if d == len(digests):
+                digests.append(digest)
+                chars.append(len(text))
+                first_rows.append(i)
+            elif digests[d] != digest:
                 clash[d] = None
             doc_of_row[i] = d
-    scan = InputScan(path, None, n, doc_of_row, [], np.zeros(0, np.int64), np.zeros(0, np.int64),
-                     np.zeros(0, np.int64), has_doc_id=has_id)
+    keys = [k if isinstance(k, str) else k.hex() for k in index]
+    scan = InputScan(path, None, n, doc_of_row, keys, np.asarray(chars, np.int64), np.zeros(0, np.int64),
+                     np.asarray(first_rows, np.int64), has_doc_id=has_id)
     if null_docs:
         if not skip_invalid:
             raise KevscoreError(f"{path}: column 'document' has nulls at {rows_phrase(null_docs)}")
         scan.set_aside(null_docs, "column 'document' is null")
     if has_id:
-        _check_string(path, file, "doc_id")
+        _check_type(path, file, "doc_id")
         if null_ids:
             raise KevscoreError(f"{path}: column 'doc_id' has nulls at {rows_phrase(null_ids)}")
         if clash:
             rows = np.flatnonzero(np.isin(doc_of_row, np.fromiter(clash, np.int32))).tolist()
-            raise KevscoreError(f"{path}: column 'doc_id' maps {few(docs.keys[d] for d in clash)} to different "
+            raise KevscoreError(f"{path}: column 'doc_id' maps {few(keys[d] for d in clash)} to different "
                                 f"'document' texts at {rows_phrase(rows)}")
-    scan.doc_keys = [k if isinstance(k, str) else k.hex() for k in docs.keys]
-    scan.doc_chars = np.asarray(docs.chars, dtype=np.int64)
-    scan.doc_row = np.asarray(docs.rows, dtype=np.int64)
     _scan_questions(scan, file, skip_invalid)
     return scan
 
@@ -296,23 +270,19 @@ def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
     names = file.schema_arrow.names
     check_names(path, names, ("question", "doc_id"), "document")
     n = file.metadata.num_rows
-    _check_string(path, file, "doc_id")
+    _check_type(path, file, "doc_id")
     doc_of_row = np.full(n, -1, dtype=np.int32)
-    index: dict[str, int] = {}
-    keys: list[str] = []
+    index: dict[str, int] = {}  # doc_id -> its index
     null_ids = []
     for start, cols in batches(path, file, ["doc_id"]):
         for j, key in enumerate(cols["doc_id"]):
             if key is None:
                 null_ids.append(start + j)
-                continue
-            d = index.get(key)
-            if d is None:
-                d = index[key] = len(keys)
-                keys.append(key)
-            doc_of_row[start + j] = d
+            else:
+                doc_of_row[start + j] = index.setdefault(key, len(index))
     if null_ids:
         raise KevscoreError(f"{path}: column 'doc_id' has nulls at {rows_phrase(null_ids)}")
+    keys = list(index)
     found = _documents_file(documents)
     unknown = [d for d, k in enumerate(keys) if k not in found]
     scan = InputScan(path, documents, n, doc_of_row, keys, np.zeros(len(keys), np.int64),
@@ -335,8 +305,8 @@ def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
     """doc_id -> (its row in the documents file, its text's length); checks nulls, types and clashes."""
     file = open_parquet(path)
     check_names(path, file.schema_arrow.names, ("doc_id", "document"), None)
-    _check_string(path, file, "doc_id")
-    text_ok = is_string(_type(file, "document"))
+    _check_type(path, file, "doc_id")
+    text_ok = _typed(file, "document")
     found: dict[str, tuple[int, int]] = {}
     digests: dict[str, bytes] = {}
     null_ids, null_texts = [], []
@@ -356,7 +326,7 @@ def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
                 clash[key] = None
     if null_ids:
         raise KevscoreError(f"{path}: column 'doc_id' has nulls at {rows_phrase(null_ids)}")
-    _check_string(path, file, "document")
+    _check_type(path, file, "document")
     if null_texts:
         raise KevscoreError(f"{path}: column 'document' has nulls at {rows_phrase(null_texts)}")
     if clash:
@@ -377,10 +347,10 @@ LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not 
 def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -> None:
     """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths per document."""
     path, names = scan.path, file.schema_arrow.names
-    _check_string(path, file, "question")
+    _check_type(path, file, "question")
     scan.has_question_id, scan.has_labels = "question_id" in names, "labels" in names
-    qid_ok = scan.has_question_id and is_string(_type(file, "question_id"))
-    labels_ok = scan.has_labels and _is_labels(_type(file, "labels"))
+    qid_ok = _typed(file, "question_id")
+    labels_ok = _typed(file, "labels")
     columns = ["question"] + (["question_id"] if qid_ok else []) + (["labels"] if labels_ok else [])
     null_q, null_qid = [], []
     bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
@@ -411,13 +381,13 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
             raise KevscoreError(f"{path}: column 'question' has nulls at {rows_phrase(null_q)}")
         scan.set_aside(null_q, "column 'question' is null")
     if scan.has_question_id:
-        _check_string(path, file, "question_id")
+        _check_type(path, file, "question_id")
         if null_qid:
             raise KevscoreError(f"{path}: column 'question_id' has nulls at {rows_phrase(null_qid)}")
         _check_duplicates(path, file, qhash)
     del qhash
     if scan.has_labels:
-        _check_labels_type(path, file)
+        _check_type(path, file, "labels")
         t = _type(file, "labels")
         for rows, (what, one, _) in zip(bad_labels, LABEL_PROBLEMS):
             if rows and not skip_invalid:
