@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from kevscore.display import (
@@ -22,6 +23,7 @@ from kevscore.display import (
     print_inspect,
     progress_bars,
     provenance_table,
+    ranks_table,
     summary_fields,
     summary_table,
 )
@@ -75,6 +77,18 @@ def _fail(message: str, code: int = 1) -> None:
     for an interrupt."""
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+@contextmanager
+def _failing(interrupted: str = "interrupted", prefix: str = "") -> Iterator[None]:
+    """A command's errors as its one `error:` line (`prefix` first) and exit status; Ctrl-C as `interrupted`."""
+    try:
+        yield
+    except (KevscoreError, OSError) as exc:
+        error = reported(exc)
+        _fail(prefix + str(error), error.exit_code)
+    except KeyboardInterrupt:
+        _fail(interrupted, 130)
 
 
 IO, COLUMNS, MODEL, LONG, SPEED, SHOW = ("Input and output", "Column names", "Model and labels", "Long jobs",
@@ -224,13 +238,8 @@ def _dry_run(opts, log_json: bool) -> None:
     """--dry-run: the plan on stdout (a table, or one JSON line with --log-json)."""
     from kevscore.api import Scorer
 
-    try:
+    with _failing():
         plan = Scorer.from_options(opts).dry_run(opts)
-    except (KevscoreError, OSError) as exc:
-        error = reported(exc)
-        _fail(str(error), error.exit_code)
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
     if log_json:
         typer.echo(json.dumps({"event": "plan", **plan.fields()}))
     else:
@@ -239,8 +248,6 @@ def _dry_run(opts, log_json: bool) -> None:
 
 def _launch(gpus: int) -> None:
     """Re-run this command under torch's launcher with `gpus` processes (without --gpus)."""
-    import sys
-
     from kevscore.job.distributed import launch
 
     argv, skip = [], False
@@ -288,23 +295,10 @@ def _rank_work(opts, quiet: bool) -> None:
     from kevscore.job.distributed import run_distributed, world_from_env
 
     rank = world_from_env()[0]
-    try:
+    with _failing("interrupted; no output was written", f"rank {rank}: " if rank else ""):
         result = run_distributed(opts)
-    except (KevscoreError, OSError) as exc:
-        error = reported(exc)
-        _fail(f"rank {rank}: {error}" if rank else str(error), error.exit_code)
-    except KeyboardInterrupt:
-        _fail("interrupted; no output was written", 130)
     if rank == 0 and not quiet:
-        table = Table(title=escape(f"kevscore run · {len(result.ranks)} ranks"))
-        for name in ("rank", "GPU", "rows", "time s", "load s", "prefill + score s", "rows/s", "part"):
-            table.add_column(name, justify="right")
-        for s in result.ranks:
-            table.add_row(str(s.rank), escape(s.host_rank), f"{s.rows:,}", f"{s.seconds:.2f}", f"{s.load_s:.2f}",
-                          f"{s.work_s:.2f}", f"{s.rows_per_s:,.1f}", "reused" if s.reused else "scored")
-        table.add_row("job", "", f"{result.rows:,}", f"{result.seconds:.2f}", "", "", f"{result.rows_per_s:,.1f}",
-                      escape(str(result.output)), style="bold")
-        console.print(table)
+        console.print(ranks_table(result))
 
 
 @app.command("bank-inspect", cls=Command)
@@ -317,15 +311,10 @@ def bank_inspect(
 ) -> None:
     """List a bank's entries: models, sizes per component, last use; with --verify, checksum status.
     Exits 1 when --verify finds a bad entry."""
-    import json
-
     from kevscore.engine.bank_inspect import inspect_bank
 
-    try:
+    with _failing():
         report = inspect_bank(directory, entry, verify)
-    except (KevscoreError, OSError) as exc:
-        error = reported(exc)
-        _fail(str(error), error.exit_code)
     if as_json:
         typer.echo(json.dumps(report, indent=1))
     else:
@@ -344,11 +333,8 @@ def info(
     model and its fingerprint, the device, dtype, path, labels and options."""
     from kevscore.job.provenance import output_provenance
 
-    try:
+    with _failing():
         record = output_provenance(output)
-    except (KevscoreError, OSError) as exc:
-        error = reported(exc)
-        _fail(str(error), error.exit_code)
     if record is None:
         _fail(f"{output}: records no provenance (not written by kevscore run, or not as Parquet)", 2)
     if as_json:
@@ -387,13 +373,8 @@ def compare(
     opts = CompareOptions(model=model, data=data, documents=documents,
                           cases=cases.split(",") if cases else None, reps=reps, warmup=warmup, device=device,
                           batch_rows=batch_rows, baseline=baseline, json_path=json_path, plot=plot, fault=fault)
-    try:
+    with _failing():
         report = run_compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
-    except (KevscoreError, OSError) as exc:
-        error = reported(exc)
-        _fail(str(error), error.exit_code)
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
     (console if console.is_terminal else Console(stderr=True, width=80)).print(compare_table(report))
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)

@@ -130,6 +130,19 @@ class JsonProgress(Reporter):
         console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False, soft_wrap=True)
 
 
+def ranks_table(result) -> Table:
+    """A torchrun job's figures per rank, then the whole job's."""
+    table = Table(title=escape(f"kevscore run · {len(result.ranks)} ranks"))
+    for name in ("rank", "GPU", "rows", "time s", "load s", "prefill + score s", "rows/s", "part"):
+        table.add_column(name, justify="right")
+    for s in result.ranks:
+        table.add_row(str(s.rank), escape(s.host_rank), f"{s.rows:,}", f"{s.seconds:.2f}", f"{s.load_s:.2f}",
+                      f"{s.work_s:.2f}", f"{s.rows_per_s:,.1f}", "reused" if s.reused else "scored")
+    table.add_row("job", "", f"{result.rows:,}", f"{result.seconds:.2f}", "", "", f"{result.rows_per_s:,.1f}",
+                  escape(str(result.output)), style="bold")
+    return table
+
+
 def summary_fields(result) -> dict:
     """The run's numbers (the summary table and --log-json's `done` line)."""
     s = result.stats

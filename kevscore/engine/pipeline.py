@@ -35,6 +35,9 @@ class Reporter:
         return nullcontext()
 
 
+QUIET = Reporter()  # the default reporter: no progress display, warnings to stderr
+
+
 @dataclass(slots=True)
 class RunStats:
     rows: int = 0
@@ -77,17 +80,15 @@ class Engine:
         self.stop = stop    # a kevscore.faults.StopSignals: checked between batches and prefill groups
         self.skip_failed = skip_failed  # a row that fails alone (out of memory) is reported, not fatal
 
-    def run(self, enc: Encoded, path: str, progress: Reporter | None = None) -> Scores:
-        progress = progress or Reporter()
+    def run(self, enc: Encoded, path: str, progress: Reporter = QUIET) -> Scores:
         scores = Scores.empty(len(enc))
         progress.start("prefill", len(enc.prefixes))
         progress.start("score", len(enc))
         self.run_waves(enc, path, scores, progress)
         return scores
 
-    def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Reporter | None = None) -> None:
+    def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Reporter = QUIET) -> None:
         """Every row of `enc`, wave by wave through the bank, into `scores` (its stats accumulate)."""
-        progress = progress or Reporter()
         bank = self.runner.bank
         doc_tokens = [len(p) for p in enc.prefixes]
         stats = scores.stats
@@ -107,10 +108,9 @@ class Engine:
             self.stop.check()
 
     def prefill_wave(self, enc: Encoded, wave: list[int], stats: RunStats,
-                     progress: Reporter | None = None) -> dict[int, int]:
+                     progress: Reporter = QUIET) -> dict[int, int]:
         """Reset the bank and prefill the wave's documents; returns each document's bank slot. With a
         store, entries it has are loaded into their slots instead, and the prefilled ones saved."""
-        progress = progress or Reporter()
         bank = self.runner.bank
         bank.reset()
         slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in wave}
@@ -128,9 +128,8 @@ class Engine:
         return slot_of
 
     def prefill_into(self, enc: Encoded, docs: list[int], slot_of: dict[int, int], stats: RunStats,
-                     progress: Reporter | None = None) -> None:
+                     progress: Reporter = QUIET) -> None:
         """Prefill `docs` into their bank slots, already allocated and published by the caller."""
-        progress = progress or Reporter()
         t0 = time.perf_counter()
         try:
             with progress.phase("prefill"):
@@ -179,10 +178,9 @@ class Engine:
         return groups
 
     def score_rows(self, enc: Encoded, rows: list[int], slot_of: dict[int, int], path: str,
-                   scores: Scores, progress: Reporter | None = None) -> None:
+                   scores: Scores, progress: Reporter = QUIET) -> None:
         """Score `rows` (whose documents are in the bank at `slot_of`) into `scores`: rows whose labels are one
         token each first, then the others (`kevscore.engine.label_scoring`)."""
-        progress = progress or Reporter()
         other = faults.wrong_entry(list(slot_of))  # identity unless a test injects the fault
         slot_of = {d: slot_of[other[d]] for d in slot_of}
         prefix_len = {r: len(enc.prefixes[other[enc.row_prefix[r]]]) for r in rows}

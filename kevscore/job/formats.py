@@ -45,7 +45,8 @@ class TableWriter:
         if self.fmt == "csv":
             table = lists_as_json(table)
         if self.writer is None and self.fmt == "parquet":
-            self.writer = pq.ParquetWriter(self.file, table.schema.with_metadata(self.metadata or {}))
+            schema = table.schema if self.metadata is None else table.schema.with_metadata(self.metadata)
+            self.writer = pq.ParquetWriter(self.file, schema)
         elif self.writer is None:
             self.writer = pacsv.CSVWriter(self.file, table.schema)
         self.writer.write_table(table)
@@ -145,7 +146,7 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
     staged = stage_dir / f"{Path(paths[0]).name if len(paths) == 1 else 'input'}.staged.parquet"
     try:
         reader = _reader(paths, fmt, rename, fs)
-        with open(staged, "xb") as f, TableWriter(f, "parquet") as writer:
+        with open(staged, "xb") as f, TableWriter(f, "parquet", {}) as writer:
             writer.write(_as_kevscore(reader.schema.empty_table(), rename))
             for table in _first_rows(reader, limit):
                 writer.write(_as_kevscore(table, rename))

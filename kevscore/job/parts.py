@@ -65,22 +65,10 @@ def errors_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.errors.parquet")
 
 
-def parquet_filler(schema: pa.Schema, tables: Iterable[pa.Table], hook: str | None,
-                   row_group: int | None = PART_ROW_GROUP) -> Filler:
-    """A `write_new` filler writing `tables` as one Parquet file; `hook` is a fault point after each table."""
-    def fill(f: BinaryIO) -> None:
-        with pq.ParquetWriter(f, schema) as writer:
-            for table in tables:
-                writer.write_table(table, row_group_size=row_group)
-                if hook:
-                    faults.point(hook)
-    return fill
-
-
-def table_filler(tables: Iterable[pa.Table], fmt: str, metadata: dict[bytes, bytes],
-                 hook: str | None) -> Filler:
-    """A `write_new` filler writing `tables` in `fmt` (kevscore.job.formats: Parquet with `metadata`, CSV, JSON
-    Lines); `hook` is a fault point after each table."""
+def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dict[bytes, bytes] | None = None,
+                 hook: str | None = None) -> Filler:
+    """A `write_new` filler writing `tables` in `fmt` (kevscore.job.formats: Parquet, with `metadata` when
+    given, CSV, JSON Lines); `hook` is a fault point after each table."""
     def fill(f: BinaryIO) -> None:
         with TableWriter(f, fmt, metadata) as writer:
             for table in tables:
@@ -92,8 +80,8 @@ def table_filler(tables: Iterable[pa.Table], fmt: str, metadata: dict[bytes, byt
 
 def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], tmp_dir: Path,
                   hook: str | None = None) -> None:
-    """Write `tables` atomically as one Parquet file (the temporary file in tmp_dir)."""
-    write_atomic(path, parquet_filler(schema, tables, hook), tmp_dir)
+    """Write `tables` atomically as one Parquet file of `schema` (the temporary file in tmp_dir)."""
+    write_atomic(path, table_filler((t.cast(schema) for t in tables), hook=hook), tmp_dir)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -293,7 +281,7 @@ class PartStore:
         if set_aside is not None:
             names["errors"] = temp_path(errors_path(self.output)).name
             errors = pa.concat_tables([set_aside.cast(ERRORS_SCHEMA), failed]).sort_by("row")
-            write_new(self.dir / names["errors"], parquet_filler(ERRORS_SCHEMA, [errors], None, None),
+            write_new(self.dir / names["errors"], table_filler([errors]),
                       errors_path(self.output))
         chunks = self._merged(of_row)
         # in a Parquet output's metadata: the job, so a rerun finds it complete, and how it was made

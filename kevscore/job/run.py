@@ -379,10 +379,10 @@ def set_aside_table(scan: InputScan) -> pa.Table:
     return pa.table({"row": rows, **ids, "reason": [scan.invalid[int(r)] for r in rows]}, schema=ERRORS_SCHEMA)
 
 
-def open_store(opts: RunOptions, fingerprint, progress: Reporter | None) -> BankStore:
+def open_store(opts: RunOptions, fingerprint, progress: Reporter) -> BankStore:
     """The on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)."""
     max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
     try:
-        return BankStore(Path(opts.bank), fingerprint, max_bytes, warn=(progress or Reporter()).warn)
+        return BankStore(Path(opts.bank), fingerprint, max_bytes, warn=progress.warn)
     except OSError as exc:
         raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc
