@@ -1,4 +1,4 @@
-"""Files that survive a kill: atomic writes, SHA-256s of files, kevscore's cache directory and what it remembers.
+"""Files that survive a kill: atomic writes, file locks, SHA-256s of files, the cache directory and what it remembers.
 
 A write goes to a temporary file (beside its target, or in a directory on the same filesystem), is
 fsynced, renamed over the target, and the directory is fsynced: a reader sees the old file or the new
@@ -8,6 +8,7 @@ kill the process or fill the disk there.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -45,6 +46,18 @@ def fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def lock_file(path: Path, exclusive: bool = True, wait: bool = True) -> int | None:
+    """A descriptor of `path` holding a flock on it (exclusive, creating the file, or shared); None when `wait`
+    is False and another process holds it. Closing the descriptor releases the lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def write_new(tmp: Path, fill: Filler, what: Path) -> None:

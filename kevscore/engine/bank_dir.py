@@ -3,13 +3,13 @@ files under `entries/`, and the lock that serializes writers (see `bank_store` f
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kevscore import faults
+from kevscore.durable import lock_file
 from kevscore.engine.bank_entry import FORMAT, SUFFIX, VERSION, EntryFile
 from kevscore.errors import KevscoreError
 
@@ -121,9 +121,8 @@ def bank_lock(root: Path, exclusive: bool, purpose: str) -> Iterator[None]:
     if not exclusive and not path.exists():
         yield  # a read-only look at a bank without a lock file (nothing can be writing to it)
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644)
+    fd = lock_file(path, exclusive)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
     finally:
         os.close(fd)

@@ -5,7 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
-from kevscore.engine.bank_dir import ENTRIES, INDEX, TMP, VersionError, bank_lock, check_bank_dir, entry_files, read_index
+from kevscore.engine.bank_dir import ENTRIES, INDEX, TMP, bank_lock, check_bank_dir, entry_files, read_index
 from kevscore.engine.bank_entry import COMPONENTS, FORMAT, SUFFIX, VERSION, EntryError, read_entry, read_header
 from kevscore.errors import KevscoreError, first_line
 
@@ -49,8 +49,6 @@ def _index_or_notes(root: Path) -> tuple[dict | None, list[str]]:
     """The index, or None and a note saying why the entries are listed from their files."""
     try:
         return read_index(root), []
-    except VersionError:
-        raise
     except FileNotFoundError:
         return None, [f"{INDEX} is missing: entries listed from their files (the next run rebuilds it)"]
     except (OSError, ValueError, TypeError) as exc:

@@ -20,12 +20,12 @@ check is reported on one line and recomputed (its file is replaced by the recomp
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
 import shutil
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,13 +34,12 @@ from pathlib import Path
 import torch
 
 from kevscore import faults
-from kevscore.durable import bytes_filler, fsync_dir, write_atomic, write_new
+from kevscore.durable import bytes_filler, fsync_dir, lock_file, write_atomic, write_new
 from kevscore.engine.bank_dir import (
     ENTRIES,
     INDEX,
     MARKER,
     TMP,
-    VersionError,
     bank_lock,
     check_bank_dir,
     entry_files,
@@ -127,13 +126,10 @@ class BankStore:
                 continue
             lock = p.with_name(p.name + ".lock")
             if lock.exists():
-                fd = os.open(lock, os.O_RDWR)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                fd = lock_file(lock, wait=False)
+                if fd is None:
                     continue  # its process is alive
-                finally:
-                    os.close(fd)
+                os.close(fd)
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
@@ -147,8 +143,7 @@ class BankStore:
         base = self.root / TMP
         base.mkdir(exist_ok=True)
         owner = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._owner_fd = os.open(base / f"{owner}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._owner_fd, fcntl.LOCK_EX)
+        self._owner_fd = lock_file(base / f"{owner}.lock")
         self.tmp = base / owner
         self.tmp.mkdir()
 
@@ -184,9 +179,7 @@ class BankStore:
             index = None
             if files:
                 self.warn(f"bank {self.root}: {INDEX} is missing; rebuilding it from {len(files)} entry files")
-        except VersionError:
-            raise
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError) as exc:  # a VersionError (a KevscoreError) stops the run
             index = None
             self.warn(f"bank {self.root}: {INDEX} is unreadable ({first_line(exc)[:120]}); "
                       f"rebuilding it from {len(files)} entry files")
@@ -275,13 +268,9 @@ class BankStore:
         shas = [prefix_key(p) for p in prefixes]
         for sha, ids in zip(shas, doc_ids):
             self._doc_ids[sha] = merge_ids(self._doc_ids.get(sha, []), ids)
-        entries = self.index["entries"]
-        mine = {r["prefix_sha256"] for r in entries.values() if r["model"] == self.model.digest}
-        foreign: dict[str, int] = {}
-        wanted = set(shas) - mine
-        for r in entries.values():
-            if r["model"] != self.model.digest and r["prefix_sha256"] in wanted:
-                foreign[r["model"]] = foreign.get(r["model"], 0) + 1
+        entries = self.index["entries"].values()
+        wanted = set(shas) - {r["prefix_sha256"] for r in entries if r["model"] == self.model.digest}
+        foreign = Counter(r["model"] for r in entries if r["model"] != self.model.digest and r["prefix_sha256"] in wanted)
         for fp, n in foreign.items():
             name = self.index["models"].get(fp, {}).get("name", "?")
             self.warn(f"bank {self.root}: {n} of this run's documents have entries made by another model "
@@ -293,13 +282,7 @@ class BankStore:
         Entries that fail a check are reported and left to be prefilled (and saved again)."""
         t0 = time.perf_counter()
         device = bank.state.device
-        wanted = []
-        for d in docs:
-            if not prefixes[d]:
-                continue  # an empty prefix: nothing to store, prefill is free
-            key = entry_key(self.model.digest, prefix_key(prefixes[d]))
-            if self._path(key).exists():
-                wanted.append((d, key))
+        wanted = [(d, key) for d, key in self._keys(prefixes, docs) if self._path(key).exists()]
         loaded: set[int] = set()
         for (d, key), result in zip(wanted, self._pipelined(
                 lambda item: self._read_checked(item[1], bank, prefixes[item[0]]), wanted)):
@@ -325,27 +308,27 @@ class BankStore:
         ids = self._doc_ids.get(prefix_key(prefix))
         return f", doc ids {', '.join(ids[:3])}{', …' if len(ids) > 3 else ''}" if ids else ""
 
+    def _keys(self, prefixes: Sequence[Sequence[int]], docs: Sequence[int]) -> list[tuple[int, str]]:
+        """(document, entry key) of `docs`, but those with an empty prefix (nothing to store, prefill is free)."""
+        return [(d, entry_key(self.model.digest, prefix_key(prefixes[d]))) for d in docs if prefixes[d]]
+
     def _pipelined(self, fn, items: list) -> Iterator:
         """fn over items on worker threads, results in order, at most 2 x workers in flight (bounded
         host memory); an exception is yielded as the item's result."""
-        if not items:
-            return
+        def result(future: Future):
+            try:
+                return future.result()
+            except (OSError, EntryError, KevscoreFailure) as exc:
+                return exc
+
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            pending: list[Future] = []
-            it = iter(items)
-            for item in it:
+            pending: deque[Future] = deque()
+            for item in items:
                 pending.append(pool.submit(fn, item))
                 if len(pending) >= 2 * self.workers:
-                    break
+                    yield result(pending.popleft())
             while pending:
-                fut = pending.pop(0)
-                nxt = next(it, None)
-                if nxt is not None:
-                    pending.append(pool.submit(fn, nxt))
-                try:
-                    yield fut.result()
-                except (OSError, EntryError, KevscoreFailure) as exc:
-                    yield exc
+                yield result(pending.popleft())
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int]):
         path = self._path(key)
@@ -374,10 +357,7 @@ class BankStore:
     def save(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> None:
         """Write the entries of freshly prefilled `docs` (copied out of their bank slots) and commit them."""
         t0 = time.perf_counter()
-        items = []
-        for d in docs:
-            if prefixes[d]:
-                items.append((d, entry_key(self.model.digest, prefix_key(prefixes[d]))))
+        items = self._keys(prefixes, docs)
 
         def write(item):
             d, key = item

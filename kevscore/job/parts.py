@@ -16,7 +16,6 @@ a temporary file (removed), or a renamed output the manifest vouches for (the re
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kevscore import faults
-from kevscore.durable import Filler, bytes_filler, file_sha256, replace_into, temp_path, write_atomic, write_new
+from kevscore.durable import Filler, bytes_filler, file_sha256, lock_file, replace_into, temp_path, write_atomic, write_new
 from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
 from kevscore.job.data import OUTPUT_SCHEMA
 from kevscore.job.formats import TableWriter, file_format
@@ -134,13 +133,10 @@ class PartStore:
             self.dir.mkdir(exist_ok=True)
         except OSError as e:
             raise os_failure(f"{self.dir}: cannot create the parts directory", e) from e
-        self._lock = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock)
+        self._lock = lock_file(self.dir / LOCK, wait=False)
+        if self._lock is None:
             raise KevscoreFailure(f"{self.output}: another kevscore run is writing this output now "
-                                f"(its parts are in {self.dir})") from None
+                                  f"(its parts are in {self.dir})")
         try:
             self._open(restart)
         except BaseException:
