@@ -1,6 +1,6 @@
 """The built-in demo model: a small Kev checkpoint, byte-for-byte the same on every machine.
 
-The tokenizer is a byte-level BPE whose merges are counted here over a small embedded corpus, written as
+The tokenizer is a byte-level BPE whose merges are counted here over a small corpus (`demo_model/`), written as
 plain JSON by this module, so no library version changes the files. The weights are trained on the demo
 task (`kevscore.demo.task`, by `kevscore.demo.train`) and ship in `demo_model/`; training starts from
 the deterministic initial weights made here by a counter-based generator (SplitMix64 over seed, tensor
@@ -8,7 +8,6 @@ name and element index).
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import heapq
 import json
@@ -23,13 +22,14 @@ from pathlib import Path
 import numpy as np
 from tokenizers.pre_tokenizers import ByteLevel
 
-from kevscore.durable import cache_root, file_sha256
+from kevscore.durable import cache_root, file_sha256, lock_file
 from kevscore.errors import KevscoreError
 from kevscore.model import config
 from kevscore.model.config import FULL, LINEAR, KevConfig
 
 DEMO_NAME = "demo-v4"
 TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo.train)
+CORPUS = TRAINED_DIR / "corpus.txt"  # the text the tokenizer's merges are counted over
 SEED = 0x4B657653636F7265  # "KevScore"
 NUM_MERGES = 1000  # learned merges; with bytes, forced merges and specials the tokenizer stays in (1216, 1280]
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
@@ -58,64 +58,6 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
-CORPUS = """\
-The morning was cold and bright, so we walked to the market before breakfast. The baker had fresh bread,
-warm rolls and a few apple pies on the shelf. My sister bought coffee, milk, eggs and a bag of oranges,
-and I carried the basket home while she talked about the weather and the long week at work.
-
-In the kitchen we cooked a simple meal: rice with vegetables, a little garlic, onions, tomatoes and
-cheese. The recipe said to wait twenty minutes, but the water was boiling after ten. Everyone agreed that
-the soup tasted better than last time, although the salt was missing and the bowls were too small.
-
-On weekends the children play football in the park near the river. Their parents sit on the benches,
-read the newspaper, drink tea and watch the dogs run after the ball. When it rains, the family stays
-inside, plays cards, watches a movie or reads books about animals, travel, history and science.
-
-The city council announced a new plan for public transport. Buses will run every fifteen minutes during
-the day and every hour at night. Tickets will cost less for students and older people. The report says
-the plan should reduce traffic, save money and make the streets safer for people who walk or cycle.
-
-Our team had a meeting on Monday to review the project. The manager explained the budget, the schedule
-and the main risks. Two engineers said the software was almost ready, but the tests found several
-problems with the database. We decided to fix the errors first and to release the new version next month.
-
-The doctor told him to sleep more, eat fruit, drink water and exercise three times a week. He started
-running in the evening and felt much better after a month. His friends were surprised, because he had
-never liked sports, and now he talks about his health, his shoes and his favourite route every day.
-
-Last summer we visited the mountains by train. The hotel was small but clean, the food was good and the
-view from the window was beautiful. We hiked to a lake, swam in the cold water and took many photos.
-On the last day it started to snow, which nobody expected in August, so we bought warm jackets.
-
-The letter arrived on Tuesday. It said that the company would open a new office in the north, hire forty
-people and offer training for young workers. The price of houses in the town has been rising, and many
-families hope the new jobs will help them pay the rent, buy food and save for the future.
-
-The library opens at nine and closes at six. Visitors can borrow up to five books, use the computers for
-an hour and print documents for a small fee. On Thursday evenings a volunteer teaches children to paint,
-draw and write short stories, and in winter the reading room is the warmest place in the neighbourhood.
-
-My grandfather grew potatoes, carrots, beans and strawberries in a garden behind the house. He kept
-chickens, repaired his own bicycle and listened to the radio while he worked. Every autumn he made jam,
-and the whole street knew when it was ready because of the sweet smell coming through the open kitchen.
-
-The museum has a new exhibition about ships, maps and explorers. It shows old compasses, letters written
-by sailors, and a model of a harbour with tiny boats. Entry is free on the first Sunday of each month,
-and guided tours in English, French and Spanish start at eleven o'clock and at half past two.
-
-Yesterday the internet stopped working, so I called the provider. A friendly technician asked me to
-restart the router, check the cables and wait a few minutes. Nothing changed, so they sent someone the
-next morning, who replaced a broken part outside the building and apologised for the delay.
-
-Does the document mention the price? Does the text say that the meeting was on Monday? Is it true that
-the bus runs every hour? Is the answer yes or no? Yes. No. Does the article describe a problem with the
-database? Is the claim true? Is this statement false? Does the report mention money, schools or health?
-Does the passage state who wrote the letter? Is the weather cold? Was the soup good? Are the tickets
-cheaper for students? Did the team release the software? Can the reader find the date in the text?
-Should the answer be yes? Has the company opened an office? Is there any evidence for the claim?
-Answer with yes or no. The answer is yes. The answer is no. Yes, it does. No, it does not. Yes, it is.
-No, it is not. Question: Does the document mention a name, a number, a place or a date? Answer: Yes.
-"""
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -206,7 +148,7 @@ def force_single_tokens(merges: list[tuple[str, str]], words: tuple[str, ...]) -
 
 def tokenizer_json() -> dict:
     """The full `tokenizer.json` dict: byte-level BPE over CORPUS, then the special tokens."""
-    merges = learn_merges(Counter(_pretokenize(CORPUS)), NUM_MERGES)
+    merges = learn_merges(Counter(_pretokenize(CORPUS.read_text(encoding="utf-8"))), NUM_MERGES)
     merges = force_single_tokens(merges, SINGLE_TOKEN_WORDS)
     vocab: dict[str, int] = {}
     for token in [*_byte_symbols(), *(a + b for a, b in merges)]:
@@ -362,9 +304,8 @@ def demo_checkpoint_dir(root: Path | None = None) -> Path:
     if _complete(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / f".{DEMO_NAME}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = lock_file(root / f".{DEMO_NAME}.lock")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         if _complete(target):  # built by another process while we waited
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.", dir=root))
