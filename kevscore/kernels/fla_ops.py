@@ -32,6 +32,7 @@ from kevscore.kernels.branch_gdr import MAX_T, branch_gdr  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
+from kevscore.kernels.torch_ops import split_front  # noqa: E402
 
 NAME = "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
 FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch_conv.py; 0: FLA's conv (A/B)
@@ -107,11 +108,7 @@ def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor,
     (FLA l2-normalizes later) and torch's sigmoid."""
     if FUSED_CONV:
         return (*branch_conv(x, weight, bank_conv, slots, hk, dk, hv, dv, b=b), True)
-    y = conv_branch(x, weight, bank_conv.index_select(0, slots.long()))
-    q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
-    shape = y.shape[:-1]
-    return (q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(),
-            False)
+    return split_front(conv_branch(x, weight, bank_conv.index_select(0, slots.long())), hk, dk, hv, dv, b)
 
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -126,11 +123,7 @@ def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, 
     """(q, k, v, beta = sigmoid(b), whether q and k are l2-normalized) of packed documents: one kernel reads
     the projection output in place and writes them contiguous (`branch_conv.packed_conv`)."""
     if FLA_PREFILL:
-        y = conv_prefill(x, weight, ctx.cu_seqlens)
-        q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
-        shape = y.shape[:-1]
-        return (q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(),
-                False)
+        return split_front(conv_prefill(x, weight, ctx.cu_seqlens), hk, dk, hv, dv, b)
     return (*packed_conv(x, weight, ctx.positions, hk, dk, hv, dv, b=b, **PREFILL_CONV), True)
 
 

@@ -68,14 +68,18 @@ def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> to
     return _conv(x, weight, init)
 
 
-def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
-                 hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The branch conv from the rows' conv states, split into q, k [R, T, hk, dk] and v [R, T, hv, dv], and
-    beta = sigmoid(b); False: q and k are not l2-normalized yet (gdr_branch does it)."""
-    y = conv_branch(x, weight, bank_conv.index_select(0, slots.long()))
+def split_front(y: torch.Tensor, hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A conv output split into q, k [..., hk, dk] and v [..., hv, dv], and beta = sigmoid(b); False: q and k
+    are not l2-normalized yet (the gated delta rule does it)."""
     q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
     shape = y.shape[:-1]
     return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(), False
+
+
+def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
+                 hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The branch conv from the rows' conv states, split (`split_front`)."""
+    return split_front(conv_branch(x, weight, bank_conv.index_select(0, slots.long())), hk, dk, hv, dv, b)
 
 
 class Padded:
@@ -110,12 +114,8 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
 
 def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
                   b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The conv of packed documents (each from zeros), split into q, k [1, N, hk, dk] and v [1, N, hv, dv],
-    and beta = sigmoid(b); False: q and k are not l2-normalized yet (gdr_prefill does it)."""
-    y = conv_prefill(x, weight, ctx.cu_seqlens)
-    q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
-    shape = y.shape[:-1]
-    return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(), False
+    """The conv of packed documents (each from zeros), split (`split_front`)."""
+    return split_front(conv_prefill(x, weight, ctx.cu_seqlens), hk, dk, hv, dv, b)
 
 
 def _gdr_parts(q, k, v, g, beta, chunk: int):
