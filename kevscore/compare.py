@@ -24,7 +24,7 @@ from kevscore.baselines import naive_call
 from kevscore.durable import bytes_filler, write_atomic
 from kevscore.engine.pipeline import Engine, Scores
 from kevscore.errors import KevscoreError, rows_phrase
-from kevscore.measure import environment, quantile, timed
+from kevscore.measure import environment, events_ms, quantile, timed
 from kevscore.model.prompt import Encoded, first_and_tails
 
 PATHS = ("gathered", "indexed")
@@ -78,8 +78,8 @@ class CaseResult:
     rows: int
     documents: int
     prefilled_in_call: int
-    latency_ms: dict[str, list[float]] = field(default_factory=dict)
-    wall_s: dict[str, list[float]] = field(default_factory=dict)
+    latency_ms: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PATHS})
+    wall_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PATHS})
     warmup_s: dict[str, float] = field(default_factory=dict)
     capture_s: float = 0.0
     max_abs_diff: float = 0.0
@@ -179,8 +179,6 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
         res.warmup_s[p] = time.perf_counter() - t0
     res.capture_s = getattr(runner, "capture_s", 0.0) - capture0
     snapshot = [t.clone() for t in _bank_views(bank)]
-    for p in PATHS:
-        res.latency_ms[p], res.wall_s[p] = [], []
     log(f"{name}: timing {reps} calls per path, alternating")
     for i in range(reps):
         for p in (PATHS if i % 2 == 0 else PATHS[::-1]):  # A B, B A, A B, ...
@@ -196,9 +194,7 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
     res.flips = sum(_argmax(pa) != _argmax(pb) for pa, pb in zip(a, b))
     if hf is not None:
         log(f"{name}: transformers baseline ({hf_reps} calls)")
-        fn = hf(enc)
-        fn()  # warm-up
-        res.hf_ms = [timed(fn, device)[0] for _ in range(hf_reps)]
+        res.hf_ms = events_ms(hf(enc), hf_reps, 1, device)
     return res
 
 

@@ -34,6 +34,7 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]
 
 
 def events_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.device | str = "cuda") -> list[float]:
+    """`reps` latencies (ms, `timed`) of `fn` after `warmup` calls that are not timed."""
     device = torch.device(device)
     for _ in range(warmup):
         fn()

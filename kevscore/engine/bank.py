@@ -25,16 +25,11 @@ class BankLayout:
     tokens: int
 
     @staticmethod
-    def entry_bytes(cfg: KevConfig, dtype: torch.dtype) -> int:
-        """Bytes of an entry's fixed-size tensors (those without a token axis), all layers."""
+    def bytes(cfg: KevConfig, dtype: torch.dtype, per_token: bool) -> int:
+        """Bytes, all layers, of an entry's fixed-size tensors (those without a token axis), or `per_token`:
+        of the token pool's tensors per document token."""
         return sum(layers * math.prod(t.shape(cfg)) * t.dtype(dtype).itemsize
-                   for t, layers in bank_tensors(cfg) if t.token_axis is None)
-
-    @staticmethod
-    def token_bytes(cfg: KevConfig, dtype: torch.dtype) -> int:
-        """Bytes per document token of the token pool's tensors, all layers."""
-        return sum(layers * math.prod(t.shape(cfg)) * t.dtype(dtype).itemsize
-                   for t, layers in bank_tensors(cfg) if t.token_axis is not None)
+                   for t, layers in bank_tensors(cfg) if (t.token_axis is not None) == per_token)
 
     @classmethod
     def plan(cls, cfg: KevConfig, dtype: torch.dtype, doc_tokens: list[int], budget: int,
@@ -42,7 +37,7 @@ class BankLayout:
         """Room for every document when `budget` bytes allow it, else for as many as fit (waves);
         `capacity` fixes the entry count. The token pool always holds at least the longest document."""
         n, total, longest = len(doc_tokens), sum(doc_tokens), max(doc_tokens, default=1)
-        per_entry, per_token = cls.entry_bytes(cfg, dtype), max(cls.token_bytes(cfg, dtype), 1)
+        per_entry, per_token = cls.bytes(cfg, dtype, False), max(cls.bytes(cfg, dtype, True), 1)
         if capacity is None and n * per_entry + total * per_token <= budget:
             return cls(max(n, 1), max(total, 1))
         mean = 1.25 * total / max(n, 1)  # token room per entry, with slack for longer documents

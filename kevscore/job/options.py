@@ -43,14 +43,10 @@ class RunOptions:
 def check_options(opts: RunOptions) -> None:
     if opts.state_read not in STATE_READS:
         raise KevscoreError(f"--state-read {opts.state_read}: choose indexed or gathered")
-    if opts.batch_rows < 1:
-        raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
-    if opts.bank_capacity is not None and opts.bank_capacity < 1:
-        raise KevscoreError(f"--bank-capacity {opts.bank_capacity}: must be at least 1")
-    if opts.limit is not None and opts.limit < 1:
-        raise KevscoreError(f"--limit {opts.limit}: must be at least 1")
-    if opts.window < 1:
-        raise KevscoreError(f"--window {opts.window}: must be at least 1")
+    for flag, value in (("--batch-rows", opts.batch_rows), ("--bank-capacity", opts.bank_capacity),
+                        ("--limit", opts.limit), ("--window", opts.window)):
+        if value is not None and value < 1:
+            raise KevscoreError(f"{flag} {value}: must be at least 1")
     check_labels(list(opts.labels))
     if opts.bank_max_gb is not None and opts.bank is None:
         raise KevscoreError("--bank-max-gb needs --bank DIR")
