@@ -128,6 +128,14 @@ def _check_type(path: Path, file: pq.ParquetFile, name: str) -> None:
         raise KevscoreError(f"{path}: column {name!r} has type {_type(file, name)}, expected {expected}")
 
 
+def _nulls(path: Path, column: str, rows: list[int], scan: InputScan | None = None) -> None:
+    """Rows whose `column` is null stop the run, unless `scan` is given (--skip-invalid): it sets them aside."""
+    if rows and scan is None:
+        raise KevscoreError(f"{path}: column {column!r} has nulls at {rows_phrase(rows)}")
+    if scan is not None:
+        scan.set_aside(rows, f"column {column!r} is null")
+
+
 def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str]) -> Iterator[tuple[int, dict[str, list]]]:
     """(first input row, {column: values}) per record batch of `columns`, dictionaries decoded."""
     start = 0
@@ -249,14 +257,10 @@ def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
     keys = [k if isinstance(k, str) else k.hex() for k in index]
     scan = InputScan(path, None, n, doc_of_row, keys, np.asarray(chars, np.int64), np.zeros(0, np.int64),
                      np.asarray(first_rows, np.int64), has_doc_id=has_id)
-    if null_docs:
-        if not skip_invalid:
-            raise KevscoreError(f"{path}: column 'document' has nulls at {rows_phrase(null_docs)}")
-        scan.set_aside(null_docs, "column 'document' is null")
+    _nulls(path, "document", null_docs, scan if skip_invalid else None)
     if has_id:
         _check_type(path, file, "doc_id")
-        if null_ids:
-            raise KevscoreError(f"{path}: column 'doc_id' has nulls at {rows_phrase(null_ids)}")
+        _nulls(path, "doc_id", null_ids)
         if clash:
             rows = np.flatnonzero(np.isin(doc_of_row, np.fromiter(clash, np.int32))).tolist()
             raise KevscoreError(f"{path}: column 'doc_id' maps {few(keys[d] for d in clash)} to different "
@@ -280,8 +284,7 @@ def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
                 null_ids.append(start + j)
             else:
                 doc_of_row[start + j] = index.setdefault(key, len(index))
-    if null_ids:
-        raise KevscoreError(f"{path}: column 'doc_id' has nulls at {rows_phrase(null_ids)}")
+    _nulls(path, "doc_id", null_ids)
     keys = list(index)
     found = _documents_file(documents)
     unknown = [d for d, k in enumerate(keys) if k not in found]
@@ -324,11 +327,9 @@ def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
                 digests[key] = digest
             elif digests[key] != digest:
                 clash[key] = None
-    if null_ids:
-        raise KevscoreError(f"{path}: column 'doc_id' has nulls at {rows_phrase(null_ids)}")
+    _nulls(path, "doc_id", null_ids)
     _check_type(path, file, "document")
-    if null_texts:
-        raise KevscoreError(f"{path}: column 'document' has nulls at {rows_phrase(null_texts)}")
+    _nulls(path, "document", null_texts)
     if clash:
         rows = [start + j for start, cols in batches(path, file, ["doc_id"])
                 for j, key in enumerate(cols["doc_id"]) if key in clash]
@@ -376,14 +377,10 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
                         rows.append(i)
                         break
     scan.question_chars = qchars
-    if null_q:
-        if not skip_invalid:
-            raise KevscoreError(f"{path}: column 'question' has nulls at {rows_phrase(null_q)}")
-        scan.set_aside(null_q, "column 'question' is null")
+    _nulls(path, "question", null_q, scan if skip_invalid else None)
     if scan.has_question_id:
         _check_type(path, file, "question_id")
-        if null_qid:
-            raise KevscoreError(f"{path}: column 'question_id' has nulls at {rows_phrase(null_qid)}")
+        _nulls(path, "question_id", null_qid)
         _check_duplicates(path, file, qhash)
     del qhash
     if scan.has_labels:
