@@ -189,15 +189,8 @@ class PartStore:
         return done
 
     def _parts(self) -> dict[int, Path]:
-        out = {}
-        for p in self.dir.glob("part-*.parquet"):
-            if not p.is_file():
-                continue
-            try:
-                out[int(p.name[5:-8])] = p
-            except ValueError:
-                continue
-        return out
+        """Window -> its part file, for every file named like a part."""
+        return {int(p.name[5:-8]): p for p in self.dir.glob("part-*.parquet") if p.name[5:-8].isdigit() and p.is_file()}
 
     def _clear(self) -> None:
         for p in self.dir.iterdir():
@@ -342,27 +335,18 @@ class _PartReader:
     """The rows of one part file, taken in order a few at a time."""
 
     def __init__(self, path: Path):
-        self.file = pq.ParquetFile(path)
-        self.it = self.file.iter_batches(batch_size=PART_ROW_GROUP)
-        self.buffer: pa.Table | None = None
-        self.left = self.file.metadata.num_rows
-
-    def _fill(self) -> pa.Table:
-        """The current batch, the next one read in when it is used up."""
-        if self.buffer is None or self.buffer.num_rows == 0:
-            self.buffer = pa.Table.from_batches([next(self.it)])
-        return self.buffer
+        file = pq.ParquetFile(path)
+        self.batches = file.iter_batches(batch_size=PART_ROW_GROUP)
+        self.buffer = file.schema_arrow.empty_table()  # read, not yet taken
+        self.left = file.metadata.num_rows
 
     def take(self, n: int) -> pa.Table:
-        pieces, have = [], 0
-        while have < n:
-            self._fill()
-            k = min(n - have, self.buffer.num_rows)
-            pieces.append(self.buffer.slice(0, k))
-            self.buffer = self.buffer.slice(k)
-            have += k
+        """The next `n` rows."""
+        while self.buffer.num_rows < n:
+            self.buffer = pa.concat_tables([self.buffer, pa.Table.from_batches([next(self.batches)])])
+        taken, self.buffer = self.buffer.slice(0, n), self.buffer.slice(n)
         self.left -= n
-        return pa.concat_tables(pieces)
+        return taken
 
     def exhausted(self) -> bool:
         return self.left <= 0
