@@ -22,6 +22,7 @@ import torch
 
 from kevscore.baselines import naive_call
 from kevscore.durable import bytes_filler, write_atomic
+from kevscore.engine.backend import synchronize
 from kevscore.engine.pipeline import Engine, Scores
 from kevscore.errors import KevscoreError, rows_phrase
 from kevscore.measure import environment, events_ms, quantile, timed
@@ -174,8 +175,7 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
         t0 = time.perf_counter()
         for _ in range(max(warmup, 1)):
             call(p)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         res.warmup_s[p] = time.perf_counter() - t0
     res.capture_s = getattr(runner, "capture_s", 0.0) - capture0
     snapshot = [t.clone() for t in _bank_views(bank)]

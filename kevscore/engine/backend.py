@@ -24,6 +24,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_cache(device: torch.device) -> None:
+    """Return the allocator's cached blocks to the device (after an out-of-memory error, or a runner let go)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 @contextlib.contextmanager
 def invariant_threads(device: torch.device, batch_invariant: bool) -> Iterator[None]:
     """Under --batch-invariant on the CPU, one intra-op thread while the job runs: a reduction split over

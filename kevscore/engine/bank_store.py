@@ -35,6 +35,7 @@ import torch
 
 from kevscore import faults
 from kevscore.durable import bytes_filler, fsync_dir, lock_file, write_atomic, write_new
+from kevscore.engine.backend import synchronize
 from kevscore.engine.bank_dir import (
     ENTRIES,
     INDEX,
@@ -299,8 +300,7 @@ class BankStore:
             self._records[key] = entry_record(entry, self._path(key), self.root, time.time())
             self.stats.loaded += 1
             self.stats.read_bytes += entry.size
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
         self.stats.load_s += time.perf_counter() - t0
         return loaded
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kevscore import faults
+from kevscore.engine.backend import release_cache, synchronize
 from kevscore.engine.label_scoring import Scoring, scorings
 from kevscore.engine.plan import Batch, make_batch, plan_batches, plan_waves
 from kevscore.errors import KevscoreFailure, first_line
@@ -64,11 +65,6 @@ class Scores:
     @classmethod
     def empty(cls, rows: int) -> Scores:
         return cls([[] for _ in range(rows)], [0.0] * rows, RunStats(rows=rows))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Engine:
@@ -139,7 +135,7 @@ class Engine:
                     faults.point("prefill")
                     self._between()
         finally:
-            _sync(self.runner.device)
+            synchronize(self.runner.device)
             stats.prefill_s += time.perf_counter() - t0
         stats.prefilled += len(docs)
 
@@ -151,7 +147,7 @@ class Engine:
             faults.inject_oom("docs", len(group))
             self.runner.prefill([enc.prefixes[d] for d in group], [slot_of[d] for d in group])
         except torch.OutOfMemoryError as exc:
-            _free(self.runner.device)
+            release_cache(self.runner.device)
             tokens = sum(len(enc.prefixes[d]) for d in group)
             if len(group) == 1:
                 raise KevscoreFailure(f"out of memory prefilling one document of {tokens} tokens "
@@ -194,7 +190,7 @@ class Engine:
                         faults.point("score")
                         self._between()
         finally:
-            _sync(self.runner.device)
+            synchronize(self.runner.device)
             scores.stats.score_s += time.perf_counter() - t0
 
     def _score_batch(self, enc: Encoded, scoring: Scoring, batch: Batch, slot_of: dict[int, int],
@@ -208,7 +204,7 @@ class Engine:
                                        [slot_of[enc.row_prefix[r]] for r in rows], [prefix_len[r] for r in rows], path)
             out = scoring.device_scores(self.runner, batch, hidden)
         except torch.OutOfMemoryError as exc:
-            _free(self.runner.device)
+            release_cache(self.runner.device)
             n = len(batch.rows)
             if n == 1:
                 r = rows[0]
@@ -238,9 +234,3 @@ class Engine:
                 scores.probs[r], scores.label_mass[r] = probs, mass
         scores.stats.batches += 1
         progress.advance("score", len(done))
-
-
-def _free(device: torch.device) -> None:
-    """After an out-of-memory error: return the cached blocks the failed attempt left."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

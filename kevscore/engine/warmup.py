@@ -34,7 +34,7 @@ def small_model(cfg: KevConfig) -> KevConfig:
 def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> dict:
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` (on a CPU: the torch ops). On a
     GPU the kernels are first compiled side by side (kevscore.kernels.precompile). Returns seconds by step."""
-    from kevscore.engine.backend import build_runner
+    from kevscore.engine.backend import build_runner, synchronize
     from kevscore.engine.pipeline import Engine
     from kevscore.model.checkpoint import Checkpoint, random_weights
     from kevscore.model.prompt import Encoded
@@ -56,8 +56,7 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> dict:
             enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)], [[7] * n for n in lengths],
                           [["a", "b"]] * n_rows, [[3, 4]] * n_rows, tails)
             engine.run(enc, path)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
 
     steps = {}
     if device.type == "cuda" and PARALLEL_COMPILE:

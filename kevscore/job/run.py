@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from kevscore.engine.backend import build_runner, invariant_threads, resolve_device
+from kevscore.engine.backend import build_runner, invariant_threads, release_cache, resolve_device
 from kevscore.engine.bank import BankLayout
 from kevscore.engine.bank_entry import Fingerprint, model_fingerprint
 from kevscore.engine.bank_store import BankStats, BankStore
@@ -205,8 +205,7 @@ def job_runner(opts: RunOptions, p: Prepared, loaded: LoadedModel | None):
             return loaded.runner
         loaded.runner = None  # its memory is freed before the new bank is sized from what is free
         gc.collect()
-        if p.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_cache(p.device)
     runner = build_runner(p.ckpt, p.device, docs, opts.bank_capacity, opts.eager)
     if loaded is not None:
         loaded.runner = runner
