@@ -80,17 +80,25 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 @contextmanager
-def _failing(interrupted: str = "interrupted", prefix: str = "") -> Iterator[None]:
-    """A command's errors as its one `error:` line (`prefix` first) and exit status; Ctrl-C as `interrupted`."""
+def _failing(interrupted: str | None = "interrupted", prefix: str = "", log: JsonProgress | None = None) -> Iterator[None]:
+    """A command's errors as its one `error:` line (`prefix` first) and exit status, and as an event in `log`.
+    Ctrl-C: `interrupted`, or (None) what the run says was kept."""
     try:
         yield
     except (KevscoreError, OSError) as exc:
         error = reported(exc)
+        if log:
+            log.emit("error", message=str(error), exit_code=error.exit_code)
         _fail(prefix + str(error), error.exit_code)
-    except KeyboardInterrupt:
-        _fail(interrupted, 130)
+    except KeyboardInterrupt as exc:
+        message = interrupted or str(exc) or INTERRUPTED_RUN
+        if log:
+            log.emit("interrupted", message=message)
+        _fail(message, 130)
 
 
+INTERRUPTED_RUN = ("interrupted; no output was written (completed windows are kept beside the output; rerun the "
+                   "same command to resume)")
 IO, COLUMNS, MODEL, LONG, SPEED, SHOW = ("Input and output", "Column names", "Model and labels", "Long jobs",
                                         "Speed", "Display")
 
@@ -199,25 +207,13 @@ def run(
     if world_from_env() is not None:
         return _run_rank(opts, quiet)
     log = JsonProgress() if log_json else None
-    try:
-        with progress_bars(console, disable=quiet or log_json) as bar:
-            display = log or RichProgress(bar)
-            try:
-                result = Scorer.from_options(opts).run(opts, display)
-            finally:
-                if display is not log:
-                    display.loaded()
-    except (KevscoreError, OSError) as exc:
-        error = reported(exc)
-        if log:
-            log.emit("error", message=str(error), exit_code=error.exit_code)
-        _fail(str(error), error.exit_code)
-    except KeyboardInterrupt as exc:
-        message = str(exc) or ("interrupted; no output was written (completed windows are kept beside the output; "
-                               "rerun the same command to resume)")
-        if log:
-            log.emit("interrupted", message=message)
-        _fail(message, 130)
+    with _failing(None, log=log), progress_bars(console, disable=quiet or log_json) as bar:
+        display = log or RichProgress(bar)
+        try:
+            result = Scorer.from_options(opts).run(opts, display)
+        finally:
+            if display is not log:
+                display.loaded()
     _report(result, log, quiet)
 
 
