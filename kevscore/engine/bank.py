@@ -97,24 +97,8 @@ class StateBank:
     def entry(self, slot: int, length: int) -> dict[str, torch.Tensor]:
         """Views of entry `slot` (a document of `length` tokens) in every tensor, shaped as an entry file holds
         them: [layers, *dims], the token axis `length` long."""
-        out = {}
-        for t in self.declared:
-            x = getattr(self, t.name)
-            out[t.name] = x[:, slot] if t.token_axis is None else x.narrow(1 + t.token_axis, self._starts[slot], length)
-        return out
-
-    def entry_shapes(self, length: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """(dtype, shape) of each tensor of an entry of `length` tokens, as `entry` returns it."""
-        out = {}
-        for t in self.declared:
-            x = getattr(self, t.name)
-            shape = list(x.shape)
-            if t.token_axis is None:
-                del shape[1]
-            else:
-                shape[1 + t.token_axis] = length
-            out[t.name] = (x.dtype, tuple(shape))
-        return out
+        return {t.name: getattr(self, t.name)[:, slot] if t.token_axis is None
+                else getattr(self, t.name).narrow(1 + t.token_axis, self._starts[slot], length) for t in self.declared}
 
     def checksum(self) -> str:
         """SHA-256 over the bytes of every bank tensor (copied to the host)."""
@@ -122,6 +106,3 @@ class StateBank:
         for t in self.tensors().values():
             digest.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
         return digest.hexdigest()
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())

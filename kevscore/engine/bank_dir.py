@@ -82,15 +82,7 @@ def _check_bank_contents(root: Path, create: bool) -> None:
 
 
 def entry_files(root: Path) -> dict[str, Path]:
-    out = {}
-    base = root / ENTRIES
-    if base.is_dir():
-        for sub in base.iterdir():
-            if sub.is_dir():
-                for p in sub.iterdir():
-                    if p.name.endswith(SUFFIX):
-                        out[p.name[: -len(SUFFIX)]] = p
-    return out
+    return {p.name[: -len(SUFFIX)]: p for p in (root / ENTRIES).glob(f"*/*{SUFFIX}")}
 
 
 def read_index(root: Path) -> dict:

@@ -286,7 +286,7 @@ class BankStore:
         wanted = [(d, key) for d, key in self._keys(prefixes, docs) if self._path(key).exists()]
         loaded: set[int] = set()
         for (d, key), result in zip(wanted, self._pipelined(
-                lambda item: self._read_checked(item[1], bank, prefixes[item[0]]), wanted)):
+                lambda item: self._read_checked(item[1], bank, prefixes[item[0]], slot_of[item[0]]), wanted)):
             if isinstance(result, Exception):
                 if not isinstance(result, FileNotFoundError):  # gone: another run evicted it
                     self.stats.rejected += 1
@@ -330,16 +330,17 @@ class BankStore:
             while pending:
                 yield result(pending.popleft())
 
-    def _read_checked(self, key: str, bank, prefix: Sequence[int]):
+    def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
         path = self._path(key)
         entry, tensors = read_entry(path, pin=bank.state.device.type == "cuda")
         if entry.meta["model"] != self.model.digest:
             name = self.index["models"].get(entry.meta["model"], {}).get("name", "?")
             raise EntryError(f"made by another model ({name}, fingerprint {entry.meta['model'][:12]})")
-        for name, (dtype, shape) in bank.entry_shapes(len(prefix)).items():
+        for name, view in bank.entry(slot, len(prefix)).items():  # the slot's views: the shapes the bank needs
             t = tensors[name]
-            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise EntryError(f"tensor {name!r} is {tuple(t.shape)} {t.dtype}, the bank needs {shape} {dtype}")
+            if t.dtype != view.dtype or t.shape != view.shape:
+                raise EntryError(f"tensor {name!r} is {tuple(t.shape)} {t.dtype}, the bank needs {tuple(view.shape)} "
+                                 f"{view.dtype}")
         if tensors["ids"].tolist() != list(prefix):
             raise EntryError("its prefix ids differ from the document's")
         return entry, tensors
