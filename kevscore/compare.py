@@ -315,11 +315,9 @@ def _workloads(opts: CompareOptions, ckpt, cases: list[str], small: bool) -> dic
 def spread_warnings(report: dict) -> list[str]:
     """Why a ratio may not be trusted: the two paths' p10-p90 ranges overlap, or the machine was busy
     (a load average, before or after, of at least half its cores)."""
-    out = []
-    for c in report["cases"]:
-        if c["summary"]["spread_overlap"]:
-            out.append(f"case {c['name']}: the paths' p10-p90 latencies overlap, so its ratio "
-                       f"{c['summary']['indexed_over_gathered']:.3f} is within the noise")
+    out = [f"case {c['name']}: the paths' p10-p90 latencies overlap, so its ratio "
+           f"{c['summary']['indexed_over_gathered']:.3f} is within the noise"
+           for c in report["cases"] if c["summary"]["spread_overlap"]]
     cores = os.cpu_count() or 1
     load = max(report["environment"]["load_average"])
     if load >= cores / 2:
