@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import time
 import zlib
@@ -143,10 +144,7 @@ def _checked_header(head: bytes, size: int) -> EntryFile:
         dtype, shape, begin, end = _tensor_spec(name, spec)
         if dtype not in DTYPES or len(shape) != RANKS[name] or min(shape, default=0) < 0:
             raise EntryError(f"tensor {name!r}: unexpected dtype {dtype} or shape {shape}")
-        nbytes = DTYPES[dtype].itemsize
-        for s in shape:
-            nbytes *= s
-        if end - begin != nbytes:
+        if end - begin != DTYPES[dtype].itemsize * math.prod(shape):
             raise EntryError(f"tensor {name!r}: byte range {begin}..{end} does not hold {shape} {dtype}")
         tensors[name] = (dtype, shape, data_start + begin, data_start + end)
         spans.append((begin, end))
@@ -157,12 +155,11 @@ def _checked_header(head: bytes, size: int) -> EntryFile:
         kind = "truncated" if data_start + spans[-1][1] > size else "trailing bytes"
         raise EntryError(f"{kind}: the header describes {data_start + spans[-1][1]} bytes, the file has {size}")
     try:
-        tokens, _ = int(meta["tokens"]), float(meta["created"])
-        crc = json.loads(meta["crc32"])
-        assert isinstance(crc, dict) and sorted(crc) == sorted(TENSORS)
-        assert all(isinstance(v, int) for v in crc.values())
-    except (ValueError, AssertionError):
-        raise EntryError("header metadata tokens/created/crc32 malformed") from None
+        tokens, _, crc = int(meta["tokens"]), float(meta["created"]), json.loads(meta["crc32"])
+    except ValueError:
+        crc = None
+    if not isinstance(crc, dict) or sorted(crc) != sorted(TENSORS) or not all(isinstance(v, int) for v in crc.values()):
+        raise EntryError("header metadata tokens/created/crc32 malformed")
     if not _consistent({name: spec[1] for name, spec in tensors.items()}, tokens) or tensors["ids"][0] != "I64":
         shapes = ", ".join(f"{name} {tensors[name][1]}" for name in TENSORS)
         raise EntryError(f"inconsistent shapes for {tokens} tokens: {shapes}")
