@@ -26,7 +26,6 @@ from kevscore.errors import KevscoreError
 from kevscore.job.inputs import opened_inputs, output_path
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.parts import PartStore
-from kevscore.job.provenance import job_digest
 from kevscore.job.run import Job, finished_job, merge_job, open_parts, score_job, start_job
 
 TIMEOUT = datetime.timedelta(hours=24)  # ranks wait this long for each other at a status exchange
@@ -136,9 +135,7 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, status: RankStatus,
     windows = job.prep.windows
     status.rows = int(windows.rows[windows.of_rank(ranks.rank)].sum())
     if job.prep.finished is not None:  # the output exists: this very job's (nothing to do), or refused
-        p = job.prep
-        ranks.step(lambda: finished_job(opts, job.output, p.finished == job_digest(job.identity), p.ckpt.name,
-                                        str(p.device), windows, 0.0), inputs.message)
+        ranks.step(lambda: finished_job(job, 0.0), inputs.message)
         status.reused = True
         return ranks.gather(status)
     parts: PartStore | None = ranks.step(lambda: open_parts(job, progress) if ranks.rank == 0 else None,

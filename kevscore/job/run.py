@@ -225,8 +225,7 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
     job = start_job(opts, inputs, output, loaded=loaded)
     p = job.prep
     if p.finished is not None:
-        return finished_job(opts, output, p.finished == job_digest(job.identity), p.ckpt.name, str(p.device),
-                            p.windows, time.perf_counter() - started)
+        return finished_job(job, time.perf_counter() - started)
     parts = open_parts(job, progress)
     try:
         if parts.finished():
@@ -330,15 +329,15 @@ def check_outputs(opts: RunOptions, sources: list[Path], output: Path, overwrite
     check_parts_dir(output, inputs)
 
 
-def finished_job(opts: RunOptions, output: Path, same: bool, model: str, device: str, windows: Windows,
-                 wall_s: float) -> RunResult:
-    """An existing output merged by a job: this very job (nothing to do), or another one (refused)."""
-    errors = errors_path(output) if opts.skip_invalid else None
-    if not same or (errors is not None and not errors.is_file()):
+def finished_job(job: Job, wall_s: float) -> RunResult:
+    """The job's output exists, merged by a job: this very job (nothing to do), or another one (refused)."""
+    output, p = job.output, job.prep
+    errors = errors_path(output) if job.opts.skip_invalid else None
+    if p.finished != job_digest(job.identity) or (errors is not None and not errors.is_file()):
         raise KevscoreError(f"{output}: already exists (the output of another job); pass --overwrite to replace it")
-    rows = pq.read_metadata(output).num_rows
-    result = RunResult(output, RunStats(rows=rows), int(windows.docs.sum()), device, model, 0.0, errors=errors,
-                       windows=len(windows), resumed=len(windows), resumed_rows=rows, wall_s=wall_s,
+    rows, windows = pq.read_metadata(output).num_rows, len(p.windows)
+    result = RunResult(output, RunStats(rows=rows), int(p.windows.docs.sum()), str(p.device), p.ckpt.name, 0.0,
+                       errors=errors, windows=windows, resumed=windows, resumed_rows=rows, wall_s=wall_s,
                        already_complete=True)
     if errors is not None:
         result.set_aside = pq.read_metadata(errors).num_rows
