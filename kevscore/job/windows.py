@@ -94,9 +94,8 @@ def part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table | None]:
 
 
 def doc_ids(table, enc) -> list[list[str]]:
-    doc_ids: list[list[str]] = [[] for _ in enc.prefixes]
-    if table.doc_ids:
-        for r, p in enumerate(enc.row_prefix):
-            if table.doc_ids[r] not in doc_ids[p]:
-                doc_ids[p].append(table.doc_ids[r])
-    return doc_ids
+    """Each distinct prefix's document ids in the window (none without a doc_id column)."""
+    ids: list[dict[str, None]] = [{} for _ in enc.prefixes]
+    for r, p in enumerate(enc.row_prefix if table.doc_ids else ()):
+        ids[p][table.doc_ids[r]] = None
+    return [list(d) for d in ids]
