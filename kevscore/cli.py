@@ -108,6 +108,11 @@ def option(default, *flags: str, panel: str | None = None, metavar: str | None =
     return typer.Option(default, *flags, rich_help_panel=panel, metavar=metavar, help=help)
 
 
+def column_option(name: str, help: str):
+    """The option naming the input's column for kevscore's column `name`: --NAME-column, default NAME."""
+    return option(name, f"--{name.replace('_', '-')}-column", panel=COLUMNS, metavar="NAME", help=help)
+
+
 @app.command(cls=Command)
 def run(
     input: str = typer.Argument(..., metavar="INPUT", help="Questions (document, question[, doc_id, question_id, "
@@ -126,16 +131,11 @@ def run(
                            "nothing."),
     carry: bool = option(True, "--carry/--no-carry", panel=IO,
                          help="Copy the input's other columns (all but the document text) into the output."),
-    question_column: str = option("question", "--question-column", panel=COLUMNS, metavar="NAME",
-                                  help="The input's column holding the questions."),
-    document_column: str = option("document", "--document-column", panel=COLUMNS, metavar="NAME",
-                                  help="The column holding the documents (either file)."),
-    doc_id_column: str = option("doc_id", "--doc-id-column", panel=COLUMNS, metavar="NAME",
-                                help="The column holding document ids (either file)."),
-    question_id_column: str = option("question_id", "--question-id-column", panel=COLUMNS, metavar="NAME",
-                                     help="The column holding question ids."),
-    labels_column: str = option("labels", "--labels-column", panel=COLUMNS, metavar="NAME",
-                                help="The column holding each row's labels (a list)."),
+    question_column: str = column_option("question", "The input's column holding the questions."),
+    document_column: str = column_option("document", "The column holding the documents (either file)."),
+    doc_id_column: str = column_option("doc_id", "The column holding document ids (either file)."),
+    question_id_column: str = column_option("question_id", "The column holding question ids."),
+    labels_column: str = column_option("labels", "The column holding each row's labels (a list)."),
     model: str = option("demo", "--model", panel=MODEL, metavar="MODEL",
                         help="A checkpoint directory, a hub id (ORG/NAME, ORG/NAME@REV), demo, kev-0.8b or kev-4b."),
     device: str = option("auto", "--device", panel=MODEL, metavar="[cpu|cuda|auto]",

@@ -137,10 +137,14 @@ def ranks_table(result) -> Table:
         table.add_column(name, justify="right")
     for s in result.ranks:
         table.add_row(str(s.rank), escape(s.host_rank), f"{s.rows:,}", f"{s.seconds:.2f}", f"{s.load_s:.2f}",
-                      f"{s.work_s:.2f}", f"{s.rows_per_s:,.1f}", "reused" if s.reused else "scored")
-    table.add_row("job", "", f"{result.rows:,}", f"{result.seconds:.2f}", "", "", f"{result.rows_per_s:,.1f}",
-                  escape(str(result.output)), style="bold")
+                      f"{s.work_s:.2f}", f"{_per_s(s.rows, s.seconds):,.1f}", "reused" if s.reused else "scored")
+    table.add_row("job", "", f"{result.rows:,}", f"{result.seconds:.2f}", "", "",
+                  f"{_per_s(result.rows, result.seconds):,.1f}", escape(str(result.output)), style="bold")
     return table
+
+
+def _per_s(n: int, seconds: float) -> float:
+    return n / seconds if seconds > 0 else float("nan")
 
 
 def summary_fields(result) -> dict:

@@ -42,10 +42,6 @@ class RankStatus:
     work_s: float = 0.0   # prefill and scoring
     host_rank: str = ""   # "local rank of node": which GPU of which machine, without host names
 
-    @property
-    def rows_per_s(self) -> float:
-        return self.rows / self.seconds if self.seconds > 0 else float("nan")
-
 
 @dataclass(slots=True)
 class DistributedResult:
@@ -53,10 +49,6 @@ class DistributedResult:
     ranks: list[RankStatus]
     seconds: float
     rows: int
-
-    @property
-    def rows_per_s(self) -> float:
-        return self.rows / self.seconds if self.seconds > 0 else float("nan")
 
 
 @dataclass(slots=True)
