@@ -1,5 +1,6 @@
-"""The `kevscore` command and `python -m kevscore`: the CLI, with a Ctrl-C at any moment (start-up
-included) ending it on one line, exit status 130."""
+"""The `kevscore` command: the CLI, with a Ctrl-C at any moment ending it on one line (exit status 130).
+
+Also `python -m kevscore`; a Ctrl-C during the start-up's imports ends it the same way."""
 import signal
 import sys
 

@@ -1,4 +1,6 @@
-"""The Python API: a `Scorer` keeps a model loaded and scores tables, data frames and files with it as
+"""The Python API: a `Scorer` keeps a model loaded and runs `kevscore run` jobs on tables and files.
+
+The Python API: a `Scorer` keeps a model loaded and scores tables, data frames and files with it as
 `kevscore run` does; the command line runs its jobs through a Scorer too.
 
     scorer = Scorer("demo", device="cpu", labels=["Yes", "No"])

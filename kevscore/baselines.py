@@ -1,4 +1,6 @@
-"""The transformers baselines kevscore is measured against, written as a careful user would with
+"""The transformers baselines kevscore is measured against: naive and prefix-cached scoring.
+
+The transformers baselines kevscore is measured against, written as a careful user would with
 transformers' own `Qwen3_5ForCausalLM` (`kevscore.reference.reference_model`):
 
 - `naive`: each row's full `document + question` sequence, rows sorted by length and right-padded in

@@ -1,5 +1,6 @@
-"""Command line: argument parsing, and what each command prints (kevscore.display draws it); `run` scores
-through a kevscore.api.Scorer (under torchrun, through kevscore.job.distributed)."""
+"""The command line: each command's arguments, and what it prints (drawn by kevscore.display).
+
+`run` scores through a kevscore.api.Scorer (under torchrun, through kevscore.job.distributed)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,6 @@
-"""`kevscore compare`: the gathered and indexed paths on the same weights, inputs and device, in one
+"""`kevscore compare`: the gathered and indexed paths timed against each other and checked for parity.
+
+`kevscore compare`: the gathered and indexed paths on the same weights, inputs and device, in one
 process, timed in alternating order and checked for exact parity.
 
 A case is a workload (documents, rows) and a prefix temperature: the share of its documents already in

@@ -1,5 +1,7 @@
-"""How a run looks: rich progress bars or JSON Lines progress, and the tables of the run summary, the
-dry-run plan, an output's provenance, a bank's report and `compare`; text from files is escaped."""
+"""How a run looks: progress bars or JSON Lines, and every table the commands print.
+
+The tables: the run summary, the dry-run plan, an output's provenance, a bank's report and `compare`'s;
+text from files is escaped."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
-"""Measuring: timed calls (CUDA events on a GPU, the wall clock on a CPU) and the machine and code a result
-comes from. Used by `kevscore compare` and `benchmarks/`."""
+"""Measuring: timed calls, and the machine and code a result comes from (compare, benchmarks).
+
+Calls are timed by CUDA events on a GPU, by the wall clock on a CPU."""
 from __future__ import annotations
 
 import hashlib

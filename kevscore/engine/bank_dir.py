@@ -1,5 +1,6 @@
-"""The bank directory's layout and its guards: the format marker, the index of entry records, the entry
-files under `entries/`, and the lock that serializes writers (see `bank_store` for the whole layout)."""
+"""The bank directory's layout and guards: format marker, index of entry records, entry files, lock.
+
+The lock serializes writers; `bank_store` describes the whole layout."""
 from __future__ import annotations
 
 import contextlib

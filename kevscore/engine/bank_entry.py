@@ -1,4 +1,6 @@
-"""One persistent bank entry on disk: the model fingerprint that keys it (config, weights, bank dtype, ops
+"""One persistent bank entry on disk: the model fingerprint that keys it, its file, its checked read.
+
+One persistent bank entry on disk: the model fingerprint that keys it (config, weights, bank dtype, ops
 backend), its safetensors file (the layers' declared tensors, the prefix ids, metadata with CRC-32s), and
 reading it back with every check (header, layout, shapes, key, checksums). `bank_store` keeps the entries."""
 from __future__ import annotations

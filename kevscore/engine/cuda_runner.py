@@ -1,4 +1,6 @@
-"""The fused GPU runner: bf16 model over FLA kernels, a bank sized from free memory, and one CUDA graph
+"""The GPU runner: a bf16 model over FLA kernels, a bank sized from free memory, CUDA graphs per bucket.
+
+The fused GPU runner: bf16 model over FLA kernels, a bank sized from free memory, and one CUDA graph
 per (rows, length, prefix, scored positions, path) bucket, captured on first use into one shared memory pool.
 
 A batch is one host-to-device copy of its pinned upload buffer into the bucket's static buffer and one

@@ -1,4 +1,6 @@
-"""How a row's labels are scored. Labels of one token each: at the question's last token, one position per
+"""How a row's labels are scored: at the question's last token, or along continuations of it.
+
+How a row's labels are scored. Labels of one token each: at the question's last token, one position per
 row (`LastToken`). A row with a label of several tokens: along branches that continue its question with its
 labels' tokens (`Continuations`), a label's log-probability the sum of its tokens' given the prompt.
 

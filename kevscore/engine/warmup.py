@@ -1,4 +1,6 @@
-"""Getting the GPU ready while a job reads its input and loads its weights: the CUDA context and the
+"""The GPU made ready while a job reads its input: the CUDA context and every kernel compiled on a thread.
+
+Getting the GPU ready while a job reads its input and loads its weights: the CUDA context and the
 compilation of every GPU kernel, by a two-layer model of the job's shapes that prefills and scores a few
 tiny batches on a thread. Triton keeps what it compiles, so the job's own first launches find every
 kernel built (the same shapes give the same specializations); a warm cache makes this a few seconds of

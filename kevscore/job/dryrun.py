@@ -1,5 +1,7 @@
-"""`run --dry-run`: what a job would do (documents, rows, windows, waves, tokens) and how long it would take,
-estimated from scoring a few of its own documents on this machine; nothing is written."""
+"""`run --dry-run`: what a job would do and how long it would take; nothing is written.
+
+The plan counts documents, rows, windows, waves and tokens; the time is estimated from scoring a few of the
+job's own documents on this machine."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

@@ -1,5 +1,6 @@
-"""A job's files: the input and documents as given, opened as the Parquet files a job streams (staged in a
-temporary directory when they are not: kevscore.job.formats); the output's path; copying it to stdout."""
+"""A job's files: the input and documents opened as Parquet files to stream, the output's path, stdout.
+
+An input that is not one Parquet file is staged in a temporary directory (kevscore.job.formats)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,6 @@
-"""What an output records about the job that made it: the job's digest (a rerun of the same job is
+"""What an output records about the job that made it: its digest, its provenance, what changed.
+
+What an output records about the job that made it: the job's digest (a rerun of the same job is
 "already complete") from its identity (what its results depend on), its provenance (`kevscore info`),
 and what changed between two jobs, in words."""
 from __future__ import annotations

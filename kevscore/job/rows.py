@@ -1,5 +1,7 @@
-"""Reading rows back from a scanned input by row number (row groups skipped, not decoded): a window's
-questions with their documents (`RowReader`), or chosen columns (`Cursor`)."""
+"""Reading rows of a scanned input back by row number: a window's questions and documents, or columns.
+
+Row groups without a wanted row are skipped, not decoded: `RowReader` reads a window's questions with their
+documents, `Cursor` chosen columns."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence

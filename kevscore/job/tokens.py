@@ -1,5 +1,6 @@
-"""The token pass over a scanned input: each document's prefix length, every row's prompt checked (labels,
-empty questions, lengths), rows set aside with --skip-invalid."""
+"""The token pass over a scanned input: each document's prefix length and every row's prompt checked.
+
+Labels, empty questions and lengths are checked; with --skip-invalid a row that fails is set aside."""
 from __future__ import annotations
 
 from collections.abc import Sequence

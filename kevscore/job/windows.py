@@ -1,5 +1,7 @@
-"""Scoring a job's windows: each read and tokenized ahead on one thread, run through the engine wave by wave,
-its part written on another while the next window is scored."""
+"""Scoring a job's windows: each read ahead on one thread, scored, its part written on another.
+
+A window is read and tokenized ahead on one thread, run through the engine wave by wave, and its part
+written on another while the next window is scored."""
 from __future__ import annotations
 
 import time

@@ -1,4 +1,6 @@
-"""Branch attention: question tokens attend to their document's K/V straight from the bank's token pool,
+"""Branch attention: question tokens over their document's K/V read in place from the bank's token pool.
+
+Branch attention: question tokens attend to their document's K/V straight from the bank's token pool,
 then causally to the branch's own K/V. No per-row gather of the document K/V, no repeated KV heads.
 
 One program handles BM (query token, query head) pairs of one row and one KV head: the G query heads

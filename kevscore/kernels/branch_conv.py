@@ -1,4 +1,6 @@
-"""Fused DeltaNet branch front end: causal conv from the bank's conv state, SiLU, the q/k/v split and the
+"""The fused DeltaNet front end: conv from the bank's conv state, SiLU, q/k/v split, l2 norm, beta.
+
+Fused DeltaNet branch front end: causal conv from the bank's conv state, SiLU, the q/k/v split and the
 l2 normalization of q and k, in one pass; optionally also beta = sigmoid(b) of the same projection output.
 
 It reads the projection output in place (a strided slice), each row's conv state straight from the bank

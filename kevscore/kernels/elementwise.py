@@ -1,4 +1,6 @@
-"""Row-tiled elementwise kernels for the fused GPU path: SwiGLU over the gate|up projection output, the
+"""Row-tiled elementwise kernels: SwiGLU, RMSNorm with the residual add, q/k norm + rotary, gated norm.
+
+Row-tiled elementwise kernels for the fused GPU path: SwiGLU over the gate|up projection output, the
 residual stream's RMSNorm (with the residual add), and the attention layer's per-head RMSNorm + partial
 rotary of q and k in one pass.
 

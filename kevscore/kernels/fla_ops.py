@@ -1,4 +1,6 @@
-"""The GPU backend of the layer ops: flash-linear-attention's Triton kernels (pinned fla-core 0.5.2),
+"""The GPU backend of the layer ops: flash-linear-attention's Triton kernels and ours.
+
+The GPU backend of the layer ops: flash-linear-attention's Triton kernels (pinned fla-core 0.5.2),
 our kernels (fused conv front end, indexed state scan, branch attention, norms), and flash attention over
 packed documents for prefill. Same functions as `kevscore.kernels.torch_ops`.
 

@@ -1,4 +1,6 @@
-"""flash-linear-attention's kernel modules without its package-level imports: `fla`'s `__init__` imports
+"""flash-linear-attention's kernel modules imported without its package-level imports.
+
+flash-linear-attention's kernel modules without its package-level imports: `fla`'s `__init__` imports
 every layer and model (and transformers), `fla.ops`' every op, `fla.modules`' every module and
 `fla.ops.gated_delta_rule`'s every form of the rule: most of the seconds `import fla` takes. These packages
 are registered unexecuted, so importing one kernel module runs that module and its own imports only; each

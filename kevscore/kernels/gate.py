@@ -1,4 +1,6 @@
-"""The DeltaNet decay gate as the chunked gated delta rule consumes it: per token and value head
+"""The DeltaNet decay gate, summed within each chunk in log2 units, in one Triton kernel.
+
+The DeltaNet decay gate as the chunked gated delta rule consumes it: per token and value head
 g = -exp(A_log) * softplus(a + dt_bias), summed within each 64-token chunk and scaled to log2 units, for
 packed documents (chunks restart at each document) and for rows of equal length. FLA's gate kernel's
 arithmetic, reading `a` in place from the projection output (FLA copies it first), and ours so that a job

@@ -1,4 +1,6 @@
-"""Triton kernels compiled side by side: a dry pass of a run records every kernel it would compile (nothing
+"""A run's Triton kernels compiled side by side in forked workers before the run launches them.
+
+Triton kernels compiled side by side: a dry pass of a run records every kernel it would compile (nothing
 is compiled or launched), forked worker processes compile them into Triton's cache, and the run itself
 then finds each one there.
 

@@ -1,4 +1,6 @@
-"""Indexed state scan: the chunked gated-delta-rule state recurrence, reading each row's initial state
+"""The indexed state scan: the gated delta rule's state recurrence reading each row's state in place.
+
+Indexed state scan: the chunked gated-delta-rule state recurrence, reading each row's initial state
 straight from the state bank at `bank + index[row * index_stride] * bank_stride`.
 
 It replaces only the state-scan stage of FLA 0.5.2's chunk pipeline (`chunk_gated_delta_rule_fwd_h`)

@@ -1,4 +1,6 @@
-"""Launch configurations of flash-linear-attention's autotuned kernels, pinned for the GPUs we measured, so a
+"""Launch configurations of FLA's autotuned kernels, pinned for the GPUs we measured.
+
+Launch configurations of flash-linear-attention's autotuned kernels, pinned for the GPUs we measured, so a
 process compiles each kernel once instead of timing every configuration on the first shapes it meets.
 
 FLA autotunes each kernel per key (head counts and dims, not token counts) the first time it runs, and

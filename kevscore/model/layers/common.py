@@ -1,5 +1,6 @@
-"""Small blocks shared by Kev layers: norms, rotary embedding, MLP, the per-forward context, and the
-declaration of a layer's bank entry."""
+"""What Kev layers share: norms, rotary embedding, MLP, per-forward contexts, bank declarations.
+
+A layer declares the tensors of its bank entry (`BankTensor`); each forward gets a context."""
 from __future__ import annotations
 
 from dataclasses import dataclass

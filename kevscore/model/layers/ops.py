@@ -1,4 +1,6 @@
-"""The ops interface the layers call: what an ops backend (`kernels.torch_ops` on the CPU, `kernels.fla_ops` on
+"""The ops interface the layers call, which every ops backend implements.
+
+The ops interface the layers call: what an ops backend (`kernels.torch_ops` on the CPU, `kernels.fla_ops` on
 the GPU) implements, module-level functions of these names and signatures (a module satisfies a Protocol).
 
 Gates travel unevaluated so a backend may fuse them: the DeltaNet decay as `gate = (a, A_log, dt_bias)`
