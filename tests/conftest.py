@@ -100,10 +100,35 @@ def labelled(enc: Encoded, sets=LABEL_SETS) -> Encoded:
                    [f for f, _ in pairs], [t for _, t in pairs])
 
 
+@torch.no_grad()
+def reference_scores(model, prefix: list[int], branch: list[int], label_ids: list[int]) -> tuple[list[float], float]:
+    """transformers on the full sequence, the oracle of the scores: (softmax over the label logits,
+    full-vocabulary mass of the labels) at the last position."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prefix + branch], device=device)
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].double()
+    label = logits[label_ids]
+    mass = torch.exp(torch.logsumexp(label, 0) - torch.logsumexp(logits, 0))
+    return torch.softmax(label, 0).tolist(), float(mass)
+
+
+@torch.no_grad()
+def reference_sequence_scores(model, prefix: list[int], branch: list[int],
+                              labels: list[list[int]]) -> tuple[list[float], float]:
+    """Labels of any number of tokens, each on its own full sequence `prefix + branch + label[:-1]`: (softmax
+    over the labels' summed token log-probabilities, the labels' total probability)."""
+    device = next(model.parameters()).device
+    summed = []
+    for label in labels:
+        ids = torch.tensor([prefix + branch + list(label[:-1])], device=device)
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(label)).logits[0].double()
+        summed.append(torch.log_softmax(logits, -1)[range(len(label)), list(label)].sum())
+    logprob = torch.stack(summed)
+    return torch.softmax(logprob, 0).tolist(), float(torch.exp(torch.logsumexp(logprob, 0)))
+
+
 def sequence_reference(model, enc: Encoded) -> list[tuple[list[float], float]]:
     """transformers' (probs, label mass) per row, each label of any length on its own full sequence."""
-    from kevscore.reference import reference_sequence_scores
-
     return [reference_sequence_scores(model, enc.prefixes[enc.row_prefix[r]], enc.branches[r],
                                       [list(t) for t in enc.label_tokens(r)]) for r in range(len(enc))]
 
@@ -119,7 +144,7 @@ def material_masses(ckpt):
 
     from kevscore.job.data import read_input
     from kevscore.model.prompt import encode, load_template
-    from kevscore.reference import reference_model, reference_scores
+    from kevscore.reference import reference_model
 
     table = read_input(Path(__file__).resolve().parent.parent / "examples" / "questions.parquet")
     enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],

@@ -4,11 +4,11 @@ import random
 
 import pytest
 import torch
-from conftest import cpu_engine
+from conftest import cpu_engine, reference_scores
 
 from kevscore.baselines import BASELINES, label_probs, length_batches, naive_call, prefix_cached_call, whole_documents
 from kevscore.model.prompt import Encoded
-from kevscore.reference import reference_model, reference_scores
+from kevscore.reference import reference_model
 
 # per document its question lengths: one-token questions, a document of one question, one whose
 # questions are all a single token (the cache's decode path), and one with more questions than a batch

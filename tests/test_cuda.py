@@ -3,7 +3,7 @@ import random
 
 import pytest
 import torch
-from conftest import both_paths, gpu_engine, synthetic, with_switch
+from conftest import both_paths, gpu_engine, reference_scores, synthetic, with_switch
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -156,7 +156,7 @@ def test_model_paths_bitwise_and_bank_unchanged(tiny):
 
 def test_fused_bf16_close_to_fp32_reference(tiny):
     """The fused bf16 path is as close to the fp32 reference as transformers itself is in bf16."""
-    from kevscore.reference import reference_model, reference_scores
+    from kevscore.reference import reference_model
 
     enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 130])
     fused = gpu_engine(tiny, enc.prefixes, max_rows=8).run(enc, "indexed")
@@ -176,7 +176,7 @@ def test_label_mass_close_to_fp32_reference(demo):
     labels where it is material (conftest.material_masses): relatively as close as transformers' bf16."""
     from conftest import material_masses
 
-    from kevscore.reference import reference_model, reference_scores
+    from kevscore.reference import reference_model
 
     enc, reference = material_masses(demo)
     ours = gpu_engine(demo, enc.prefixes, max_rows=4).run(enc, "indexed").label_mass

@@ -1,9 +1,9 @@
 """The CPU bank/branch pipeline against transformers on the full sequence, and its invariants."""
 import pytest
-from conftest import cpu_engine, material_masses, synthetic
+from conftest import cpu_engine, material_masses, reference_scores, synthetic
 
 from kevscore.engine.pipeline import Scores
-from kevscore.reference import reference_model, reference_scores
+from kevscore.reference import reference_model
 
 DOC_LENS = [1, 63, 64, 65, 300]
 BRANCH_LENS = [1, 17, 64, 65, 130]
