@@ -10,6 +10,14 @@ from kevscore.errors import KevscoreError
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
+# what transformers' Qwen3.5 text config assumes for a field its config.json leaves out
+HF_DEFAULTS = {"num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
+               "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+               "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+               "max_position_embeddings": 32768}
+HF_ROPE = ("rope_theta", "partial_rotary_factor")  # fields `rope_parameters` (or `rope_scaling`) may hold
+
+
 @dataclass(frozen=True, slots=True)
 class KevConfig:
     vocab_size: int
@@ -78,25 +86,9 @@ class KevConfig:
             FULL if (i + 1) % text.get("full_attention_interval", 4) == 0 else LINEAR for i in range(layers)
         ]
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        return cls(
-            vocab_size=text["vocab_size"],
-            hidden_size=text["hidden_size"],
-            intermediate_size=text["intermediate_size"],
-            layer_types=tuple(types[:layers]),
-            num_attention_heads=text.get("num_attention_heads", 16),
-            num_key_value_heads=text.get("num_key_value_heads", 4),
-            head_dim=text.get("head_dim", 256),
-            linear_num_key_heads=text.get("linear_num_key_heads", 16),
-            linear_num_value_heads=text.get("linear_num_value_heads", 32),
-            linear_key_head_dim=text.get("linear_key_head_dim", 128),
-            linear_value_head_dim=text.get("linear_value_head_dim", 128),
-            linear_conv_kernel_dim=text.get("linear_conv_kernel_dim", 4),
-            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", text.get("rope_theta", 10_000.0)),
-            partial_rotary_factor=rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)),
-            max_position_embeddings=text.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(tie),
-        )
+        given = {f.name: text[f.name] for f in dataclasses.fields(cls) if f.name in text}
+        return cls(**{**HF_DEFAULTS, **given, **{k: v for k, v in rope.items() if k in HF_ROPE},
+                      "layer_types": tuple(types[:layers]), "tie_word_embeddings": bool(tie)})
 
     def to_hf(self) -> dict[str, Any]:
         """A `qwen3_5_text` config.json dict that transformers' Qwen3_5TextConfig accepts."""
