@@ -180,20 +180,22 @@ def progress_bars(out: Console, disable: bool = False) -> Progress:
                     console=out, disable=disable, transient=False)
 
 
-def key_value_table(title: str) -> Table:
-    """Two columns, names and values; a long value (a path, a list) folds onto the next line, never cut."""
+def key_value_table(title: str, rows: list[tuple[str, str]] | None = None) -> Table:
+    """Two columns, names and values (`rows` first); a long value (a path, a list) folds onto the next line,
+    never cut."""
     table = Table(title=escape(title), show_header=False)
     table.add_column("name", no_wrap=True)
     table.add_column("value", overflow="fold")
+    for name, value in rows or ():
+        table.add_row(name, value)
     return table
 
 
 def summary_table(result) -> Table:
     s, f = result.stats, summary_fields(result)
-    table = key_value_table(f"kevscore run · {result.model} on {result.device}")
     rate = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
     resumed = f" ({result.resumed_rows:,} from parts of an earlier run)" if result.resumed_rows else ""
-    for key, value in [
+    table = key_value_table(f"kevscore run · {result.model} on {result.device}", [
         ("documents", f"{result.documents:,}"), ("distinct prefixes", f"{s.prefixes:,}"),
         ("prefilled", f"{s.prefilled:,} in {s.waves:,} {_plural(s.waves, 'wave')}"),
         ("rows", f"{s.rows:,} in {s.batches:,} {_plural(s.batches, 'batch')}" + resumed),
@@ -204,8 +206,7 @@ def summary_table(result) -> Table:
         ("wall time", f"{result.wall_s:.2f} s"), ("rows/s", f"{rate(f['rows_per_s'])} scoring, "
                                                            f"{rate(f['rows_per_s_wall'])} wall"),
         ("peak host memory", _size(result.peak_rss)),
-    ]:
-        table.add_row(key, value)
+    ])
     if result.peak_gpu is not None:
         table.add_row("peak GPU memory", _size(result.peak_gpu))
     if s.oom_retries:
@@ -245,15 +246,13 @@ def _size(n: float) -> str:
 
 
 def plan_table(plan) -> Table:
-    table = key_value_table(f"kevscore run --dry-run · {plan.model} on {plan.device}")
     waves = f"{plan.waves:,} {_plural(plan.waves, 'wave')} (the bank holds {plan.bank_entries:,} documents)"
-    for key, value in [
+    table = key_value_table(f"kevscore run --dry-run · {plan.model} on {plan.device}", [
         ("rows", f"{plan.rows:,}" + (f" ({plan.set_aside:,} set aside)" if plan.set_aside else "")),
         ("documents", f"{plan.documents:,} ({plan.prefix_tokens:,} tokens to prefill)"),
         ("windows", f"{plan.windows:,}, {waves}"),
         ("model load", f"{plan.load_s:.1f} s (with tokenizing every prompt)"),
-    ]:
-        table.add_row(key, value)
+    ])
     if plan.estimate_s is not None:
         table.add_row("calibration", f"{plan.calibration_docs} {_plural(plan.calibration_docs, 'document')}, "
                                      f"{plan.calibration_rows} rows: prefill {plan.prefill_tokens_per_s:,.0f} "
@@ -348,14 +347,10 @@ def print_inspect(out: Console, r: dict, detail: bool) -> None:
                   "in tmp/ (never used; the next run removes them if their process is gone)", highlight=False)
     if detail:
         row = r["entries"][0]
-        table = key_value_table(f"entry {row['key']}")
-        for key in ("key", "file", "model", "status", "tokens", "doc_ids", "bytes", "file_bytes", "indexed",
-                    "tensors", "crc32", "ids_head"):
-            if key in row:
-                table.add_row(key, escape(str(row[key])))
-        table.add_row("created", _when(row.get("created")))
-        table.add_row("last used", _when(row.get("last_used")))
-        out.print(table)
+        fields = ("key", "file", "model", "status", "tokens", "doc_ids", "bytes", "file_bytes", "indexed", "tensors",
+                  "crc32", "ids_head")
+        out.print(key_value_table(f"entry {row['key']}", [(k, escape(str(row[k]))) for k in fields if k in row] + [
+            ("created", _when(row.get("created"))), ("last used", _when(row.get("last_used")))]))
         return
     out.print(inspect_table(r))
     out.print(f"in all: recurrent state {_size(tot.get('recurrent', 0))}, conv {_size(tot.get('conv', 0))}, "
