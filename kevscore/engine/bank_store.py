@@ -100,12 +100,7 @@ class BankStore:
                 if not (self.root / MARKER).exists():
                     marker = json.dumps({"format": FORMAT, "version": VERSION}).encode()
                     write_atomic(self.root / MARKER, bytes_filler(marker), self.tmp)
-                index = self._load_index(reconcile=True)
-                index["models"][model.digest] = model.about
-                for path in self._evict(index):
-                    path.unlink(missing_ok=True)
-                self._write_index(index, "bank-index-write-open")
-                self.index = index
+                self._publish(self._load_index(reconcile=True), "bank-index-write-open")
         except BaseException:
             self._release()
             raise
@@ -209,8 +204,15 @@ class BankStore:
             entries[key] = entry_record(entry, path, self.root, path.stat().st_mtime)
         return index
 
-    def _write_index(self, index: dict, hook: str) -> None:
+    def _publish(self, index: dict, hook: str) -> None:
+        """Under the lock: this model recorded, entries evicted, the index written (`hook`: a fault point halfway),
+        then the evicted entries' files removed."""
+        index["models"][self.model.digest] = self.model.about
+        evicted = self._evict(index)
         write_atomic(self.root / INDEX, bytes_filler(json.dumps(index, indent=0).encode(), hook), self.tmp)
+        for path in evicted:
+            path.unlink(missing_ok=True)
+        self.index = index
 
     def _evict(self, index: dict) -> list[Path]:
         """Drop least-recently-used records until the entries fit `max_bytes`; returns their files."""
@@ -246,7 +248,6 @@ class BankStore:
                 fsync_dir(self.root / ENTRIES)
             faults.point("bank-renamed")
             entries = index["entries"]
-            index["models"][self.model.digest] = self.model.about
             for key, used in self._touched.items():
                 if not self._path(key).exists():
                     continue  # evicted by another run meanwhile
@@ -254,11 +255,7 @@ class BankStore:
                 rec = dict(self._records[key], last_used=max(used, old.get("last_used", 0.0)))
                 rec["doc_ids"] = merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
                 entries[key] = rec
-            evicted = self._evict(index)
-            self._write_index(index, "bank-index-write")
-            for path in evicted:
-                path.unlink(missing_ok=True)
-            self.index = index
+            self._publish(index, "bank-index-write")
         self._touched.clear()
 
     # ------------------------------------------------------------ a run's documents
