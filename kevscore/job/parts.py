@@ -140,10 +140,7 @@ class PartStore:
         try:
             self._open(restart)
         except BaseException:
-            if self.created:
-                self.remove()  # nothing of ours can be in it yet: leave no trace
-            else:
-                self.close()
+            self.abandon()  # a directory it created holds no part yet: it is removed, leaving no trace
             raise
 
     # ------------------------------------------------------------ opening
