@@ -247,14 +247,9 @@ def _launch(gpus: int) -> None:
     """Re-run this command under torch's launcher with `gpus` processes (without --gpus)."""
     from kevscore.job.distributed import launch
 
-    argv, skip = [], False
-    for arg in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif arg == "--gpus":
-            skip = True
-        elif not arg.startswith("--gpus="):
-            argv.append(arg)
+    args = sys.argv[1:]
+    values = {i + 1 for i, arg in enumerate(args) if arg == "--gpus"}  # the N of `--gpus N`
+    argv = [arg for i, arg in enumerate(args) if arg != "--gpus" and not arg.startswith("--gpus=") and i not in values]
     try:
         launch(argv, gpus)
     except Exception as exc:  # torch's ChildFailedError: the ranks printed their errors above
