@@ -65,13 +65,9 @@ class StateBank:
         self._starts: list[int] = []
         self._lengths: list[int] = []
 
-    def fits(self, entries: int, tokens: int) -> bool:
-        return (self.used_entries + entries <= self.layout.entries
-                and self.used_tokens + tokens <= self.layout.tokens)
-
     def alloc(self, length: int) -> int:
         """Reserve an entry for a document of `length` tokens; returns its slot."""
-        if not self.fits(1, length):
+        if self.used_entries >= self.layout.entries or self.used_tokens + length > self.layout.tokens:
             raise KevscoreError(
                 f"state bank full: a {length}-token document does not fit "
                 f"({self.layout.entries} entries, {self.layout.tokens} K/V tokens); raise --bank-capacity")
@@ -91,9 +87,6 @@ class StateBank:
         self.start[:n].copy_(torch.tensor(self._starts, dtype=torch.long))
         self.length[:n].copy_(torch.tensor(self._lengths, dtype=torch.long))
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {t.name: getattr(self, t.name) for t in self.declared}
-
     def entry(self, slot: int, length: int) -> dict[str, torch.Tensor]:
         """Views of entry `slot` (a document of `length` tokens) in every tensor, shaped as an entry file holds
         them: [layers, *dims], the token axis `length` long."""
@@ -103,6 +96,6 @@ class StateBank:
     def checksum(self) -> str:
         """SHA-256 over the bytes of every bank tensor (copied to the host)."""
         digest = hashlib.sha256()
-        for t in self.tensors().values():
-            digest.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        for t in self.declared:
+            digest.update(getattr(self, t.name).detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
         return digest.hexdigest()
