@@ -90,18 +90,17 @@ class Source:
 
 def input_files(given: str) -> list[Path]:
     """The files an input names: a file, every *.parquet file under a directory, or a glob's matches."""
-    if any(ch in given for ch in "*?["):
-        files = sorted(Path(p) for p in glob.glob(given, recursive=True) if Path(p).is_file())
-        if not files:
-            raise KevscoreError(f"{given}: no file matches")
-        return files
     path = Path(given)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*.parquet") if p.is_file())
-        if not files:
-            raise KevscoreError(f"{given}: a directory with no .parquet file")
-        return files
-    return [path]
+    if any(ch in given for ch in "*?["):
+        found, none = [Path(p) for p in glob.glob(given, recursive=True)], "no file matches"
+    elif path.is_dir():
+        found, none = list(path.rglob("*.parquet")), "a directory with no .parquet file"
+    else:
+        return [path]
+    files = sorted(f for f in found if f.is_file())
+    if not files:
+        raise KevscoreError(f"{given}: {none}")
+    return files
 
 
 def remote_files(uri: str) -> tuple[pafs.FileSystem, list[str]]:
