@@ -8,6 +8,7 @@ A scoring cuts its rows into units (a row, or one branch of a row), which the en
 `device_scores` gathers what a batch's units need on the device, `finish` turns it into probabilities."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -105,17 +106,13 @@ class Continuations(Scoring):
         self.targets: list[list[tuple[int, int, int]]] = []  # per unit: (label, offset from the question's end, token)
         self.left: dict[int, int] = {}  # row -> its units not yet scored
         self.logprob: dict[int, np.ndarray] = {}  # row -> its labels' summed log-probabilities so far
-        plans: dict[tuple[Tokens, ...], tuple[list[Tokens], list[list[tuple[int, int, int]]]]] = {}
         for r in rows:
-            labels = tuple(enc.label_tokens(r))
-            if labels not in plans:
-                plans[labels] = _plan(labels)
-            branches, targets = plans[labels]
+            branches, targets = _plan(tuple(enc.label_tokens(r)))
             self.unit_row += [r] * len(branches)
             self.continuation += branches
             self.targets += targets
             self.left[r] = len(branches)
-            self.logprob[r] = np.zeros(len(labels))
+            self.logprob[r] = np.zeros(len(enc.label_ids[r]))
         self.units = list(range(len(self.unit_row)))
 
     def row(self, unit: int) -> int:
@@ -168,6 +165,7 @@ class Continuations(Scoring):
         return self.logprob.pop(r) if self.left[r] == 0 else None
 
 
+@functools.lru_cache(maxsize=4096)
 def _plan(labels: tuple[Tokens, ...]) -> tuple[list[Tokens], list[list[tuple[int, int, int]]]]:
     """A row's branches (continuations) and per branch its targets (label, offset, token)."""
     branches, of_label = label_branches(labels)
