@@ -161,17 +161,10 @@ class Engine:
             self._prefill_group(enc, group[half:], slot_of, stats, progress)
 
     def _prefill_groups(self, enc: Encoded, wave: list[int]) -> list[list[int]]:
-        """Documents sorted by length, packed into groups of at most `prefill_tokens` tokens."""
-        groups: list[list[int]] = []
-        used = 0
-        for d in sorted(wave, key=lambda d: len(enc.prefixes[d])):
-            n = len(enc.prefixes[d])
-            if not groups or used + n > self.prefill_tokens:
-                groups.append([])
-                used = 0
-            groups[-1].append(d)
-            used += n
-        return groups
+        """Documents sorted by length, packed into groups of at most `prefill_tokens` tokens (as waves are planned)."""
+        order = sorted(wave, key=lambda d: len(enc.prefixes[d]))
+        lengths = [len(enc.prefixes[d]) for d in order]
+        return [[order[i] for i in group] for group in plan_waves(lengths, len(order), self.prefill_tokens)]
 
     def score_rows(self, enc: Encoded, rows: list[int], slot_of: dict[int, int], path: str,
                    scores: Scores, progress: Reporter = QUIET) -> None:
