@@ -185,10 +185,8 @@ def run(
     if path is not None:
         console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)
         state_read = path
-    try:
+    with _failing():
         label_list = parse_labels(labels)
-    except KevscoreError as exc:
-        _fail(str(exc), exc.exit_code)
     opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device,
                       state_read=state_read,
                       labels=label_list, template=template, batch_rows=batch_rows, overwrite=overwrite,
