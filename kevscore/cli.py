@@ -14,20 +14,8 @@ import typer
 from rich.console import Console
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from kevscore.display import (
-    JsonProgress,
-    RichProgress,
-    compare_table,
-    console,
-    escape,
-    plan_table,
-    print_inspect,
-    progress_bars,
-    provenance_table,
-    ranks_table,
-    summary_fields,
-    summary_table,
-)
+from kevscore import display
+from kevscore.display import console, escape
 from kevscore.errors import KevscoreError, reported
 
 
@@ -81,7 +69,8 @@ def _fail(message: str, code: int = 1) -> None:
 
 
 @contextmanager
-def _failing(interrupted: str | None = "interrupted", prefix: str = "", log: JsonProgress | None = None) -> Iterator[None]:
+def _failing(interrupted: str | None = "interrupted", prefix: str = "",
+             log: display.JsonProgress | None = None) -> Iterator[None]:
     """A command's errors as its one `error:` line (`prefix` first) and exit status, and as an event in `log`.
     Ctrl-C: `interrupted`, or (None) what the run says was kept."""
     try:
@@ -205,28 +194,28 @@ def run(
         return _launch(gpus)
     if world_from_env() is not None:
         return _run_rank(opts, quiet)
-    log = JsonProgress() if log_json else None
-    with _failing(None, log=log), progress_bars(console, disable=quiet or log_json) as bar:
-        display = log or RichProgress(bar)
+    log = display.JsonProgress() if log_json else None
+    with _failing(None, log=log), display.progress_bars(console, disable=quiet or log_json) as bar:
+        reporter = log or display.RichProgress(bar)
         try:
-            result = Scorer.from_options(opts).run(opts, display)
+            result = Scorer.from_options(opts).run(opts, reporter)
         finally:
-            if display is not log:
-                display.loaded()
+            if reporter is not log:
+                reporter.loaded()
     _report(result, log, quiet)
 
 
-def _report(result, log: JsonProgress | None, quiet: bool) -> None:
+def _report(result, log: display.JsonProgress | None, quiet: bool) -> None:
     """A finished run's last words: the `done` event, the summary table, or a line when nothing was to do."""
     if log:
-        log.emit("done", **summary_fields(result))
+        log.emit("done", **display.summary_fields(result))
     elif quiet:
         return
     elif result.already_complete:
         console.print(f"{escape(str(result.output))}: already complete (this job's output, {result.stats.rows:,} rows); "
                       "nothing to do", highlight=False, soft_wrap=True)
     else:
-        console.print(summary_table(result))
+        console.print(display.summary_table(result))
 
 
 def _dry_run(opts, log_json: bool) -> None:
@@ -238,7 +227,7 @@ def _dry_run(opts, log_json: bool) -> None:
     if log_json:
         typer.echo(json.dumps({"event": "plan", **plan.fields()}))
     else:
-        Console(width=80 if not sys.stdout.isatty() else None).print(plan_table(plan))
+        Console(width=80 if not sys.stdout.isatty() else None).print(display.plan_table(plan))
 
 
 def _launch(gpus: int) -> None:
@@ -288,7 +277,7 @@ def _rank_work(opts, quiet: bool) -> None:
     with _failing("interrupted; no output was written", f"rank {rank}: " if rank else ""):
         result = run_distributed(opts)
     if rank == 0 and not quiet:
-        console.print(ranks_table(result))
+        console.print(display.ranks_table(result))
 
 
 @app.command("bank-inspect", cls=Command)
@@ -309,7 +298,7 @@ def bank_inspect(
         typer.echo(json.dumps(report, indent=1))
     else:
         out = Console(width=None if Console().is_terminal else 80)
-        print_inspect(out, report, detail=entry is not None)
+        display.print_inspect(out, report, detail=entry is not None)
     if verify and report["bad_entries"]:
         raise typer.Exit(1)
 
@@ -330,7 +319,7 @@ def info(
     if as_json:
         typer.echo(json.dumps(record, indent=1))
     else:
-        Console(width=None if Console().is_terminal else 80).print(provenance_table(record))
+        Console(width=None if Console().is_terminal else 80).print(display.provenance_table(record))
 
 
 @app.command(cls=Command)
@@ -365,7 +354,7 @@ def compare(
                           batch_rows=batch_rows, baseline=baseline, json_path=json_path, plot=plot, fault=fault)
     with _failing():
         report = run_compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
-    (console if console.is_terminal else Console(stderr=True, width=80)).print(compare_table(report))
+    (console if console.is_terminal else Console(stderr=True, width=80)).print(display.compare_table(report))
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if not report["parity"]:
