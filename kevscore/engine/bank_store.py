@@ -35,32 +35,13 @@ import torch
 
 from kevscore import faults
 from kevscore.durable import bytes_filler, fsync_dir, lock_file, write_atomic, write_new
+from kevscore.engine import bank_dir, bank_entry
 from kevscore.engine.backend import synchronize
-from kevscore.engine.bank_dir import (
-    ENTRIES,
-    INDEX,
-    MARKER,
-    TMP,
-    bank_lock,
-    check_bank_dir,
-    entry_files,
-    entry_record,
-    merge_ids,
-    read_index,
-)
-from kevscore.engine.bank_entry import (
-    FORMAT,
-    SUFFIX,
-    VERSION,
-    EntryError,
-    Fingerprint,
-    entry_bytes,
-    entry_key,
-    read_entry,
-    read_header,
-)
+from kevscore.engine.bank_entry import EntryError, Fingerprint
 from kevscore.errors import KevscoreFailure, first_line
 from kevscore.model.prompt import prefix_key
+
+MARKER_FIELDS = {"format": bank_entry.FORMAT, "version": bank_entry.VERSION}  # the marker file's, the index's
 
 
 @dataclass(slots=True)
@@ -89,17 +70,16 @@ class BankStore:
         self._records: dict[str, dict] = {}          # key -> record of entries used or written by this run
         self._doc_ids: dict[str, list[str]] = {}     # prefix sha256 -> document ids of this run
         self._owner_fd: int | None = None
-        check_bank_dir(self.root, create=True)
+        bank_dir.check_bank_dir(self.root, create=True)
         self.root.mkdir(parents=True, exist_ok=True)
         try:
-            with bank_lock(self.root, True, "open"):
-                check_bank_dir(self.root, create=True)  # again, under the lock
-                (self.root / ENTRIES).mkdir(exist_ok=True)
+            with bank_dir.bank_lock(self.root, True, "open"):
+                bank_dir.check_bank_dir(self.root, create=True)  # again, under the lock
+                (self.root / bank_dir.ENTRIES).mkdir(exist_ok=True)
                 self._clean_tmp()
                 self._make_owner()
-                if not (self.root / MARKER).exists():
-                    marker = json.dumps({"format": FORMAT, "version": VERSION}).encode()
-                    write_atomic(self.root / MARKER, bytes_filler(marker), self.tmp)
+                if not (self.root / bank_dir.MARKER).exists():
+                    write_atomic(self.root / bank_dir.MARKER, bytes_filler(json.dumps(MARKER_FIELDS).encode()), self.tmp)
                 self._publish(self._load_index(reconcile=True), "bank-index-write-open")
         except BaseException:
             self._release()
@@ -114,7 +94,7 @@ class BankStore:
 
     def _clean_tmp(self) -> None:
         """Remove the temporary files of processes that no longer run (their owner lock is free)."""
-        base = self.root / TMP
+        base = self.root / bank_dir.TMP
         if not base.is_dir():
             return
         for p in base.iterdir():
@@ -136,7 +116,7 @@ class BankStore:
                 lock.unlink(missing_ok=True)
 
     def _make_owner(self) -> None:
-        base = self.root / TMP
+        base = self.root / bank_dir.TMP
         base.mkdir(exist_ok=True)
         owner = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._owner_fd = lock_file(base / f"{owner}.lock")
@@ -162,25 +142,25 @@ class BankStore:
         self._owner_fd = None
 
     def _path(self, key: str) -> Path:
-        return self.root / ENTRIES / key[:2] / f"{key}{SUFFIX}"
+        return self.root / bank_dir.ENTRIES / key[:2] / f"{key}{bank_entry.SUFFIX}"
 
     def _load_index(self, reconcile: bool) -> dict:
         """The index (under the lock); rebuilt from the entry files when missing or unreadable. With
         `reconcile`, files the index lacks are adopted (a run killed between rename and index write)
         and records whose file is gone are dropped."""
-        files = entry_files(self.root)
+        files = bank_dir.entry_files(self.root)
         try:
-            index = read_index(self.root)
+            index = bank_dir.read_index(self.root)
         except FileNotFoundError:
             index = None
             if files:
-                self.warn(f"bank {self.root}: {INDEX} is missing; rebuilding it from {len(files)} entry files")
+                self.warn(f"bank {self.root}: {bank_dir.INDEX} is missing; rebuilding it from {len(files)} entry files")
         except (OSError, ValueError, TypeError) as exc:  # a VersionError (a KevscoreError) stops the run
             index = None
-            self.warn(f"bank {self.root}: {INDEX} is unreadable ({first_line(exc)[:120]}); "
+            self.warn(f"bank {self.root}: {bank_dir.INDEX} is unreadable ({first_line(exc)[:120]}); "
                       f"rebuilding it from {len(files)} entry files")
         if index is None:
-            index, reconcile = {"format": FORMAT, "version": VERSION, "entries": {}, "models": {}}, True
+            index, reconcile = {**MARKER_FIELDS, "entries": {}, "models": {}}, True
         if not reconcile:
             return index
         entries = index["entries"]
@@ -194,14 +174,14 @@ class BankStore:
             if key in entries:
                 continue
             try:
-                entry = read_header(path)
+                entry = bank_entry.read_header(path)
                 if entry.meta["key"] != key:
                     raise EntryError("the file name does not match the key in its header")
             except (OSError, EntryError) as exc:
                 self.warn(f"bank {self.root}: entry file {path.relative_to(self.root)}: {exc}; removed")
                 path.unlink(missing_ok=True)
                 continue
-            entries[key] = entry_record(entry, path, self.root, path.stat().st_mtime)
+            entries[key] = bank_dir.entry_record(entry, path, self.root, path.stat().st_mtime)
         return index
 
     def _publish(self, index: dict, hook: str) -> None:
@@ -209,7 +189,7 @@ class BankStore:
         then the evicted entries' files removed."""
         index["models"][self.model.digest] = self.model.about
         evicted = self._evict(index)
-        write_atomic(self.root / INDEX, bytes_filler(json.dumps(index, indent=0).encode(), hook), self.tmp)
+        write_atomic(self.root / bank_dir.INDEX, bytes_filler(json.dumps(index, indent=0).encode(), hook), self.tmp)
         for path in evicted:
             path.unlink(missing_ok=True)
         self.index = index
@@ -233,7 +213,7 @@ class BankStore:
         """Under the lock: rename written entries into place, merge this run's records and uses into the
         freshly read index, evict, write the index, then remove evicted files."""
         faults.point("bank-before-commit")
-        with bank_lock(self.root, True, "commit"):
+        with bank_dir.bank_lock(self.root, True, "commit"):
             faults.point("bank-commit-locked")
             index = self._load_index(reconcile=False)
             dirs = set()
@@ -245,7 +225,7 @@ class BankStore:
             for d in dirs:
                 fsync_dir(d)
             if dirs:
-                fsync_dir(self.root / ENTRIES)
+                fsync_dir(self.root / bank_dir.ENTRIES)
             faults.point("bank-renamed")
             entries = index["entries"]
             for key, used in self._touched.items():
@@ -253,7 +233,7 @@ class BankStore:
                     continue  # evicted by another run meanwhile
                 old = entries.get(key, {})
                 rec = dict(self._records[key], last_used=max(used, old.get("last_used", 0.0)))
-                rec["doc_ids"] = merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
+                rec["doc_ids"] = bank_dir.merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
                 entries[key] = rec
             self._publish(index, "bank-index-write")
         self._touched.clear()
@@ -265,7 +245,7 @@ class BankStore:
         entries made by another model (a bank pointed at a different model): those are not used."""
         shas = [prefix_key(p) for p in prefixes]
         for sha, ids in zip(shas, doc_ids):
-            self._doc_ids[sha] = merge_ids(self._doc_ids.get(sha, []), ids)
+            self._doc_ids[sha] = bank_dir.merge_ids(self._doc_ids.get(sha, []), ids)
         entries = self.index["entries"].values()
         wanted = set(shas) - {r["prefix_sha256"] for r in entries if r["model"] == self.model.digest}
         foreign = Counter(r["model"] for r in entries if r["model"] != self.model.digest and r["prefix_sha256"] in wanted)
@@ -294,7 +274,7 @@ class BankStore:
             self._copy_in(bank, slot_of[d], tensors)
             loaded.add(d)
             self._touched[key] = time.time()
-            self._records[key] = entry_record(entry, self._path(key), self.root, time.time())
+            self._records[key] = bank_dir.entry_record(entry, self._path(key), self.root, time.time())
             self.stats.loaded += 1
             self.stats.read_bytes += entry.size
         synchronize(device)
@@ -307,7 +287,7 @@ class BankStore:
 
     def _keys(self, prefixes: Sequence[Sequence[int]], docs: Sequence[int]) -> list[tuple[int, str]]:
         """(document, entry key) of `docs`, but those with an empty prefix (nothing to store, prefill is free)."""
-        return [(d, entry_key(self.model.digest, prefix_key(prefixes[d]))) for d in docs if prefixes[d]]
+        return [(d, bank_entry.entry_key(self.model.digest, prefix_key(prefixes[d]))) for d in docs if prefixes[d]]
 
     def _pipelined(self, fn, items: list) -> Iterator:
         """fn over items on worker threads, results in order, at most 2 x workers in flight (bounded
@@ -329,7 +309,7 @@ class BankStore:
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
         path = self._path(key)
-        entry, tensors = read_entry(path, pin=bank.state.device.type == "cuda")
+        entry, tensors = bank_entry.read_entry(path, pin=bank.state.device.type == "cuda")
         if entry.meta["model"] != self.model.digest:
             name = self.index["models"].get(entry.meta["model"], {}).get("name", "?")
             raise EntryError(f"made by another model ({name}, fingerprint {entry.meta['model'][:12]})")
@@ -361,11 +341,11 @@ class BankStore:
             d, key = item
             prefix = prefixes[d]
             host = {name: t.to("cpu", copy=True).contiguous() for name, t in bank.entry(slot_of[d], len(prefix)).items()}
-            data = entry_bytes(key, self.model.digest, prefix, host)
-            tmp = self.tmp / f"{key}{SUFFIX}.tmp"
+            data = bank_entry.entry_bytes(key, self.model.digest, prefix, host)
+            tmp = self.tmp / f"{key}{bank_entry.SUFFIX}.tmp"
             tmp.unlink(missing_ok=True)
             write_new(tmp, bytes_filler(data, "bank-entry-write"), self._path(key))
-            return key, tmp, entry_record(read_header(tmp), self._path(key), self.root, time.time())
+            return key, tmp, bank_dir.entry_record(bank_entry.read_header(tmp), self._path(key), self.root, time.time())
 
         written = []
         for (d, key), result in zip(items, self._pipelined(write, items)):
