@@ -6,7 +6,8 @@ Shapes: q, k [R, T, H, K]; v, u [R, T, HV, V]; w [R, T, HV, K]; g, beta [R, T, H
 h [R, NT, HV, K, V] (the state entering each chunk); states [N, HV, K, V] in fp32.
 Every function computes in fp32. `state_scan_indexed` has the exact interface of the Triton kernel
 in `kevscore.kernels.state_scan`: it reads row r's initial state from `bank[index[r * index_stride]]`;
-`branch_gdr`, the stages composed, that of the fused short-branch kernel in `kevscore.kernels.branch_gdr`.
+`branch_gdr`, the stages composed, that of the fused short-branch kernel in `kevscore.kernels.branch_gdr`;
+`branch_wy`, the stages after the solve (`chunk_inverse`), that of `kevscore.kernels.branch_wy`.
 """
 from __future__ import annotations
 
@@ -61,23 +62,50 @@ def _masked_decay(gc: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.exp2(diff.masked_fill(~keep, -math.inf))
 
 
+def _unit_lower(kc: torch.Tensor, gc: torch.Tensor, bc: torch.Tensor) -> torch.Tensor:
+    """I + strictly_lower(beta_i k_i.k_j exp2(g_i - g_j)) of each chunk: [R, NT, HV, C, C] from chunked k, g, beta."""
+    c = kc.shape[2]
+    kk = torch.einsum("rnihk,rnjhk->rnhij", kc, kc)
+    lower = torch.ones(c, c, dtype=torch.bool, device=kc.device).tril(-1)
+    decay = _masked_decay(gc, lower)  # [R, NT, HV, i, j]
+    a = (kk * decay * bc.permute(0, 1, 3, 2).unsqueeze(-1)).masked_fill(~lower, 0.0)
+    return a + torch.eye(c, device=kc.device)
+
+
 def wy_repr(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """w = A (beta k exp2(g)), u = A (beta v) with A = (I + strictly_lower(beta k k^T exp2(g_i - g_j)))^-1."""
     t, hv, c = k.shape[1], v.shape[2], chunk
     kc = _chunks(repeat_heads(k, hv), c)  # [R, NT, C, HV, K]
     vc, gc, bc = _chunks(v, c), _chunks(g, c, gate=True), _chunks(beta, c)
-    kk = torch.einsum("rnihk,rnjhk->rnhij", kc, kc)
-    lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril(-1)
-    decay = _masked_decay(gc, lower)  # [R, NT, HV, i, j]
-    a = (kk * decay * bc.permute(0, 1, 3, 2).unsqueeze(-1)).masked_fill(~lower, 0.0)
-    a = a + torch.eye(c, device=k.device)
+    a = _unit_lower(kc, gc, bc)
     kb = (kc * (bc * torch.exp2(gc)).unsqueeze(-1)).permute(0, 1, 3, 2, 4)  # [R, NT, HV, C, K]
     vb = (vc * bc.unsqueeze(-1)).permute(0, 1, 3, 2, 4)
     w = torch.linalg.solve_triangular(a, kb, upper=False, unitriangular=True)
     u = torch.linalg.solve_triangular(a, vb, upper=False, unitriangular=True)
     unchunk = lambda x: x.permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :t]  # noqa: E731
     return unchunk(w), unchunk(u)
+
+
+def chunk_inverse(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """What FLA's kkt + solve kernel writes: row t of its 64-token chunk's (I + strictly_lower(beta k k^T
+    exp2(g_i - g_j)))^-1, [R, T, HV, 64] (columns past the row's own token zero); k [R, T, H, K]."""
+    t, c = k.shape[1], CHUNK
+    k = repeat_heads(k, beta.shape[2])
+    a = _unit_lower(_chunks(k, c), _chunks(g, c, gate=True), _chunks(beta, c))
+    eye = torch.eye(c, device=k.device).expand_as(a)
+    inverse = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)  # [R, NT, HV, C, C]
+    return inverse.permute(0, 1, 3, 2, 4).flatten(1, 2)[:, :t]
+
+
+def wy_from_inverse(k, v, g, beta, a_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, u) = (A_inv (beta k exp2(g)), A_inv (beta v)) per 64-token chunk, given `chunk_inverse`'s A_inv."""
+    t, c = k.shape[1], CHUNK
+    ac = _chunks(a_inv, c).permute(0, 1, 3, 2, 4)  # [R, NT, HV, i, j]
+    kb = _chunks(k * (beta * torch.exp2(g)).unsqueeze(-1), c)
+    vb = _chunks(v * beta.unsqueeze(-1), c)
+    w, u = (torch.einsum("rnhij,rnjhd->rnihd", ac, x).flatten(1, 2)[:, :t] for x in (kb, vb))
+    return w, u
 
 
 def _scan(k, w, u, g, h0: torch.Tensor | None, final: bool,
@@ -161,3 +189,15 @@ def branch_gdr(q, k, v, gate, beta, bank: torch.Tensor, index: torch.Tensor,
     w, u = wy_repr(k, v.float(), gc, beta.float())
     h, v_new = state_scan_indexed(k, w, u, gc, bank, index, index_stride)
     return chunk_output(q, k, v_new, h, gc, q.shape[-1] ** -0.5).to(v.dtype)
+
+
+def branch_wy(q, k, v, g, beta, a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor,
+              index_stride: int | None = None) -> torch.Tensor:
+    """The stages after the solve, with the fused kernel's interface (`kevscore.kernels.branch_wy`): g the
+    chunk-local cumulative gate (log2), a_inv as `chunk_inverse` gives it, row r starting from
+    `bank[index[r * index_stride]]` (never written). Returns o [R, T, HV, V] in v's dtype."""
+    q, k = (repeat_heads(x, v.shape[2]).float() for x in (q, k))
+    g, beta, a_inv = g.float(), beta.float(), a_inv.float()
+    w, u = wy_from_inverse(k, v.float(), g, beta, a_inv)
+    h, v_new = state_scan_indexed(k, w, u, g, bank, index, index_stride)
+    return chunk_output(q, k, v_new, h, g, q.shape[-1] ** -0.5).to(v.dtype)

@@ -1,0 +1,122 @@
+"""Fused WY, state read and output: a branch's gated delta rule after the solve, one kernel per DeltaNet layer.
+
+With KEVSCORE_FUSED_WY=1 the branch path (branches of at most 128 tokens) runs three kernels per DeltaNet
+layer: our gate cumsum (`kernels/gate.py`), FLA's kkt + solve kernel (A_inv = (I + A)^-1 of each 64-token
+chunk and value head, [R, T, HV, 64]) and this one, in place of FLA's w/u kernel, our indexed scan and FLA's
+chunk_fwd_o. The solve stays out of it: in `branch_gdr.py` it sat on every program's critical path
+(benchmarks/NOTES.md 18). One program per (row, value head, block of BV value columns), grid
+(V / BV, R * HV), computes for each chunk, from the state entering it (h [K, BV]; the first chunk's is the
+row's state read from the bank entry `index[r * index_stride]`, which is never written):
+
+- v_new = A_inv (beta v - (beta exp2(g) k) h): FLA's u - w h with A_inv applied once, to the difference,
+  rather than to beta exp2(g) k (w, [64, K] of work that every value block would repeat) and to beta v apart;
+- o = scale (exp2(g) q h + causal(q k^T exp2(g_i - g_j)) v_new), as FLA's chunk_fwd_o;
+- after the first of two chunks, the state exp2(g_last) h + k^T (v_new exp2(g_last - g)) in fp32, in
+  registers, as our scan computes it.
+
+Chunks are tiles of BT1 and BT2 tokens (powers of two, 16 to 64) masked past T: a 96-token branch runs a
+64-token chunk then a 32-token one, never a second full chunk. The dots take the state and v_new in the
+input dtype (where FLA's pipeline stores them between kernels), and beta v - w h rounded once where FLA
+rounds w and u; so with bf16 inputs the two differ by rounding, and with fp32 by tf32 dots only.
+Torch reference with the same interface: `kevscore.kernels.gdr_ref.branch_wy`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fla.ops.utils.op import exp2
+
+from kevscore.kernels.gdr_ref import CHUNK
+
+BC = tl.constexpr(CHUNK)  # A_inv's row length: the solve's chunk
+MAX_T = 2 * CHUNK
+
+
+@triton.jit
+def _chunk(q, k, v, beta, g, a_inv, o, b_h, t0, T, o_v, m_v, scale, H: tl.constexpr, HV: tl.constexpr,
+           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    """Writes the output of the BT tokens from t0 (masked past T) from the state entering them, b_h [K, BV]
+    in the input dtype; returns their v_new (fp32), keys and cumulative gate, which a state update needs."""
+    dt = k.dtype.element_ty
+    o_t, o_j, o_k = t0 + tl.arange(0, BT), tl.arange(0, BT), tl.arange(0, K)
+    m_t = o_t < T
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0)
+    b_b = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+    b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None], other=0.0)
+    b_v = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
+    # the chunk's rows of A_inv, read on and below the diagonal of valid rows (nothing else is ever written)
+    m_low = (o_j[None, :] <= (o_t - t0)[:, None]) & m_t[:, None]
+    b_a = tl.load(a_inv + o_t[:, None] * (HV * BC) + o_j[None, :], mask=m_low, other=0.0)
+
+    b_kb = (b_k.to(tl.float32) * (b_b * exp2(b_g))[:, None]).to(dt)
+    b_x = b_v.to(tl.float32) * b_b[:, None] - tl.dot(b_kb, b_h)
+    b_vn = tl.dot(b_a, b_x.to(dt))
+
+    b_s = tl.dot(b_q, tl.trans(b_k))
+    b_s = tl.where(m_low, b_s * exp2(tl.where(m_low, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    b_o = tl.dot(b_q, b_h) * exp2(b_g)[:, None]
+    b_o = b_o * scale + tl.dot(b_s.to(dt), b_vn.to(dt)) * scale
+    tl.store(o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    return b_vn, b_k, b_g
+
+
+@triton.jit(do_not_specialize=["T"])
+def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_stride, o, T, scale,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                      BT1: tl.constexpr, BT2: tl.constexpr):
+    i_v, i_rh = tl.program_id(0), tl.program_id(1)
+    i_r, i_h = i_rh // HV, i_rh % HV
+    slot = tl.load(index + i_r * index_stride).to(tl.int64)
+    q += (i_r * T * H + i_h // (HV // H)).to(tl.int64) * K
+    k += (i_r * T * H + i_h // (HV // H)).to(tl.int64) * K
+    v += (i_r * T * HV + i_h).to(tl.int64) * V
+    o += (i_r * T * HV + i_h).to(tl.int64) * V
+    g += (i_r * T * HV + i_h).to(tl.int64)
+    beta += (i_r * T * HV + i_h).to(tl.int64)
+    a_inv += (i_r * T * HV + i_h).to(tl.int64) * BC
+
+    o_v, o_k = i_v * BV + tl.arange(0, BV), tl.arange(0, K)
+    m_v = o_v < V
+    b_h = tl.load(bank + slot * bank_stride + i_h * K * V + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :],
+                  other=0.0)
+    dt = k.dtype.element_ty
+    b_vn, b_k, b_g = _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), 0, T, o_v, m_v, scale, H, HV, K, V, BT1)
+    if BT2 > 0:  # T > 64: the first chunk was full; the state after it, then the second chunk
+        g_last = tl.load(g + (BT1 - 1) * HV)
+        b_h = b_h * exp2(g_last) + tl.dot(tl.trans(b_k), (b_vn * exp2(g_last - b_g)[:, None]).to(dt))
+        _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), BT1, T, o_v, m_v, scale, H, HV, K, V, BT2)
+
+
+def token_tiles(t: int) -> tuple[int, int]:
+    """The two chunks' tiles for a branch of t <= 128 tokens: powers of two from 16 (0: no second chunk)."""
+    tile = lambda n: max(16, triton.next_power_of_2(n))  # noqa: E731
+    return (tile(t), 0) if t <= CHUNK else (CHUNK, tile(t - CHUNK))
+
+
+def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
+              block_v: int = 32, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
+    """o [R, T, HV, V] (v's dtype) of branches of T <= 128 tokens, row r from `bank[index[r * index_stride]]`.
+
+    q, k [R, T, H, K] l2-normalized, v [R, T, HV, V], beta [R, T, HV]: contiguous, as `branch_conv` writes
+    them; g [R, T, HV] fp32, the chunk-local cumulative gate in log2 (`gate.gate_cumsum`); a_inv
+    [R, T, HV, 64] in k's dtype as FLA's kkt + solve kernel writes it (only its lower triangles are read);
+    bank [E, HV, K, V] fp32 (any entry stride), never written; index: int tensor read at `r * index_stride`.
+    Launch: block_v value columns per program (benchmarks/bench_kernels.py --only "fused wy" sweeps them)."""
+    r, t, h, kd = k.shape
+    hv, vd = v.shape[2], v.shape[3]
+    assert 0 < t <= MAX_T and kd in (16, 32, 64, 128) and hv % h == 0
+    assert all(x.is_contiguous() for x in (q, k, v, g, beta, a_inv)) and q.shape == k.shape
+    assert g.shape == beta.shape == (r, t, hv) and g.dtype == torch.float32 and a_inv.shape == (r, t, hv, CHUNK)
+    assert bank.shape[1:] == (hv, kd, vd) and bank.stride()[1:] == (kd * vd, vd, 1) and bank.dtype == torch.float32
+    stride = index.stride(0) if index_stride is None else index_stride
+    bt1, bt2 = token_tiles(t)
+    bv = min(block_v, triton.next_power_of_2(vd))
+    o = torch.empty_like(v)
+    _branch_wy_kernel[(triton.cdiv(vd, bv), r * hv)](
+        q, k, v, g, beta, a_inv, bank, index, stride, bank.stride(0), o, t, kd ** -0.5, H=h, HV=hv, K=kd, V=vd,
+        BV=bv, BT1=bt1, BT2=bt2, num_warps=num_warps, num_stages=num_stages)
+    return o
