@@ -11,13 +11,14 @@ row's state read from the bank entry `index[r * index_stride]`, which is never w
 - v_new = A_inv (beta v - (beta exp2(g) k) h): FLA's u - w h with A_inv applied once, to the difference,
   rather than to beta exp2(g) k (w, [64, K] of work that every value block would repeat) and to beta v apart;
 - o = scale (exp2(g) q h + causal(q k^T exp2(g_i - g_j)) v_new), as FLA's chunk_fwd_o;
-- after the first of two chunks, the state exp2(g_last) h + k^T (v_new exp2(g_last - g)) in fp32, in
-  registers, as our scan computes it.
+- after the first of two chunks, the state exp2(g_last) h + k^T (v_new exp2(g_last - g)) in fp32, as our
+  scan computes it.
 
-Chunks are tiles of BT1 and BT2 tokens (powers of two, 16 to 64) masked past T: a 96-token branch runs a
-64-token chunk then a 32-token one, never a second full chunk. The dots take the state and v_new in the
-input dtype (where FLA's pipeline stores them between kernels), and beta v - w h rounded once where FLA
-rounds w and u; so with bf16 inputs the two differ by rounding, and with fp32 by tf32 dots only.
+Chunks are tiles of BT1 and BT2 tokens (16 or 64 by default, `token_tiles`) masked past T: the second chunk
+of an 85-token branch reads its 21 tokens and nothing past them. After the first of two chunks the state is
+read from the bank again (L2) rather than kept in registers through it. The dots take the state and v_new in
+the input dtype (where FLA's pipeline stores them between kernels), and beta v - w h rounded once where FLA
+rounds w and u: with bf16 inputs the two differ by rounding, with fp32 by tf32 dots only.
 Torch reference with the same interface: `kevscore.kernels.gdr_ref.branch_wy`.
 """
 from __future__ import annotations
@@ -80,32 +81,37 @@ def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_s
 
     o_v, o_k = i_v * BV + tl.arange(0, BV), tl.arange(0, K)
     m_v = o_v < V
-    b_h = tl.load(bank + slot * bank_stride + i_h * K * V + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :],
-                  other=0.0)
+    p_h = bank + slot * bank_stride + i_h * K * V + o_k[:, None] * V + o_v[None, :]
     dt = k.dtype.element_ty
-    b_vn, b_k, b_g = _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), 0, T, o_v, m_v, scale, H, HV, K, V, BT1)
+    b_h = tl.load(p_h, mask=m_v[None, :], other=0.0).to(dt)
+    b_vn, b_k, b_g = _chunk(q, k, v, beta, g, a_inv, o, b_h, 0, T, o_v, m_v, scale, H, HV, K, V, BT1)
     if BT2 > 0:  # T > 64: the first chunk was full; the state after it, then the second chunk
         g_last = tl.load(g + (BT1 - 1) * HV)
-        b_h = b_h * exp2(g_last) + tl.dot(tl.trans(b_k), (b_vn * exp2(g_last - b_g)[:, None]).to(dt))
+        b_h = tl.load(p_h, mask=m_v[None, :], other=0.0) * exp2(g_last)
+        b_h += tl.dot(tl.trans(b_k), (b_vn * exp2(g_last - b_g)[:, None]).to(dt))
         _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), BT1, T, o_v, m_v, scale, H, HV, K, V, BT2)
 
 
-def token_tiles(t: int) -> tuple[int, int]:
-    """The two chunks' tiles for a branch of t <= 128 tokens: powers of two from 16 (0: no second chunk)."""
-    tile = lambda n: max(16, triton.next_power_of_2(n))  # noqa: E731
+def token_tiles(t: int, tiles: tuple[int, ...] = (16, 64)) -> tuple[int, int]:
+    """The two chunks' token tiles for a branch of t <= 128 tokens, each the smallest of `tiles` (powers of two
+    from 16 to 64) that holds its tokens; 0: no second chunk. 32 is left out by default: below 64 rows the dots
+    take their operands in registers (no wgmma), and at BV 32 that costs 255 registers against 128-195."""
+    tile = lambda n: min(x for x in (*tiles, CHUNK) if x >= n)  # noqa: E731
     return (tile(t), 0) if t <= CHUNK else (CHUNK, tile(t - CHUNK))
 
 
 def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
-              block_v: int = 32, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
+              block_v: int = 32, num_warps: int = 4, num_stages: int = 1,
+              tiles: tuple[int, ...] = (16, 64)) -> torch.Tensor:
     """o [R, T, HV, V] (v's dtype) of branches of T <= 128 tokens, row r from `bank[index[r * index_stride]]`.
 
     q, k [R, T, H, K] l2-normalized, v [R, T, HV, V], beta [R, T, HV]: contiguous, as `branch_conv` writes
     them; g [R, T, HV] fp32, the chunk-local cumulative gate in log2 (`gate.gate_cumsum`); a_inv
     [R, T, HV, 64] in k's dtype as FLA's kkt + solve kernel writes it (only its lower triangles are read);
     bank [E, HV, K, V] fp32 (any entry stride), never written; index: int tensor read at `r * index_stride`.
-    Launch: block_v value columns per program (benchmarks/bench_kernels.py --only "fused wy" sweeps them)."""
+    Launch: block_v value columns per program, warps, and the chunks' token tiles (`token_tiles`);
+    benchmarks/bench_kernels.py --only "fused wy" sweeps them, sm90_build.py reports their registers."""
     r, t, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     assert 0 < t <= MAX_T and kd in (16, 32, 64, 128) and hv % h == 0
@@ -113,7 +119,7 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     assert g.shape == beta.shape == (r, t, hv) and g.dtype == torch.float32 and a_inv.shape == (r, t, hv, CHUNK)
     assert bank.shape[1:] == (hv, kd, vd) and bank.stride()[1:] == (kd * vd, vd, 1) and bank.dtype == torch.float32
     stride = index.stride(0) if index_stride is None else index_stride
-    bt1, bt2 = token_tiles(t)
+    bt1, bt2 = token_tiles(t, tiles)
     bv = min(block_v, triton.next_power_of_2(vd))
     o = torch.empty_like(v)
     _branch_wy_kernel[(triton.cdiv(vd, bv), r * hv)](

@@ -31,6 +31,7 @@ from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
 from kevscore.kernels.branch_gdr import MAX_T, branch_gdr  # noqa: E402
+from kevscore.kernels.branch_wy import branch_wy  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
@@ -43,6 +44,10 @@ FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"
 PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
 # kernels/branch_gdr.py for branches of <= 128 tokens: one kernel instead of the four stages (not yet measured)
 FUSED_GDR = os.environ.get("KEVSCORE_FUSED_GDR", "0") == "1"
+# kernels/branch_wy.py for branches of <= 128 tokens: FLA's solve, then one kernel for w/u, scan and output (not
+# yet measured); launched with FUSED_WY_LAUNCH (branch_wy's keywords: bench_kernels.py --only 'fused wy')
+FUSED_WY = os.environ.get("KEVSCORE_FUSED_WY", "0") == "1"
+FUSED_WY_LAUNCH: dict = {}
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,17 +173,27 @@ def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tens
     so the others stay zero. That drops a 25 MB fill (and a graph node) per DeltaNet layer. Same bits.
     The buffers live as long as the process (captured graphs hold their addresses): one per (rows, length)
     bucket, 4 KB per token at the Kev-4B shape, as much as one of the layer's [tokens, 2048] activations."""
-    b, t, h, kd = k.shape
-    hv = beta.shape[2]
-    key = (b, t, hv, k.dtype, k.device)
+    b, t, _, _ = k.shape
+    key = (b, t, beta.shape[2], k.dtype, k.device)
     a = _ZERO_A.get(key)
     if a is None:
-        a = torch.zeros(b, t, hv, CHUNK, device=k.device, dtype=k.dtype)
+        a = torch.zeros(b, t, beta.shape[2], CHUNK, device=k.device, dtype=k.dtype)
         if not torch.cuda.is_current_stream_capturing():  # (memory of a capture's pool is not kept)
             _ZERO_A[key] = a
+    solve_chunks(k, gc, beta, a)
+    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=gc, cu_seqlens=None, chunk_indices=None)
+
+
+def solve_chunks(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, a: torch.Tensor | None = None) -> torch.Tensor:
+    """FLA's kkt + solve kernel on rows of equal length: (I + A)^-1 of each 64-token chunk and value head into
+    `a` [R, T, HV, 64] (k's dtype), which it returns; it writes the blocks on and below the diagonal of valid
+    rows only, so a new buffer (a None) holds garbage elsewhere, which `branch_wy` never reads."""
+    b, t, h, kd = k.shape
+    hv = beta.shape[2]
+    a = torch.empty(b, t, hv, CHUNK, device=k.device, dtype=k.dtype) if a is None else a
     chunk_gated_delta_rule_fwd_kkt_solve_kernel[(triton.cdiv(t, CHUNK), b * hv)](
         k=k, g=gc, beta=beta, A=a, cu_seqlens=None, chunk_indices=None, T=t, H=h, HV=hv, K=kd, BT=CHUNK, BC=16)
-    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=gc, cu_seqlens=None, chunk_indices=None)
+    return a
 
 
 def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
@@ -194,14 +209,10 @@ def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
                qk_normed: bool = False) -> torch.Tensor:
-    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan. With KEVSCORE_FUSED_GDR=1,
-    branches of up to 128 tokens run the fused kernel instead; `gathered` gives it the rows' states copied
-    out and an identity index, so both paths compute alike to the bit."""
-    if FUSED_GDR and qk_normed and q.shape[1] <= MAX_T:
-        if path == "gathered":
-            rows = torch.arange(slots.shape[0], device=slots.device)
-            return branch_gdr(q, k, v, gate, beta, bank.index_select(0, slots), rows)
-        return branch_gdr(q, k, v, gate, beta, bank, slots, slots.stride(0))
+    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan, or with KEVSCORE_FUSED_WY=1 or
+    KEVSCORE_FUSED_GDR=1 (branches of up to 128 tokens) in where the fused kernel reads the states."""
+    if (FUSED_WY or FUSED_GDR) and qk_normed and q.shape[1] <= MAX_T:
+        return gdr_branch_fused(q, k, v, gate, beta, bank, slots, path)
     q, k, w, u, gc = gdr_parts(q, k, v, gate_cumsum(gate), beta, qk_normed)
     if path == "gathered":
         h0 = bank.index_select(0, slots)
@@ -209,6 +220,18 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
     else:
         h, v_new = state_scan_indexed(k, w, u, gc, bank, slots, slots.stride(0))
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
+
+
+def gdr_branch_fused(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
+    """FUSED_WY: the gate cumsum, FLA's solve and `branch_wy`; else FUSED_GDR's one kernel. `gathered` gives
+    the kernel the rows' states copied out and an identity index, so both paths compute alike to the bit."""
+    if path == "gathered":
+        bank, slots = bank.index_select(0, slots), torch.arange(slots.shape[0], device=slots.device)
+    if FUSED_WY:
+        gc = gate_cumsum(gate)
+        return branch_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots, slots.stride(0),
+                         **FUSED_WY_LAUNCH)
+    return branch_gdr(q, k, v, gate, beta, bank, slots, slots.stride(0))
 
 
 def _sdpa_causal(q, k, v):
