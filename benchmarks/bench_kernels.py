@@ -18,7 +18,10 @@ from triton.testing import do_bench
 from kevscore.measure import environment
 
 DEV = "cuda"
-KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused gdr"]
+KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused gdr", "fused wy"]
+# the fused WY kernel's launches (kernels/branch_wy.py's keywords), its default first
+WY_LAUNCHES = ({}, dict(block_v=16), dict(block_v=64), dict(block_v=64, num_warps=8), dict(block_v=32, num_warps=8),
+               dict(block_v=128, num_warps=8), dict(tiles=(16, 32, 64)), dict(block_v=16, tiles=(16, 32, 64)))
 
 
 def timed(fn) -> float | None:
@@ -215,19 +218,15 @@ def main() -> None:
         from kevscore.kernels.branch_gdr import branch_gdr
 
         for tt in (t, 85):
-            qs, ks = (torch.nn.functional.normalize(rand(r, tt, hk, dk).float(), dim=-1).to(torch.bfloat16)
-                      for _ in range(2))
-            vs = rand(r, tt, hv, dv)
-            beta = torch.rand(r, tt, hv, device=DEV, generator=gen).to(torch.bfloat16)
-            a = rand(r, tt, 3 * hv)[..., hv: 2 * hv]  # a strided slice, as the projection gives it
-            gate = (a, torch.randn(hv, device=DEV), torch.randn(hv, device=DEV))
-            bank = torch.randn(16, hv, dk, dv, device=DEV, generator=gen)
-            slots = torch.arange(r, device=DEV) % 16
+            qs, ks, vs, gate, beta, bank, slots = branch_case(cfg, r, tt, gen)
             record("fused gdr", f"T {tt}: stages (gate, WY, scan, output)", timed(lambda: fla_ops.gdr_branch(
                 qs, ks, vs, gate, beta, bank, slots, "indexed", qk_normed=True)), delta_layers)
             for bk, bv, wp in sweep(((128, None, 8), (64, 64, 4), (64, 16, 4))):  # the default first
                 record("fused gdr", f"T {tt}: fused BK {bk} BV {bv} warps {wp}", timed(lambda: branch_gdr(
                     qs, ks, vs, gate, beta, bank, slots, block_k=bk, block_v=bv, num_warps=wp)), delta_layers)
+
+    if "fused wy" in args.only:
+        bench_fused_wy(record, sweep, cfg, r, (t, 85), gen)
 
     best = {}
     for res in results:
@@ -237,6 +236,55 @@ def main() -> None:
     for kern, res in best.items():
         print(f"  {kern:<14}{res['variant']:<34}{res['ms'] * 1000:9.1f} us  {res['ms'] * res['per_call']:6.2f} ms/call")
     save(best=best)
+
+
+def branch_case(cfg, r: int, t: int, gen: torch.Generator) -> tuple:
+    """A DeltaNet layer's branch inputs at r rows x t tokens, as the conv leaves them (bf16, q and k
+    l2-normalized, `a` a strided slice of the projection output): q, k, v, gate, beta, bank, slots (16 entries,
+    each the state of r / 16 rows)."""
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    rand = lambda *s: torch.randn(*s, device=DEV, generator=gen).to(torch.bfloat16)  # noqa: E731
+    qs, ks = (torch.nn.functional.normalize(rand(r, t, hk, dk).float(), dim=-1).to(torch.bfloat16) for _ in range(2))
+    vs = rand(r, t, hv, dv)
+    beta = torch.rand(r, t, hv, device=DEV, generator=gen).to(torch.bfloat16)
+    a = rand(r, t, 3 * hv)[..., hv: 2 * hv]
+    gate = (a, torch.randn(hv, device=DEV), torch.randn(hv, device=DEV))
+    bank = torch.randn(16, hv, dk, dv, device=DEV, generator=gen)
+    return qs, ks, vs, gate, beta, bank, torch.arange(r, device=DEV) % 16
+
+
+def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: torch.Generator) -> None:
+    """FLA's solve, then one kernel for w/u, the state read by index and the output (kernels/branch_wy.py),
+    against the stages they replace (gate cumsum, FLA's kkt + solve and w/u, our indexed scan, FLA's output),
+    per DeltaNet layer: "fused wy T" the whole branch path (gate + solve + kernel) at each launch, "wy parts T"
+    each kernel alone; the floor is the fused kernel's HBM traffic (each bank entry read once)."""
+    from kevscore.kernels import fla_ops
+    from kevscore.kernels.branch_wy import branch_wy
+
+    layers = len(cfg.delta_layers)
+    fla_ops.FUSED_WY = fla_ops.FUSED_GDR = False  # the stages; the fused path is called directly
+    for tt in lengths:
+        q, k, v, gate, beta, bank, slots = branch_case(cfg, r, tt, gen)
+        hv = v.shape[2]
+        traffic = 2 * (2 * q.numel() + 2 * v.numel() + r * tt * hv * (64 + 1)) + 4 * r * tt * hv
+        floor = copy_ms(traffic + 4 * bank.numel())
+        gc = fla_ops.gate_cumsum(gate)
+        a_inv = fla_ops.solve_chunks(k, gc, beta)
+
+        def fused_path(launch: dict) -> torch.Tensor:
+            g = fla_ops.gate_cumsum(gate)
+            return branch_wy(q, k, v, g, beta, fla_ops.solve_chunks(k, g, beta), bank, slots, **launch)
+
+        record(f"fused wy {tt}", "stages (gate, WY, scan, output)", timed(lambda: fla_ops.gdr_branch(
+            q, k, v, gate, beta, bank, slots, "indexed", qk_normed=True)), layers)
+        record(f"wy parts {tt}", "gate cumsum", timed(lambda: fla_ops.gate_cumsum(gate)), layers)
+        record(f"wy parts {tt}", "FLA kkt + solve", timed(lambda: fla_ops.solve_chunks(k, gc, beta)), layers)
+        for launch in sweep(WY_LAUNCHES):
+            name = str(launch)[1:-1].replace("'", "") or "default"
+            record(f"wy parts {tt}", f"fused wy {name}", timed(lambda: branch_wy(
+                q, k, v, gc, beta, a_inv, bank, slots, **launch)), layers, floor)
+            record(f"fused wy {tt}", f"gate + solve + fused wy {name}", timed(lambda: fused_path(launch)), layers)
 
 
 def _torch_rotary(x, cos, sin):

@@ -191,3 +191,23 @@ def with_switch(ckpt, monkeypatch, switch: str, enc) -> tuple[list, dict]:
     base = gpu_engine(ckpt, enc.prefixes, max_rows=8).run(enc, "indexed").probs
     monkeypatch.setattr(fla_ops, switch, True)
     return base, {p: gpu_engine(ckpt, enc.prefixes, max_rows=8).run(enc, p).probs for p in ("indexed", "gathered")}
+
+
+def branch_inputs(rows, t, h, hv, dk, dv, dtype, seed):
+    """q, k (l2-normalized), v, gate (a: a slice of a projection output), beta as `branch_conv` leaves them,
+    a bank of fp32 states and slots as a strided upload-buffer column with repeated entries."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
+    q, k = (torch.nn.functional.normalize(rand(rows, t, h, dk), dim=-1).to(dtype) for _ in range(2))
+    v = rand(rows, t, hv, dv).to(dtype)
+    beta = torch.rand(rows, t, hv, generator=gen, device="cuda").to(dtype)
+    proj = (rand(rows, t, 2 * hv + 8) * 2).to(dtype)
+    gate = (proj[..., 8: 8 + hv], rand(hv) * 0.5, rand(hv))
+    bank = rand(7, hv, dk, dv) * 0.3
+    upload = torch.randint(0, 1000, (rows, 9), device="cuda")
+    upload[:, 3] = torch.tensor([(5 * r) % 7 if r % 3 else 1 for r in range(rows)], device="cuda")
+    return q, k, v, gate, beta, bank, upload[:, 3]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()

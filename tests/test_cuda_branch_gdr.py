@@ -3,7 +3,7 @@ chunk pipeline as the branch path runs it (`fla_ops.gdr_branch`, indexed), the t
 KEVSCORE_FUSED_GDR, graph replays with new slots, and the model with the switch on."""
 import pytest
 import torch
-from conftest import synthetic, with_switch
+from conftest import branch_inputs, relative, synthetic, with_switch
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -12,26 +12,6 @@ DEV = "cuda"
 # comparison); bf16: the same rounding points (A, w, u, v_new and the state in bf16), another accumulation
 # order. Not yet measured: the first GPU run should tighten these to what it sees.
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 1e-2}
-
-
-def branch_inputs(rows, t, h, hv, dk, dv, dtype, seed):
-    """q, k (l2-normalized), v, gate (a: a slice of a projection output), beta as `branch_conv` leaves them,
-    a bank of fp32 states and slots as a strided upload-buffer column with repeated entries."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen, device=DEV)  # noqa: E731
-    q, k = (torch.nn.functional.normalize(rand(rows, t, h, dk), dim=-1).to(dtype) for _ in range(2))
-    v = rand(rows, t, hv, dv).to(dtype)
-    beta = torch.rand(rows, t, hv, generator=gen, device=DEV).to(dtype)
-    proj = (rand(rows, t, 2 * hv + 8) * 2).to(dtype)
-    gate = (proj[..., 8: 8 + hv], rand(hv) * 0.5, rand(hv))
-    bank = rand(7, hv, dk, dv) * 0.3
-    upload = torch.randint(0, 1000, (rows, 9), device=DEV)
-    upload[:, 3] = torch.tensor([(5 * r) % 7 if r % 3 else 1 for r in range(rows)], device=DEV)
-    return q, k, v, gate, beta, bank, upload[:, 3]
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
