@@ -258,10 +258,12 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
     """FLA's solve, then one kernel for w/u, the state read by index and the output (kernels/branch_wy.py),
     against the stages they replace (gate cumsum, FLA's kkt + solve and w/u, our indexed scan, FLA's output),
     per DeltaNet layer: "fused wy T" the whole branch path (gate + solve + kernel) at each launch, "wy parts T"
-    each kernel alone; the floor is the fused kernel's HBM traffic (each bank entry read once)."""
-    from kevscore.kernels import fla_ops
+    each kernel alone; the floor is the fused kernel's HBM traffic (each bank entry read once). FLA's kernels
+    run with the launch configurations a job pins on this GPU (`kernels/tuning.py`)."""
+    from kevscore.kernels import fla_ops, tuning
     from kevscore.kernels.branch_wy import branch_wy
 
+    tuning.pin_for(torch.cuda.get_device_name())
     layers = len(cfg.delta_layers)
     fla_ops.FUSED_WY = fla_ops.FUSED_GDR = False  # the stages; the fused path is called directly
     for tt in lengths:
