@@ -20,8 +20,8 @@ from kevscore.measure import environment
 DEV = "cuda"
 KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused gdr", "fused wy"]
 # the fused WY kernel's launches (kernels/branch_wy.py's keywords), its default first
-WY_LAUNCHES = ({}, dict(block_v=16), dict(block_v=64), dict(block_v=64, num_warps=8), dict(block_v=32, num_warps=8),
-               dict(block_v=128, num_warps=8), dict(tiles=(16, 32, 64)), dict(block_v=16, tiles=(16, 32, 64)))
+WY_LAUNCHES = ({}, dict(block_v=128), dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8),
+               dict(block_v=32, num_warps=8), dict(tiles=(16, 32, 64)), dict(block_v=128, tiles=(16, 32, 64)))
 
 
 def timed(fn) -> float | None:

@@ -27,9 +27,9 @@ GDR_VARIANTS = ((True, 128, 128, 8), (False, 128, 64, 8), (True, 64, 64, 4), (Fa
 
 # the fused WY kernel's ((first, second chunk's token tiles), BV, warps): the defaults at T <= 16, 64, 65-80 and 81-128,
 # then bench_kernels.py's other launches at T = 64 and 85 (its tiles of 32 rows: 64 + 32)
-WY_LAUNCHES = ((16, 4), (64, 4), (64, 8), (32, 8), (128, 8))
-WY_VARIANTS = tuple(((bt1, bt2), 32, 4) for bt1, bt2 in ((16, 0), (64, 0), (64, 16), (64, 64))) + tuple(
-    (tiles, bv, wp) for tiles in ((64, 0), (64, 64)) for bv, wp in WY_LAUNCHES) + (((64, 32), 32, 4), ((64, 32), 16, 4))
+WY_LAUNCHES = ((128, 4), (64, 8), (128, 8), (32, 8))
+WY_VARIANTS = tuple(((bt1, bt2), 64, 4) for bt1, bt2 in ((16, 0), (64, 0), (64, 16), (64, 64))) + tuple(
+    (tiles, bv, wp) for tiles in ((64, 0), (64, 64)) for bv, wp in WY_LAUNCHES) + (((64, 32), 64, 4), ((64, 32), 128, 4))
 
 
 def _kernel(fn):
@@ -120,7 +120,7 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
         out.append((f"wy T tiles {bt1}+{bt2} bv {bv} warps {wp}", _branch_wy_kernel, wy_t,
                     dict(H=16, HV=32, K=128, V=128, BV=bv, BT1=bt1, BT2=bt2), wp, 1, wy_aligned))
     out.append(("wy fp32 demo", _branch_wy_kernel, wy_t | {n: "*fp32" for n in ("q", "k", "v", "beta", "a_inv", "o")},
-                dict(H=2, HV=4, K=64, V=64, BV=32, BT1=64, BT2=64), 4, 1, wy_aligned))
+                dict(H=2, HV=4, K=64, V=64, BV=64, BT1=64, BT2=64), 4, 1, wy_aligned))
     from kevscore.kernels.elementwise import _rms_norm_kernel
 
     norm_t = {n: "*bf16" for n in ("x", "res", "y", "res_out")} | {"w": "*fp32", "n_rows": "i32", "eps": "fp32"}

@@ -4,8 +4,8 @@ With KEVSCORE_FUSED_WY=1 the branch path (branches of at most 128 tokens) runs t
 layer: our gate cumsum (`kernels/gate.py`), FLA's kkt + solve kernel (A_inv = (I + A)^-1 of each 64-token
 chunk and value head, [R, T, HV, 64]) and this one, in place of FLA's w/u kernel, our indexed scan and FLA's
 chunk_fwd_o. The solve stays out of it: in `branch_gdr.py` it sat on every program's critical path
-(benchmarks/NOTES.md 18). One program per (row, value head, block of BV value columns), grid
-(V / BV, R * HV), computes for each chunk, from the state entering it (h [K, BV]; the first chunk's is the
+(benchmarks/NOTES.md 18). One program per (row, value head, block of BV value columns; default 64 on 4
+warps), grid (V / BV, R * HV), computes for each chunk, from the state entering it (h [K, BV]; the first chunk's is the
 row's state read from the bank entry `index[r * index_stride]`, which is never written):
 
 - v_new = A_inv (beta v - (beta exp2(g) k) h): FLA's u - w h with A_inv applied once, to the difference,
@@ -102,7 +102,7 @@ def token_tiles(t: int, tiles: tuple[int, ...] = (16, 64)) -> tuple[int, int]:
 
 def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
-              block_v: int = 32, num_warps: int = 4, num_stages: int = 1,
+              block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
               tiles: tuple[int, ...] = (16, 64)) -> torch.Tensor:
     """o [R, T, HV, V] (v's dtype) of branches of T <= 128 tokens, row r from `bank[index[r * index_stride]]`.
 
@@ -119,6 +119,8 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     assert g.shape == beta.shape == (r, t, hv) and g.dtype == torch.float32 and a_inv.shape == (r, t, hv, CHUNK)
     assert bank.shape[1:] == (hv, kd, vd) and bank.stride()[1:] == (kd * vd, vd, 1) and bank.dtype == torch.float32
     stride = index.stride(0) if index_stride is None else index_stride
+    # Triton 3.6 (the H200's) computes the output's bf16 S v_new dot wrong with 32 value columns on 4 warps
+    assert block_v >= 64 or num_warps >= 8, "block_v < 64 needs 8 warps (benchmarks/NOTES.md 22)"
     bt1, bt2 = token_tiles(t, tiles)
     bv = min(block_v, triton.next_power_of_2(vd))
     o = torch.empty_like(v)

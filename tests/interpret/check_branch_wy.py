@@ -33,7 +33,7 @@ worst = 0.0
 # the launcher's defaults (one value block here, token tiles of 16 or 64), then value columns in four blocks and
 # tiles of 32 tokens too (T 20: one of 32; 85: 64 + 32; 100: 64 + 64)
 for (h, hv, dk, dv, launch), lengths in [((2, 4, 32, 32, {}), (1, 17, 64, 65, 85, 128)),
-                                        ((1, 2, 64, 64, dict(block_v=16, num_warps=2, tiles=(16, 32, 64))),
+                                        ((1, 2, 64, 64, dict(block_v=16, num_warps=8, tiles=(16, 32, 64))),
                                          (20, 85, 100))]:
     for t in lengths:
         gen = torch.Generator().manual_seed(100 * dk + t)
