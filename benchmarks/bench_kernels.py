@@ -18,7 +18,7 @@ from triton.testing import do_bench
 from kevscore.measure import environment
 
 DEV = "cuda"
-KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused gdr", "fused wy"]
+KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused wy"]
 # the fused WY kernel's launches (kernels/branch_wy.py's keywords), its default first
 WY_LAUNCHES = ({}, dict(block_v=128), dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8),
                dict(block_v=32, num_warps=8), dict(tiles=(16, 32, 64)), dict(block_v=128, tiles=(16, 32, 64)))
@@ -212,19 +212,6 @@ def main() -> None:
             record("scan", "ours, last update run" if final else "ours, last update skipped", timed(
                 lambda: state_scan_indexed(ks, w, u, gc, bank, slots, final_update=final)), delta_layers, floor)
 
-    if "fused gdr" in args.only:
-        # one fused kernel per DeltaNet layer (kernels/branch_gdr.py) against the stages it replaces: FLA's gate
-        # cumsum and WY representation, our indexed scan, FLA's output; at --t and at an 85-token branch
-        from kevscore.kernels.branch_gdr import branch_gdr
-
-        for tt in (t, 85):
-            qs, ks, vs, gate, beta, bank, slots = branch_case(cfg, r, tt, gen)
-            record("fused gdr", f"T {tt}: stages (gate, WY, scan, output)", timed(lambda: fla_ops.gdr_branch(
-                qs, ks, vs, gate, beta, bank, slots, "indexed", qk_normed=True)), delta_layers)
-            for bk, bv, wp in sweep(((128, None, 8), (64, 64, 4), (64, 16, 4))):  # the default first
-                record("fused gdr", f"T {tt}: fused BK {bk} BV {bv} warps {wp}", timed(lambda: branch_gdr(
-                    qs, ks, vs, gate, beta, bank, slots, block_k=bk, block_v=bv, num_warps=wp)), delta_layers)
-
     if "fused wy" in args.only:
         bench_fused_wy(record, sweep, cfg, r, (t, 85), gen)
 
@@ -265,7 +252,7 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
 
     tuning.pin_for(torch.cuda.get_device_name())
     layers = len(cfg.delta_layers)
-    fla_ops.FUSED_WY = fla_ops.FUSED_GDR = False  # the stages; the fused path is called directly
+    fla_ops.FUSED_WY = False  # the stages; the fused path is called directly
     for tt in lengths:
         q, k, v, gate, beta, bank, slots = branch_case(cfg, r, tt, gen)
         hv = v.shape[2]

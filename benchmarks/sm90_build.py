@@ -21,10 +21,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
-# the fused branch kernel's (T <= 64, BK, BV, warps): the defaults for one and for up to two chunks first
-GDR_VARIANTS = ((True, 128, 128, 8), (False, 128, 64, 8), (True, 64, 64, 4), (False, 64, 16, 4), (False, 64, 64, 4),
-                (False, 128, 128, 8))
-
 # the fused WY kernel's ((first, second chunk's token tiles), BV, warps): the defaults at T <= 16, 64, 65-80 and 81-128,
 # then bench_kernels.py's other launches at T = 64 and 85 (its tiles of 32 rows: 64 + 32)
 WY_LAUNCHES = ((128, 4), (64, 8), (128, 8), (32, 8))
@@ -97,19 +93,6 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
                     dict(QK=2048, NQK=16, KD=128, VD=128, C=8192, W=4, BT=bt, BD=128, EPS=L2_EPS, EVEN=True,
                          SPLIT_HALO=not packed, TILES=tiles, NCB=64, HB=32, BH=32, PACKED=packed), wp, 1,
                     ("x", "w", "conv", "q", "k", "v", "b", "beta", "pos", "sx_r", "sx_t", "sb_r", "sb_t")))
-    from kevscore.kernels.branch_gdr import _branch_gdr_kernel
-
-    gdr_t = {n: "*bf16" for n in ("q", "k", "v", "a", "A_log", "dt_bias", "beta", "o")}
-    gdr_t |= {"bank": "*fp32", "index": "*i64", "sa_r": "i32", "sa_t": "i32", "index_stride": "i32",
-              "bank_stride": "i64", "T": "i32", "scale": "fp32"}
-    for short, bk, bv, wp in GDR_VARIANTS:
-        out.append((f"gdr T {'<= 64 ' if short else '<= 128'} bk {bk} bv {bv} warps {wp}", _branch_gdr_kernel, gdr_t,
-                    dict(H=16, HV=32, K=128, V=128, BT=64, BK=bk, BV=bv, PREC="tf32", SHORT=short), wp, 1,
-                    ("q", "k", "v", "a", "beta", "bank", "index", "o", "sa_r", "sa_t")))
-    # fp32 inputs at the demo shape, the launcher's defaults: what the cuda tests compile (spills; correctness only)
-    out.append(("gdr fp32 demo", _branch_gdr_kernel, gdr_t | {n: "*fp32" for n in ("q", "k", "v", "beta", "o")},
-                dict(H=2, HV=4, K=64, V=64, BT=64, BK=64, BV=64, PREC="tf32", SHORT=False), 8, 1,
-                ("q", "k", "v", "a", "beta", "bank", "index", "o", "sa_r", "sa_t")))
     from kevscore.kernels.branch_wy import _branch_wy_kernel
 
     wy_t = {n: "*bf16" for n in ("q", "k", "v", "beta", "a_inv", "o")} | {"g": "*fp32", "bank": "*fp32", "index": "*i64",

@@ -3,10 +3,11 @@
 With KEVSCORE_FUSED_WY=1 the branch path (branches of at most 128 tokens) runs three kernels per DeltaNet
 layer: our gate cumsum (`kernels/gate.py`), FLA's kkt + solve kernel (A_inv = (I + A)^-1 of each 64-token
 chunk and value head, [R, T, HV, 64]) and this one, in place of FLA's w/u kernel, our indexed scan and FLA's
-chunk_fwd_o. The solve stays out of it: in `branch_gdr.py` it sat on every program's critical path
-(benchmarks/NOTES.md 18). One program per (row, value head, block of BV value columns; default 64 on 4
-warps), grid (V / BV, R * HV), computes for each chunk, from the state entering it (h [K, BV]; the first chunk's is the
-row's state read from the bank entry `index[r * index_stride]`, which is never written):
+chunk_fwd_o. The solve stays out of it: in the first fused kernel (benchmarks/NOTES.md 18, slower than the
+stages, removed) it sat on every program's critical path. One program per (row, value head, block of BV value
+columns; default 64 on 4 warps), grid (V / BV, R * HV), computes for each chunk, from the state entering it
+(h [K, BV]; the first chunk's is the row's state read from the bank entry `index[r * index_stride]`, which is
+never written):
 
 - v_new = A_inv (beta v - (beta exp2(g) k) h): FLA's u - w h with A_inv applied once, to the difference,
   rather than to beta exp2(g) k (w, [64, K] of work that every value block would repeat) and to beta v apart;

@@ -30,8 +30,7 @@ from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
-from kevscore.kernels.branch_gdr import MAX_T, branch_gdr  # noqa: E402
-from kevscore.kernels.branch_wy import branch_wy  # noqa: E402
+from kevscore.kernels.branch_wy import MAX_T, branch_wy  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
@@ -42,10 +41,9 @@ FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch
 # prefill through FLA's whole ops (its conv, `chunk_gated_delta_rule`, padded SDPA) instead: A/B and oracle
 FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"
 PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
-# kernels/branch_gdr.py for branches of <= 128 tokens: one kernel instead of the four stages (not yet measured)
-FUSED_GDR = os.environ.get("KEVSCORE_FUSED_GDR", "0") == "1"
-# kernels/branch_wy.py for branches of <= 128 tokens: FLA's solve, then one kernel for w/u, scan and output (not
-# yet measured); launched with FUSED_WY_LAUNCH (branch_wy's keywords: bench_kernels.py --only 'fused wy')
+# kernels/branch_wy.py for branches of <= 128 tokens: FLA's solve, then one kernel for w/u, scan and output (1.7x
+# the stages per layer, NOTES 22; not yet measured in a scoring call); launched with FUSED_WY_LAUNCH (branch_wy's
+# keywords: bench_kernels.py --only 'fused wy')
 FUSED_WY = os.environ.get("KEVSCORE_FUSED_WY", "0") == "1"
 FUSED_WY_LAUNCH: dict = {}
 
@@ -209,10 +207,15 @@ def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
                qk_normed: bool = False) -> torch.Tensor:
-    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan, or with KEVSCORE_FUSED_WY=1 or
-    KEVSCORE_FUSED_GDR=1 (branches of up to 128 tokens) in where the fused kernel reads the states."""
-    if (FUSED_WY or FUSED_GDR) and qk_normed and q.shape[1] <= MAX_T:
-        return gdr_branch_fused(q, k, v, gate, beta, bank, slots, path)
+    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan. With KEVSCORE_FUSED_WY=1,
+    branches of up to 128 tokens run the gate cumsum, FLA's solve and `branch_wy`, which `gathered` gives the
+    rows' states copied out and an identity index, so both paths compute alike to the bit."""
+    if FUSED_WY and qk_normed and q.shape[1] <= MAX_T:
+        if path == "gathered":
+            bank, slots = bank.index_select(0, slots), torch.arange(slots.shape[0], device=slots.device)
+        gc = gate_cumsum(gate)
+        return branch_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots, slots.stride(0),
+                         **FUSED_WY_LAUNCH)
     q, k, w, u, gc = gdr_parts(q, k, v, gate_cumsum(gate), beta, qk_normed)
     if path == "gathered":
         h0 = bank.index_select(0, slots)
@@ -220,18 +223,6 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
     else:
         h, v_new = state_scan_indexed(k, w, u, gc, bank, slots, slots.stride(0))
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
-
-
-def gdr_branch_fused(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
-    """FUSED_WY: the gate cumsum, FLA's solve and `branch_wy`; else FUSED_GDR's one kernel. `gathered` gives
-    the kernel the rows' states copied out and an identity index, so both paths compute alike to the bit."""
-    if path == "gathered":
-        bank, slots = bank.index_select(0, slots), torch.arange(slots.shape[0], device=slots.device)
-    if FUSED_WY:
-        gc = gate_cumsum(gate)
-        return branch_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots, slots.stride(0),
-                         **FUSED_WY_LAUNCH)
-    return branch_gdr(q, k, v, gate, beta, bank, slots, slots.stride(0))
 
 
 def _sdpa_causal(q, k, v):

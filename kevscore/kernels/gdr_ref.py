@@ -6,8 +6,8 @@ Shapes: q, k [R, T, H, K]; v, u [R, T, HV, V]; w [R, T, HV, K]; g, beta [R, T, H
 h [R, NT, HV, K, V] (the state entering each chunk); states [N, HV, K, V] in fp32.
 Every function computes in fp32. `state_scan_indexed` has the exact interface of the Triton kernel
 in `kevscore.kernels.state_scan`: it reads row r's initial state from `bank[index[r * index_stride]]`;
-`branch_gdr`, the stages composed, that of the fused short-branch kernel in `kevscore.kernels.branch_gdr`;
-`branch_wy`, the stages after the solve (`chunk_inverse`), that of `kevscore.kernels.branch_wy`.
+`branch_gdr` composes the four stages for branches; `branch_wy`, the stages after the solve (`chunk_inverse`),
+has the interface of the fused kernel in `kevscore.kernels.branch_wy`.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ chunk masked) after FLA's kkt + solve kernel, on the CPU in fp32: FLA's solve gi
 on the lower triangles it writes; the three kernels (our gate cumsum, the solve, ours) give
 `torch_ops.gdr_branch` on both paths and `gdr_ref.branch_wy`; rows share bank entries, the slots are a strided
 upload-buffer column, the bank is never written, and the gathered form (the rows' states copied out, an
-identity index) gives the indexed bits. fp32 only: the interpreter's bf16 dots are wrong (check_branch_gdr.py)."""
+identity index) gives the indexed bits. fp32 only: Triton 3.8's interpreter multiplies bf16 dot operands as
+their raw bits."""
 import time
 
 import torch
