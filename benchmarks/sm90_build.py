@@ -29,7 +29,9 @@ WY_VARIANTS = tuple(((bt1, bt2), 64, 4) for bt1, bt2 in ((16, 0), (64, 0), (64, 
 
 
 def _kernel(fn):
-    while not hasattr(fn, "arg_names"):
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(fn, JITFunction):  # through autotuners and heuristics
         fn = fn.fn
     return fn
 
@@ -57,10 +59,10 @@ def build(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: i
 
 
 def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
-    """(name, kernel, types, constexprs, warps, stages, aligned) for our kernels at their defaults and the
-    variants under study."""
+    """(name, kernel, types, constexprs, warps, stages, aligned): our kernels, defaults and variants under study."""
     from kevscore.kernels.branch_attn import _branch_attn_kernel
     from kevscore.kernels.branch_conv import L2_EPS, _branch_conv_kernel
+    from kevscore.kernels.fla_ops import ATTN_FP32 as a32  # the fp32 model's branch attention launch
     from kevscore.kernels.state_scan import _indexed_scan_kernel
 
     out = []
@@ -71,11 +73,11 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
         out.append((f"scan BV 32 final_update {final}", _indexed_scan_kernel, scan_t,
                     dict(H=16, HV=32, K=128, V=128, BT=64, BV=32, FINAL_UPDATE=final), 4, 2, scan_aligned))
     # fp32 inputs on 2 warps (the cuda tests' demo shape): the mma path where a branch around the dots broke
-    # Triton 3.6 (NOTES.md 12)
+    # Triton 3.6 (NOTES.md 12); and at the Kev-4B shape, an fp32 model's launch (FLA's H200 pin)
     scan_f32 = scan_t | {n: "*fp32" for n in ("k", "v", "w", "v_new", "h")}
-    for bv, stages in ((32, 1), (64, 3)):
-        out.append((f"scan fp32 K 64 BV {bv} warps 2 stages {stages}", _indexed_scan_kernel, scan_f32,
-                    dict(H=2, HV=4, K=64, V=64, BT=64, BV=bv, FINAL_UPDATE=False), 2, stages, scan_aligned))
+    for (h, hv, kd), bv, wp, stages in (((2, 4, 64), 32, 2, 1), ((2, 4, 64), 64, 2, 3), ((16, 32, 128), 32, 4, 2)):
+        out.append((f"scan fp32 K {kd} BV {bv} warps {wp} stages {stages}", _indexed_scan_kernel, scan_f32,
+                    dict(H=h, HV=hv, K=kd, V=kd, BT=64, BV=bv, FINAL_UPDATE=False), wp, stages, scan_aligned))
     attn_t = {n: "*bf16" for n in ("q", "k", "v", "o", "gate", "pool_k", "pool_v")}
     attn_t |= {"kv_start": "*i64", "kv_len": "*i64", "T": "i32", "qk_scale": "fp32"}
     strides = ("sq_r", "sq_t", "sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "sp_t",
@@ -84,6 +86,9 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     for bm, bn, wp, st in ((128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)):
         out.append((f"attention bm {bm} bn {bn} warps {wp} stages {st}", _branch_attn_kernel, attn_t,
                     dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True), wp, st, tuple(attn_t)[:7] + strides[:-2]))
+    out.append(("attention fp32", _branch_attn_kernel, attn_t | {n: "*fp32" for n in tuple(attn_t)[:7]},
+                dict(NKV=4, G=4, D=256, BM=a32["block_m"], BN=a32["block_n"], HAS_GATE=True), a32["num_warps"],
+                a32["num_stages"], tuple(attn_t)[:7] + strides[:-2]))
     conv_t = {n: "*bf16" for n in ("x", "w", "conv", "q", "k", "v", "b", "beta")} | {"slots": "*i64", "T": "i32",
                                                                                    "pos": "*i64"}
     conv_t |= {s: "i32" for s in ("sx_r", "sx_t", "s_conv", "s_slot", "sb_r", "sb_t")}
@@ -113,13 +118,51 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     return out
 
 
+def fla_variants(act: str) -> list[tuple]:
+    """FLA's four gated-delta-rule kernels of a scoring call at the Kev-4B shape, with activations of type `act`
+    (fp32 in an fp32 model), at the launch configurations pinned for the H200 (kevscore.kernels.tuning)."""
+    import importlib
+
+    from kevscore.kernels.tuning import PINS
+
+    shape, v = dict(H=16, HV=32, K=128, BT=64), dict(V=128)
+    per_kernel = {  # kernel -> (argument types, constexprs besides the pin's, 16-aligned arguments)
+        "chunk_gated_delta_rule_fwd_kkt_solve_kernel": (
+            {"k": act, "g": "*fp32", "beta": act, "A": act, "T": "i32"},
+            dict(cu_seqlens=None, chunk_indices=None, **shape, BC=16, USE_G=True, IS_VARLEN=False)),
+        "recompute_w_u_fwd_kernel": (
+            {**{n: act for n in ("k", "v", "beta", "w", "u", "A")}, "g": "*fp32", "T": "i32"},
+            dict(cu_seqlens=None, chunk_indices=None, **shape, **v, BK=64, BV=64, USE_G=True, IS_VARLEN=False)),
+        "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": (
+            {**{n: act for n in ("k", "v", "w", "v_new", "h")}, "g": "*fp32", "h0": "*fp32", "T": "i32"},
+            dict(gk=None, ht=None, cu_seqlens=None, chunk_offsets=None, **shape, **v, USE_G=True, USE_GK=False,
+                 USE_INITIAL_STATE=True, STORE_FINAL_STATE=False, SAVE_NEW_VALUE=True, STATE_V_FIRST=False,
+                 IS_VARLEN=False)),
+        "chunk_fwd_kernel_o": (
+            {**{n: act for n in ("q", "k", "v", "h", "o")}, "g": "*fp32", "scale": "fp32", "T": "i32"},
+            dict(g_gamma=None, cu_seqlens=None, chunk_indices=None, **shape, **v, USE_G=True, USE_G_GAMMA=False,
+                 STATE_V_FIRST=False, IS_VARLEN=False)),
+    }
+    out = []
+    for (module, name), pin in PINS["H200"].items():
+        types, consts = per_kernel[name]
+        launch = {k: pin[k] for k in ("num_warps", "num_stages")}
+        consts = consts | {k: x for k, x in pin.items() if k not in launch}
+        aligned = tuple(n for n, t in types.items() if t.startswith("*"))
+        short = name.removeprefix("chunk_gated_delta_rule_fwd_").removesuffix("_kernel")
+        out.append((short, getattr(importlib.import_module(module), name), types, consts, launch["num_warps"],
+                    launch["num_stages"], aligned))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--only", help="variants whose name starts with this")
     args = ap.parse_args()
     rows = []
-    for name, fn, types, consts, wp, st, aligned in variants():
+    fla = [(f"fla {name} {dt}", *rest) for dt in ("bf16", "fp32") for name, *rest in fla_variants(f"*{dt}")]
+    for name, fn, types, consts, wp, st, aligned in variants() + fla:
         if args.only and not name.startswith(args.only):
             continue
         res = build(fn, types, consts, wp, st, aligned)

@@ -25,7 +25,7 @@ from typing import Any, Union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.engine.backend import resolve_device
+from kevscore.engine.backend import resolve_device, resolve_dtype
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError, first_line, reported
 from kevscore.faults import Interrupted
@@ -38,8 +38,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 Tabular = Any  # a pyarrow Table or RecordBatch, or a pandas DataFrame (pandas is not a dependency)
 
 # RunOptions' fields a Scorer fixes: the model and how it scores; the others belong to each call
-SCORER_OPTIONS = ("model", "device", "labels", "template", "state_read", "batch_rows", "bank", "bank_max_gb",
-                  "bank_capacity", "eager", "batch_invariant")
+SCORER_OPTIONS = ("model", "device", "dtype", "labels", "template", "state_read", "batch_rows", "bank",
+                  "bank_max_gb", "bank_capacity", "eager", "batch_invariant")
 COLUMNS = ("question", "document", "doc_id", "question_id", "labels")  # the input columns kevscore reads
 TABLE_NAMES = {"questions": "<questions>", "documents": "<documents>"}  # how messages name tables passed in
 
@@ -53,20 +53,23 @@ class Scorer:
     loads it instead of reading the document again.
     """
 
-    def __init__(self, model: str = "demo", *, device: str = "auto", labels: Sequence[str] | str = ("Yes", "No"),
-                 template: PathLike | None = None, state_read: str = "indexed", batch_rows: int = 64,
-                 bank: PathLike | None = None, bank_max_gb: float | None = None, bank_capacity: int | None = None,
-                 eager: bool = False, batch_invariant: bool = False) -> None:
-        """`model`: a checkpoint directory, a hub id (ORG/NAME[@REV]), demo, kev-0.8b or kev-4b; `labels`: a
-        list, or a string as `--labels` takes it; the others as `kevscore run`'s options of the same names."""
+    def __init__(self, model: str = "demo", *, device: str = "auto", dtype: str = "auto",
+                 labels: Sequence[str] | str = ("Yes", "No"), template: PathLike | None = None,
+                 state_read: str = "indexed", batch_rows: int = 64, bank: PathLike | None = None,
+                 bank_max_gb: float | None = None, bank_capacity: int | None = None, eager: bool = False,
+                 batch_invariant: bool = False) -> None:
+        """`model`: a checkpoint directory, a hub id (ORG/NAME[@REV]), demo, kev-0.8b or kev-4b; `dtype`: auto
+        (bf16 on a GPU, fp32 on the CPU), bf16 (GPU only) or fp32; `labels`: a list, or a string as `--labels`
+        takes it; the others as `kevscore run`'s options of the same names."""
         with one_line():
             labels = parse_labels(labels) if isinstance(labels, str) else list(labels)
-            self.options = RunOptions(input=Path(), model=str(model), device=device, state_read=state_read,
-                                      labels=labels, template=_path(template), batch_rows=batch_rows,
-                                      bank=_path(bank), bank_max_gb=bank_max_gb, bank_capacity=bank_capacity,
-                                      eager=eager, batch_invariant=batch_invariant)
-            resolve_device(device)
+            self.options = RunOptions(input=Path(), model=str(model), device=device, dtype=dtype,
+                                      state_read=state_read, labels=labels, template=_path(template),
+                                      batch_rows=batch_rows, bank=_path(bank), bank_max_gb=bank_max_gb,
+                                      bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant)
+            where = resolve_device(device)
             check_options(self.options)
+            resolve_dtype(dtype, where)
         self.loaded = LoadedModel()
         self.last_result: RunResult | None = None  # the last call's numbers: rows, prefills, times, bank use
 

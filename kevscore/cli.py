@@ -130,6 +130,9 @@ def run(
                         help="A checkpoint directory, a hub id (ORG/NAME, ORG/NAME@REV), demo, kev-0.8b or kev-4b."),
     device: str = option("auto", "--device", panel=MODEL, metavar="[cpu|cuda|auto]",
                          help="auto: the GPU if there is one."),
+    dtype: str = option("auto", "--dtype", panel=MODEL, metavar="[auto|bf16|fp32]",
+                        help="The model's weights and activations: auto is bf16 on a GPU, fp32 on the CPU (which "
+                        "runs fp32 only); fp32 on a GPU gives the reference precision, slower."),
     state_read: str = option("indexed", "--state-read", panel=MODEL, metavar="[indexed|gathered]",
                              help="How each row's document state is read from the bank: in place (indexed) or "
                              "copied out first (gathered); the same probabilities."),
@@ -176,7 +179,7 @@ def run(
         state_read = path
     with _failing():
         label_list = parse_labels(labels)
-    opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device,
+    opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device, dtype=dtype,
                       state_read=state_read,
                       labels=label_list, template=template, batch_rows=batch_rows, overwrite=overwrite,
                       bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant, bank=bank,
@@ -340,12 +343,14 @@ def compare(
                                   help="Write a PNG of the latency distributions here."),
     device: str = option("auto", "--device", metavar="[cpu|cuda|auto]", help="auto: the GPU if there is one."),
     batch_rows: int = option(64, "--batch-rows", metavar="N", help="Most question rows per batch."),
-    baseline: Optional[str] = option(None, "--baseline", metavar="[hf]", help="hf: also time transformers on document "
-                                     "+ question."),
+    baseline: Optional[str] = option(None, "--baseline", metavar="[hf|fp32]", help="hf: also time transformers on "
+                                     "document + question; fp32 (GPU): also time the model in fp32 and count the "
+                                     "rows whose prediction differs from bf16's."),
     fault: Optional[str] = typer.Option(None, "--inject-fault", hidden=True, help="Test only."),
 ) -> None:
     """Run the gathered and indexed paths on the same weights and inputs; time them and check parity.
-    Exits 1 when any case shows a probability difference, a decision flip or a changed bank."""
+    Exits 1 when any case shows a probability difference, a decision flip or a changed bank (the fp32
+    baseline's flips are reported, with their rows in --json, not failures)."""
     from kevscore.compare import CompareOptions
     from kevscore.compare import compare as run_compare
 

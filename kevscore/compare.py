@@ -35,6 +35,7 @@ SHAPE_CASES = ("shared", "distinct", "padded", "long-branch")
 TEMPERATURES = {"cold": 0.0, "mixed": 0.5, "warm": 1.0}
 CASES = SHAPE_CASES + tuple(TEMPERATURES)
 FAULTS = ("index-off-by-one",)
+BASELINES = ("hf", "fp32")  # transformers timed; the model in fp32 timed and its decisions compared
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,9 @@ class CaseResult:
     flips: int = 0
     bank_unchanged: bool = True
     hf_ms: list[float] | None = None
+    fp32_ms: list[float] | None = None          # the fp32 baseline's timed calls (indexed path)
+    fp32_max_abs_diff: float | None = None      # max |p_bf16 - p_fp32| over the rows (indexed path)
+    fp32_flipped: list[int] | None = None       # rows whose prediction differs between bf16 and fp32
 
     def median(self, path: str) -> float:
         return statistics.median(self.latency_ms[path])
@@ -110,9 +114,12 @@ class CaseResult:
         g, i = out["gathered"], out["indexed"]
         out |= {"indexed_over_gathered": self.ratio, "parity": self.parity,
                 "spread_overlap": i["p10_ms"] <= g["p90_ms"] and g["p10_ms"] <= i["p90_ms"]}
-        if self.hf_ms:
-            out["hf_median_ms"] = statistics.median(self.hf_ms)
-            out["hf_over_indexed"] = out["hf_median_ms"] / self.median("indexed")
+        for base in ("hf", "fp32"):
+            if samples := getattr(self, f"{base}_ms"):
+                out[f"{base}_median_ms"] = statistics.median(samples)
+                out[f"{base}_over_indexed"] = out[f"{base}_median_ms"] / self.median("indexed")
+        if self.fp32_flipped is not None:
+            out["fp32_flips"] = len(self.fp32_flipped)
         return out
 
 
@@ -148,28 +155,46 @@ def _argmax(p: list[float]) -> int:
     return max(range(len(p)), key=p.__getitem__)
 
 
-def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: dict, reps: int, warmup: int,
-             hf: Callable[[Encoded], Callable[[], torch.Tensor]] | None = None, hf_reps: int = 3,
-             log: Callable[[str], None] = lambda s: None) -> CaseResult:
-    runner, device = engine.runner, engine.runner.device
-    bank = runner.bank
-    docs = list(range(len(enc.prefixes)))
-    rows = list(range(len(enc)))
+def case_call(engine: Engine, enc: Encoded, warm: float, scores: dict[str, Scores]) -> Callable[[str], None]:
+    """A case's timed call on `engine`, `path` -> its scores into `scores[path]`: the bank is reset to hold
+    the `warm` share of the documents; each call prefills the others (into the same slots every time), then
+    scores every row."""
+    bank, docs = engine.runner.bank, list(range(len(enc.prefixes)))
     n_warm = round(warm * len(docs))
-    warm_docs, cold_docs = docs[:n_warm], docs[n_warm:]
     bank.reset()
     slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in docs}
     bank.publish()
-    stats = Scores.empty(0).stats
-    engine.prefill_into(enc, warm_docs, slot_of, stats)
-    scores = {p: Scores.empty(len(rows)) for p in PATHS}
+    stats, rows = Scores.empty(0).stats, list(range(len(enc)))
+    engine.prefill_into(enc, docs[:n_warm], slot_of, stats)
 
     def call(path: str) -> None:
-        if cold_docs:
-            engine.prefill_into(enc, cold_docs, slot_of, stats)
+        if n_warm < len(docs):
+            engine.prefill_into(enc, docs[n_warm:], slot_of, stats)
+        if path not in scores:
+            scores[path] = Scores.empty(len(enc))
         engine.score_rows(enc, rows, slot_of, path, scores[path])
 
-    res = CaseResult(name, definition, len(rows), len(docs), len(cold_docs))
+    return call
+
+
+def differences(a: list[list[float]], b: list[list[float]]) -> tuple[float, list[int]]:
+    """(max |pa - pb| over every row's probabilities, infinite with a NaN; the rows whose prediction differs)."""
+    diff = max((abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb)), default=0.0)
+    if any(math.isnan(x) for pr in a + b for x in pr):  # a NaN is never parity
+        diff = float("inf")
+    return diff, [r for r, (pa, pb) in enumerate(zip(a, b)) if _argmax(pa) != _argmax(pb)]
+
+
+def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: dict, reps: int, warmup: int,
+             hf: Callable[[Encoded], Callable[[], torch.Tensor]] | None = None, hf_reps: int = 3,
+             log: Callable[[str], None] = lambda s: None, fp32: Engine | None = None) -> CaseResult:
+    """The case on both paths (warm-up, then `reps` alternating timed calls, parity, the bank unchanged),
+    then its baselines: transformers (`hf`) timed, and the model in fp32 (`fp32`: an engine of the same
+    weights) timed on the indexed path and compared with it."""
+    runner, device = engine.runner, engine.runner.device
+    scores: dict[str, Scores] = {}
+    call = case_call(engine, enc, warm, scores)
+    res = CaseResult(name, definition, len(enc), len(enc.prefixes), len(enc.prefixes) - round(warm * len(enc.prefixes)))
     capture0 = getattr(runner, "capture_s", 0.0)
     first = "warm-up and graph capture" if device.type == "cuda" else "warm-up"
     for p in PATHS:  # first calls capture each path's graphs; warm-up is reported apart from latency
@@ -180,23 +205,26 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
         synchronize(device)
         res.warmup_s[p] = time.perf_counter() - t0
     res.capture_s = getattr(runner, "capture_s", 0.0) - capture0
-    snapshot = [t.clone() for t in _bank_views(bank)]
+    snapshot = [t.clone() for t in _bank_views(runner.bank)]
     log(f"{name}: timing {reps} calls per path, alternating")
     for i in range(reps):
         for p in (PATHS if i % 2 == 0 else PATHS[::-1]):  # A B, B A, A B, ...
             ms, wall = timed(lambda p=p: call(p), device)
             res.latency_ms[p].append(ms)
             res.wall_s[p].append(wall)
-    res.bank_unchanged = all(torch.equal(a, b) for a, b in zip(snapshot, _bank_views(bank)))
+    res.bank_unchanged = all(torch.equal(a, b) for a, b in zip(snapshot, _bank_views(runner.bank)))
     del snapshot
-    a, b = scores["gathered"].probs, scores["indexed"].probs
-    res.max_abs_diff = max((abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb)), default=0.0)
-    if any(math.isnan(x) for pr in a + b for x in pr):  # a NaN is never parity
-        res.max_abs_diff = float("inf")
-    res.flips = sum(_argmax(pa) != _argmax(pb) for pa, pb in zip(a, b))
+    res.max_abs_diff, flipped = differences(scores["gathered"].probs, scores["indexed"].probs)
+    res.flips = len(flipped)
     if hf is not None:
         log(f"{name}: transformers baseline ({hf_reps} calls)")
         res.hf_ms = events_ms(hf(enc), hf_reps, 1, device)
+    if fp32 is not None:
+        log(f"{name}: fp32 baseline ({hf_reps} calls)")
+        base: dict[str, Scores] = {}
+        fp32_call = case_call(fp32, enc, warm, base)
+        res.fp32_ms = events_ms(lambda: fp32_call("indexed"), hf_reps, 1, device)  # the warm-up captures graphs
+        res.fp32_max_abs_diff, res.fp32_flipped = differences(base["indexed"].probs, scores["indexed"].probs)
     return res
 
 
@@ -219,8 +247,8 @@ class CompareOptions:
 def _check(opts: CompareOptions) -> list[str]:
     if opts.reps < 1 or opts.warmup < 0:
         raise KevscoreError(f"--reps {opts.reps} --warmup {opts.warmup}: need reps >= 1 and warmup >= 0")
-    if opts.baseline not in (None, "hf"):
-        raise KevscoreError(f"--baseline {opts.baseline}: the only baseline is hf")
+    if opts.baseline not in (None, *BASELINES):
+        raise KevscoreError(f"--baseline {opts.baseline}: choose hf or fp32")
     if opts.batch_rows < 1:
         raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
     allowed = tuple(TEMPERATURES) if opts.data else CASES
@@ -250,6 +278,9 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
 
     cases = _check(opts)
     device = resolve_device(opts.device)
+    if opts.baseline == "fp32" and device.type != "cuda":
+        raise KevscoreError("--baseline fp32: the CPU runs fp32 already; it compares a GPU's bf16 with fp32 "
+                            "(--device cuda)")
     load_before = os.getloadavg()[0]
     log(f"loading {opts.model} on {device.type}")
     ckpt = load_checkpoint(opts.model, device)
@@ -261,6 +292,9 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     t0 = time.perf_counter()
     runner = build_runner(ckpt, device, doc_tokens)
     engine = Engine(runner, max_rows=opts.batch_rows)
+    fp32 = None
+    if opts.baseline == "fp32":  # the same weights in fp32, beside the bf16 model
+        fp32 = Engine(build_runner(ckpt, device, doc_tokens, dtype=torch.float32), max_rows=opts.batch_rows)
     load_s = time.perf_counter() - t0
     hf = None
     if opts.baseline == "hf":
@@ -278,7 +312,7 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
             enc, warm, definition = workloads[c]
             log(f"case {k}/{len(cases)} {c}: {len(enc)} rows, {len(enc.prefixes)} documents")
             results.append(run_case(engine, c, enc, warm, definition, opts.reps, opts.warmup, hf,
-                                    hf_reps=min(opts.reps, 3), log=log))
+                                    hf_reps=min(opts.reps, 3), log=log, fp32=fp32))
     report = {
         "kind": "kevscore compare", "timer": "cuda-events" if device.type == "cuda" else "cpu-wall-clock",
         "model": ckpt.name, "options": {"reps": opts.reps, "warmup": opts.warmup, "batch_rows": opts.batch_rows,

@@ -296,7 +296,7 @@ def provenance_table(record: dict) -> Table:
             ("labels", ", ".join(repr(label) for label in opts.get("labels", []))),
             ("rows", f"{plan.get('rows', 0):,} in {plan.get('windows', 0):,} window{'s' * (plan.get('windows') != 1)}"),
             ("options", ", ".join(f"{k} {v}" for k, v in opts.items()
-                                  if k not in ("device", "state_read", "path", "labels"))),
+                                  if k not in ("device", "dtype", "state_read", "path", "labels"))),
             ("job", str(record.get("job")))]
     for name, value in rows:
         table.add_row(name, markup_escape(value))
@@ -385,6 +385,11 @@ def compare_table(r: dict) -> Table:
         table.caption += "; transformers naive: " + ", ".join(
             f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
             for c in r["cases"] if c.get("hf_ms"))
+    if any(c.get("fp32_ms") for c in r["cases"]):
+        table.caption += "; fp32: " + ", ".join(
+            f"{c['name']} {c['summary']['fp32_median_ms']:.1f} ms ({c['summary']['fp32_over_indexed']:.1f}x indexed), "
+            f"{c['summary']['fp32_flips']:,} of {c['rows']:,} predictions flipped, max |dp| {c['fp32_max_abs_diff']:.3g}"
+            for c in r["cases"] if c.get("fp32_ms"))
     return table
 
 

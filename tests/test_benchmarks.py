@@ -114,6 +114,11 @@ def test_kernels_compile_for_the_h200(tmp_path):
     # state store to 132 registers (NOTES.md 13)
     scan = next(r for r in rows if r["variant"] == "scan BV 32 final_update False")
     assert scan["shared"] * 4 <= 228 * 1024 and scan["registers"] * 128 * 4 <= 65536, scan
+    # an fp32 model (--dtype fp32) launches these at the Kev-4B shape: each fits in a block's 227 KB of shared
+    # memory (fp32 tiles take twice bf16's: branch attention's default tiles would take 384 KB)
+    fp32 = [r for r in rows if r["variant"] in ("attention fp32", "scan fp32 K 128 BV 32 warps 4 stages 2")
+            or r["variant"].startswith("fla") and r["variant"].endswith("fp32")]
+    assert len(fp32) == 6 and all(r["shared"] <= 227 * 1024 for r in fp32), fp32
 
 
 def test_profile_summary_adds_kernels_whose_short_names_collide():

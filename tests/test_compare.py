@@ -102,9 +102,34 @@ def test_data_rows_at_every_temperature(tmp_path):
     (["--data", str(EXAMPLES / "questions.parquet"), "--cases", "shared"], "with --data, the cases are"),
     (["--reps", "0"], "need reps >= 1"),
     (["--batch-rows", "0"], "--batch-rows 0: must be at least 1"),  # as `run` refuses it
-    (["--baseline", "vllm"], "the only baseline is hf"),
+    (["--baseline", "vllm"], "--baseline vllm: choose hf or fp32"),
+    (["--baseline", "fp32"], "--baseline fp32: the CPU runs fp32 already"),  # bf16 runs on a GPU only
     (["--json", "/nonexistent-dir/r.json"], "its folder does not exist"),
 ])
 def test_bad_options_fail_with_one_line(args, message):
     result = compare(*args)
     assert result.exit_code == 2 and message in result.output
+
+
+def test_fp32_baseline_times_an_fp32_engine_and_reports_the_rows_that_flip(tiny, demo):
+    """`--baseline fp32` (a GPU's; the CPU has fp32 alone) on CPU engines: the baseline engine scores each case's
+    rows on the indexed path, is timed, and the rows whose prediction differs are named. Here the baseline is
+    another model (tiny), so predictions do differ; against itself, none does."""
+    from conftest import cpu_engine, synthetic
+
+    from kevscore.compare import run_case
+
+    enc = synthetic([30, 70, 130], [5, 17, 40], labels=(361, 383))
+    ours, theirs = (cpu_engine(m, docs=enc.prefixes) for m in (demo, tiny))
+    want = [theirs.run(enc, "indexed").probs, ours.run(enc, "indexed").probs]
+    flips = [r for r, (a, b) in enumerate(zip(*want)) if (a[0] > a[1]) != (b[0] > b[1])]
+    res = run_case(ours, "warm", enc, 1.0, {}, reps=1, warmup=1, hf_reps=2, fp32=theirs)
+    assert len(res.fp32_ms) == 2 and all(ms > 0 for ms in res.fp32_ms)
+    assert res.fp32_flipped == flips and flips
+    assert res.fp32_max_abs_diff == max(abs(x - y) for a, b in zip(*want) for x, y in zip(a, b)) > 0
+    s = res.summary()
+    assert s["fp32_flips"] == len(flips) and s["fp32_over_indexed"] == pytest.approx(s["fp32_median_ms"] /
+                                                                                   s["indexed"]["median_ms"])
+    assert res.parity  # the baseline's flips are no parity failure
+    same = run_case(ours, "mixed", enc, 0.5, {}, reps=1, warmup=1, hf_reps=1, fp32=cpu_engine(demo, docs=enc.prefixes))
+    assert same.fp32_flipped == [] and same.fp32_max_abs_diff == 0.0

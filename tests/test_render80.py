@@ -119,15 +119,17 @@ def compare_report() -> dict:
     lat = {"median_ms": 12_345.67, "p10_ms": 11_234.56, "p90_ms": 13_456.78, "rows_per_s": 12_345.6}
     case = {"name": "long-branch", "rows": 12_288, "prefilled_in_call": 1_024, "max_abs_diff": 1.2345e-3, "flips": 17,
             "bank_unchanged": False, "warmup_s": {"gathered": 123.4, "indexed": 234.5}, "hf_ms": [1.0],
+            "fp32_ms": [2.0], "fp32_max_abs_diff": 0.01234, "fp32_flipped": [3] * 1_234,
             "summary": {"gathered": lat, "indexed": lat, "indexed_over_gathered": 1.234, "spread_overlap": True,
-                        "hf_median_ms": 123_456.7, "hf_over_indexed": 10.0}}
+                        "hf_median_ms": 123_456.7, "hf_over_indexed": 10.0, "fp32_median_ms": 23_456.7,
+                        "fp32_over_indexed": 1.9, "fp32_flips": 1_234}}
     return {"model": "/models/Qwen3.5-4B-Instruct", "timer": "cuda-events",
             "environment": {"gpu": "NVIDIA H200 NVL 141GB HBM3e"}, "cases": [case] * 7}
 
 
 def test_compare_table() -> None:
     check(rendered(compare_table(compare_report())), "12,288", "12,346", "11,235-13,457", "1.234",
-          "0.00123", "17", "noise")
+          "0.00123", "17", "noise", "1,234 of 12,288 predictions flipped", "0.0123")
 
 
 def test_dry_run_plan() -> None:

@@ -1,7 +1,7 @@
-"""The GPU runner: a bf16 model over FLA kernels, a bank sized from free memory, CUDA graphs per bucket.
+"""The GPU runner: a bf16 or fp32 model over FLA kernels, a bank sized from free memory, CUDA graphs per bucket.
 
-The fused GPU runner: bf16 model over FLA kernels, a bank sized from free memory, and one CUDA graph
-per (rows, length, prefix, scored positions, path) bucket, captured on first use into one shared memory pool.
+One CUDA graph per (rows, length, prefix, scored positions, path) bucket, captured on first use into one shared
+memory pool.
 
 A batch is one host-to-device copy of its pinned upload buffer into the bucket's static buffer and one
 graph replay; the output (final hidden states at the rows' scored tokens) is cloned before the next replay.
@@ -83,26 +83,28 @@ class GraphRunner(EagerRunner):
 
 
 def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int], capacity: int | None,
-                      eager: bool) -> GraphRunner:
+                      eager: bool, dtype: torch.dtype = torch.bfloat16) -> GraphRunner:
     from kevscore.kernels import fla_ops, tuning
 
     pinned = tuning.pin_for(torch.cuda.get_device_name(device))
-    model = KevModel.from_weights(ckpt.config, ckpt.weights, fla_ops, torch.bfloat16, device)
+    model = KevModel.from_weights(ckpt.config, ckpt.weights, fla_ops, dtype, device)
     free, _ = torch.cuda.mem_get_info(device)
-    layout = BankLayout.plan(ckpt.config, torch.bfloat16, doc_tokens, int(free * BANK_SHARE), capacity)
-    bank = StateBank(ckpt.config, layout, device, torch.bfloat16)
+    layout = BankLayout.plan(ckpt.config, dtype, doc_tokens, int(free * BANK_SHARE), capacity)
+    bank = StateBank(ckpt.config, layout, device, dtype)
     runner = GraphRunner(model, bank, ckpt.pad_id, eager)
+    runner.similar_lengths = dtype == torch.float32  # no flash attention in fp32: prefill groups attention pads
     free, _ = torch.cuda.mem_get_info(device)
-    runner.prefill_tokens = prefill_group_tokens(free, prefill_bytes_per_token(ckpt.config))
+    runner.prefill_tokens = prefill_group_tokens(free, prefill_bytes_per_token(ckpt.config, dtype.itemsize))
     runner.pinned = pinned
     return runner
 
 
-def prefill_bytes_per_token(cfg: KevConfig) -> int:
-    """Activation bytes one document token holds at the peak of a prefill layer (bf16): the projection
-    outputs, q/k/v, the chunk pipeline's w, u, v_new, o, its (I + A)^-1 blocks and its share of the chunk
-    states, the MLP's gate|up and SwiGLU outputs and the residual stream, with room for the allocator."""
+def prefill_bytes_per_token(cfg: KevConfig, itemsize: int = 2) -> int:
+    """Activation bytes one document token holds at the peak of a prefill layer (`itemsize` bytes an element:
+    2 in bf16, 4 in fp32): the projection outputs, q/k/v, the chunk pipeline's w, u, v_new, o, its (I + A)^-1
+    blocks and its share of the chunk states, the MLP's gate|up and SwiGLU outputs and the residual stream,
+    with room for the allocator."""
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     elements = (cfg.conv_dim + cfg.value_dim + 2 * hv) + cfg.conv_dim + 4 * hv * dv + hv * 64 \
         + hv * cfg.linear_key_head_dim * dv // 64 + 3 * cfg.intermediate_size + 6 * cfg.hidden_size
-    return 2 * elements * 3 // 2
+    return itemsize * elements * 3 // 2

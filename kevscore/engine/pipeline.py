@@ -12,6 +12,7 @@ from kevscore import faults
 from kevscore.engine.backend import release_cache, synchronize
 from kevscore.engine.label_scoring import Scoring, scorings
 from kevscore.engine.plan import Batch, make_batch, plan_batches, plan_waves
+from kevscore.engine.runner import PAD_WASTE
 from kevscore.errors import KevscoreFailure, first_line
 from kevscore.model.prompt import Encoded
 
@@ -161,10 +162,12 @@ class Engine:
             self._prefill_group(enc, group[half:], slot_of, stats, progress)
 
     def _prefill_groups(self, enc: Encoded, wave: list[int]) -> list[list[int]]:
-        """Documents sorted by length, packed into groups of at most `prefill_tokens` tokens (as waves are planned)."""
+        """Documents sorted by length, packed into groups of at most `prefill_tokens` tokens (as waves are planned;
+        for a runner that asks for `similar_lengths`, also padded to their longest by at most PAD_WASTE)."""
         order = sorted(wave, key=lambda d: len(enc.prefixes[d]))
         lengths = [len(enc.prefixes[d]) for d in order]
-        return [[order[i] for i in group] for group in plan_waves(lengths, len(order), self.prefill_tokens)]
+        waste = PAD_WASTE if getattr(self.runner, "similar_lengths", False) else None
+        return [[order[i] for i in group] for group in plan_waves(lengths, len(order), self.prefill_tokens, waste)]
 
     def score_rows(self, enc: Encoded, rows: list[int], slot_of: dict[int, int], path: str,
                    scores: Scores, progress: Reporter = QUIET) -> None:

@@ -74,13 +74,15 @@ def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Seq
     return [make_batch(g, branch_len, prefix_len, max_rows, scored) for g in groups]
 
 
-def plan_waves(doc_tokens: Sequence[int], entries: int, tokens: int) -> list[list[int]]:
-    """Group documents (in order) into waves of at most `entries` documents and `tokens` K/V tokens."""
+def plan_waves(doc_tokens: Sequence[int], entries: int, tokens: int, waste: float | None = None) -> list[list[int]]:
+    """Group documents (in order) into waves of at most `entries` documents and `tokens` K/V tokens; with
+    `waste`, documents in ascending length that padding to the last adds at most `waste` - 1 to."""
     waves: list[list[int]] = []
     current: list[int] = []
     used = 0
     for d, n in enumerate(doc_tokens):
-        if current and (len(current) == entries or used + n > tokens):
+        padded = waste is not None and (len(current) + 1) * n > waste * (used + n)
+        if current and (len(current) == entries or used + n > tokens or padded):
             waves.append(current)
             current, used = [], 0
         current.append(d)

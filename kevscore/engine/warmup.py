@@ -33,9 +33,10 @@ def small_model(cfg: KevConfig) -> KevConfig:
     return dataclasses.replace(cfg, layer_types=(LINEAR, FULL), vocab_size=min(cfg.vocab_size, 1024))
 
 
-def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> dict:
-    """Run every kernel of a job on `path` once, at the layer shapes of `cfg` (on a CPU: the torch ops). On a
-    GPU the kernels are first compiled side by side (kevscore.kernels.precompile). Returns seconds by step."""
+def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None = None) -> dict:
+    """Run every kernel of a job on `path` once, at the layer shapes of `cfg` in the model's `dtype` (on a CPU:
+    the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile).
+    Returns seconds by step."""
     from kevscore.engine.backend import build_runner, synchronize
     from kevscore.engine.pipeline import Engine
     from kevscore.model.checkpoint import Checkpoint, random_weights
@@ -44,7 +45,7 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str) -> dict:
     small = small_model(cfg)
     ckpt = Checkpoint("warm-up", small, random_weights(small, 0, torch.bfloat16, device),
                       SimpleNamespace(pad_token_id=0, eos_token_id=0))
-    runner = build_runner(ckpt, device, max(PREFILL_GROUPS, key=sum), None, eager=True)  # holds either group
+    runner = build_runner(ckpt, device, max(PREFILL_GROUPS, key=sum), None, True, dtype)  # holds either group
     engine = Engine(runner, max_rows=4, prefill_tokens=1 << 16)
 
     def run_each_shape() -> None:
@@ -83,7 +84,8 @@ class WarmUp:
         return {"seconds": self.seconds, "error": self.error, **self.steps}
 
 
-def prepare_device(device: torch.device, cfg: KevConfig | None, path: str) -> WarmUp | None:
+def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
+                   dtype: torch.dtype | None = None) -> WarmUp | None:
     """On a GPU, import the GPU kernels here (flash-linear-attention and Triton: seconds of Python; on this
     thread, so no import runs on two threads at once), then start the thread that makes the CUDA context
     and, given the model's config, compiles the kernels. Join it before the job's own GPU work."""
@@ -98,7 +100,7 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str) -> Wa
             torch.ones(1, device=device).sum()
             warm.steps["context_s"] = time.perf_counter() - t0
             if cfg is not None:
-                warm.steps.update(compile_kernels(cfg, device, path))
+                warm.steps.update(compile_kernels(cfg, device, path, dtype))
         except Exception as exc:  # noqa: BLE001 - reported with the job's load, never fatal
             warm.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
         warm.seconds = time.perf_counter() - t0

@@ -23,7 +23,7 @@ JOB_KEY = b"kevscore.job"
 PROVENANCE_KEY = b"kevscore.provenance"  # how the output was made: version, inputs, model, options (`kevscore info`)
 OPTION_FLAGS = {"state_read": "--state-read", "labels": "--labels", "batch_rows": "--batch-rows",
                 "bank_capacity": "--bank-capacity", "eager": "--eager", "batch_invariant": "--batch-invariant",
-                "window": "--window",
+                "window": "--window", "dtype": "--dtype",
                 "shard": "shard (rank, world)", "ranks": "ranks (--gpus, torchrun)", "device": "--device",
                 "model": "--model", "skip_invalid": "--skip-invalid", "limit": "--limit", "carry": "--carry/--no-carry",
                 "rename": "the column options (--question-column, ...)"}
@@ -46,12 +46,11 @@ def output_job(output: Path) -> str | None:
 
 def provenance(identity: dict) -> dict:
     """What an output records of how it was made: the job's identity (inputs and their SHA-256s, template,
-    model and its fingerprint, options, plan), kevscore's version and the weights' dtype. No time: the same
+    model and its fingerprint, options, plan), kevscore's version and the model's dtype. No time: the same
     job writes the same bytes, so a resumed run's output equals an uninterrupted one's."""
     from kevscore import __version__
 
-    dtype = "bfloat16" if identity["options"]["device"] == "cuda" else "float32"
-    return {"kevscore": __version__, "dtype": dtype, "job": job_digest(identity), **identity}
+    return {"kevscore": __version__, "dtype": identity["options"]["dtype"], "job": job_digest(identity), **identity}
 
 
 def output_provenance(output: Path) -> dict | None:
@@ -89,9 +88,10 @@ def differences(old: dict, new: dict) -> list[str]:
     return out or ["the parts' format"]
 
 
-def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str, device: str,
+def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str, device: str, dtype: str,
                  windows: Windows, ranks: int = 1) -> dict:
-    """What a job's results depend on; a resumed run (on any number of processes) must match it exactly."""
+    """What a job's results depend on; a resumed run (on any number of processes) must match it exactly.
+    `dtype`: the model's, resolved (bfloat16, float32), so `--dtype auto` and the dtype it picks are one job."""
     def file(path):
         return None if path is None else {"name": Path(path).name, "sha256": file_sha256(Path(path))}
 
@@ -106,7 +106,7 @@ def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str,
     return {
         "input": source(inputs.questions), "documents": source(inputs.documents), "template": file(opts.template),
         "model": {"name": model, "fingerprint": fingerprint},
-        "options": {"device": device, "state_read": opts.state_read, "labels": list(opts.labels),
+        "options": {"device": device, "dtype": dtype, "state_read": opts.state_read, "labels": list(opts.labels),
                     "batch_rows": opts.batch_rows,
                     "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
                     "window": opts.window, "shard": list(opts.shard) if opts.shard else None, "ranks": ranks,

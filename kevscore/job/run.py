@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from kevscore.engine.backend import build_runner, invariant_threads, release_cache, resolve_device
+from kevscore.engine.backend import build_runner, dtype_name, invariant_threads, release_cache, resolve_device, resolve_dtype
 from kevscore.engine.bank import BankLayout
 from kevscore.engine.bank_entry import Fingerprint, model_fingerprint
 from kevscore.engine.bank_store import BankStats, BankStore
@@ -87,9 +87,11 @@ class LoadedModel:
 def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedModel | None = None) -> RunResult:
     """Score the input into the output (`-o -`: JSON Lines on stdout, written at the end); with `loaded`,
     on the model it holds (loading it there the first time)."""
-    with invariant_threads(resolve_device(opts.device), opts.batch_invariant):
+    device = resolve_device(opts.device)
+    with invariant_threads(device, opts.batch_invariant):
         started = time.perf_counter()
         check_options(opts)
+        resolve_dtype(opts.dtype, device)  # bf16 on the CPU: refused before the input is opened
         stdout = str(opts.output) == STDOUT
         output = None if stdout else output_path(opts)
         file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end
@@ -120,6 +122,7 @@ class Prepared:
     """A checked input, its model and its window plan: what a run and a dry run start from."""
     scan: InputScan
     device: torch.device
+    dtype: torch.dtype            # the model's (--dtype on this device)
     ckpt: Checkpoint
     template: Template
     doc_tokens: np.ndarray        # prefix tokens per document
@@ -137,10 +140,11 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     by one of them)."""
     laps = Laps()
     device = resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype, device)
     held = loaded.ckpt if loaded is not None else None
     # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights
     # load: for a model's first job only (a loaded model's kernels are compiled)
-    warm_up = prepare_device(device, peek_config(opts.model), opts.state_read) if held is None else None
+    warm_up = prepare_device(device, peek_config(opts.model), opts.state_read, dtype) if held is None else None
     laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
                       opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1)
@@ -168,7 +172,7 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
                                              WINDOW_TOKENS) for r in range(ranks)])
     else:
         windows = plan_windows(doc_of_row, doc_tokens, opts.window, WINDOW_ROWS, WINDOW_TOKENS)
-    return Prepared(scan, device, ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
+    return Prepared(scan, device, dtype, ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
 
 
 @dataclass(slots=True)
@@ -193,7 +197,8 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1, lo
     warm_up = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
     p.laps.lap("runner")
     fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME)
-    identity = job_identity(opts, inputs, p.ckpt.name, fingerprint.digest, p.device.type, p.windows, ranks)
+    identity = job_identity(opts, inputs, p.ckpt.name, fingerprint.digest, p.device.type, dtype_name(p.dtype),
+                            p.windows, ranks)
     p.laps.lap("identity")
     return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up)
 
@@ -208,7 +213,7 @@ def job_runner(opts: RunOptions, p: Prepared, loaded: LoadedModel | None):
         loaded.runner = None  # its memory is freed before the new bank is sized from what is free
         gc.collect()
         release_cache(p.device)
-    runner = build_runner(p.ckpt, p.device, docs, opts.bank_capacity, opts.eager)
+    runner = build_runner(p.ckpt, p.device, docs, opts.bank_capacity, opts.eager, p.dtype)
     if loaded is not None:
         loaded.runner = runner
     return runner

@@ -46,6 +46,9 @@ PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench
 # keywords: bench_kernels.py --only 'fused wy')
 FUSED_WY = os.environ.get("KEVSCORE_FUSED_WY", "0") == "1"
 FUSED_WY_LAUNCH: dict = {}
+# branch attention in fp32: its bf16 tiles take twice the shared memory, over the H200's 227 KB at head dim 256
+# (benchmarks/sm90_build.py: 384 KB); these fit (192 KB)
+ATTN_FP32 = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -226,18 +229,25 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
 
 
 def _sdpa_causal(q, k, v):
+    fp32 = q.dtype == torch.float32  # memory-efficient attention then (no flash, no cuDNN), which may not take
+    if fp32:  # grouped heads (SDPA would fall back to its math, O(L^2) memory): each KV head repeated instead
+        k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], 2) for t in (k, v))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not fp32).transpose(1, 2)
 
 
 def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     """Causal attention within each packed document, times sigmoid(gate). Documents of similar lengths (the
     host computed `pad_index`) go through SDPA (cuDNN) as a right-padded [D, L] batch, gathered and scattered
     by host-computed indices (no copy at all when they are equally long); others through flash attention
-    over the packed tokens (`cu_seqlens`)."""
+    over the packed tokens (`cu_seqlens`); in fp32, which flash attention does not take, SDPA per document
+    (the runner groups documents of similar lengths, so this is the rare case)."""
     if FLA_PREFILL:
         return _attn_prefill_masked(q, k, v, gate, ctx.cu_seqlens, ctx.max_len)
-    if ctx.pad_index is None:
+    if ctx.pad_index is None and q.dtype == torch.float32:
+        bounds = ctx.cu_seqlens.tolist()
+        out = torch.cat([_sdpa_causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], 1)
+    elif ctx.pad_index is None:
         out = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], ctx.cu_seqlens, ctx.cu_seqlens,
                                                       ctx.max_len, ctx.max_len, 0.0, True, False)[0][None]
     elif ctx.pad_index.numel() == q.shape[1]:  # equal lengths: the packed tokens are the batch
@@ -262,4 +272,5 @@ def _attn_prefill_masked(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) 
 def attn_branch(q, k, v, gate, kv: torch.Tensor, ctx) -> torch.Tensor:
     """Reads the document K/V in place from the pool `kv` [2, tokens, Hkv, D] (no per-row gather); the
     output gate sigmoid(gate) is applied in the kernel's epilogue."""
-    return branch_attention(q, k, v, kv[0], kv[1], ctx.kv_start, ctx.kv_len, gate=gate)
+    return branch_attention(q, k, v, kv[0], kv[1], ctx.kv_start, ctx.kv_len, gate=gate,
+                            **(ATTN_FP32 if q.dtype == torch.float32 else {}))
