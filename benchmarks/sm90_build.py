@@ -10,7 +10,10 @@ as Triton specializes them at launch.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
+import os
 import re
 import subprocess
 import tempfile
@@ -55,14 +58,16 @@ def build(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: i
                              capture_output=True, text=True, check=True).stderr
     regs = int(re.search(r"Used (\d+) registers", out).group(1))
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
-    return {"registers": regs, "spill_bytes": spill, "shared": compiled.metadata.shared}
+    code = re.sub(r"^\s*\.file\b.*$", "", compiled.asm["ptx"].split("\t.section\t.debug")[0], flags=re.M)
+    return {"registers": regs, "spill_bytes": spill, "shared": compiled.metadata.shared,
+            "ptx_sha256": hashlib.sha256(code.encode()).hexdigest()}  # the code: no source paths, no debug info
 
 
 def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
-    """(name, kernel, types, constexprs, warps, stages, aligned): our kernels, defaults and variants under study."""
+    """(name, kernel, types, constexprs, warps, stages, aligned) for our kernels at their defaults and the
+    variants under study."""
     from kevscore.kernels.branch_attn import _branch_attn_kernel
     from kevscore.kernels.branch_conv import L2_EPS, _branch_conv_kernel
-    from kevscore.kernels.fla_ops import ATTN_FP32 as a32  # the fp32 model's branch attention launch
     from kevscore.kernels.state_scan import _indexed_scan_kernel
 
     out = []
@@ -73,11 +78,11 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
         out.append((f"scan BV 32 final_update {final}", _indexed_scan_kernel, scan_t,
                     dict(H=16, HV=32, K=128, V=128, BT=64, BV=32, FINAL_UPDATE=final), 4, 2, scan_aligned))
     # fp32 inputs on 2 warps (the cuda tests' demo shape): the mma path where a branch around the dots broke
-    # Triton 3.6 (NOTES.md 12); and at the Kev-4B shape, an fp32 model's launch (FLA's H200 pin)
+    # Triton 3.6 (NOTES.md 12)
     scan_f32 = scan_t | {n: "*fp32" for n in ("k", "v", "w", "v_new", "h")}
-    for (h, hv, kd), bv, wp, stages in (((2, 4, 64), 32, 2, 1), ((2, 4, 64), 64, 2, 3), ((16, 32, 128), 32, 4, 2)):
-        out.append((f"scan fp32 K {kd} BV {bv} warps {wp} stages {stages}", _indexed_scan_kernel, scan_f32,
-                    dict(H=h, HV=hv, K=kd, V=kd, BT=64, BV=bv, FINAL_UPDATE=False), wp, stages, scan_aligned))
+    for bv, stages in ((32, 1), (64, 3)):
+        out.append((f"scan fp32 K 64 BV {bv} warps 2 stages {stages}", _indexed_scan_kernel, scan_f32,
+                    dict(H=2, HV=4, K=64, V=64, BT=64, BV=bv, FINAL_UPDATE=False), 2, stages, scan_aligned))
     attn_t = {n: "*bf16" for n in ("q", "k", "v", "o", "gate", "pool_k", "pool_v")}
     attn_t |= {"kv_start": "*i64", "kv_len": "*i64", "T": "i32", "qk_scale": "fp32"}
     strides = ("sq_r", "sq_t", "sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "sp_t",
@@ -86,9 +91,6 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     for bm, bn, wp, st in ((128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)):
         out.append((f"attention bm {bm} bn {bn} warps {wp} stages {st}", _branch_attn_kernel, attn_t,
                     dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True), wp, st, tuple(attn_t)[:7] + strides[:-2]))
-    out.append(("attention fp32", _branch_attn_kernel, attn_t | {n: "*fp32" for n in tuple(attn_t)[:7]},
-                dict(NKV=4, G=4, D=256, BM=a32["block_m"], BN=a32["block_n"], HAS_GATE=True), a32["num_warps"],
-                a32["num_stages"], tuple(attn_t)[:7] + strides[:-2]))
     conv_t = {n: "*bf16" for n in ("x", "w", "conv", "q", "k", "v", "b", "beta")} | {"slots": "*i64", "T": "i32",
                                                                                    "pos": "*i64"}
     conv_t |= {s: "i32" for s in ("sx_r", "sx_t", "s_conv", "s_slot", "sb_r", "sb_t")}
@@ -118,11 +120,28 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     return out
 
 
+def fp32_variants() -> list[tuple]:
+    """What an fp32 model (--dtype fp32) launches at the Kev-4B shape, compiled with its dots in 3xTF32 (main):
+    our branch attention at its fp32 tiles and indexed scan at FLA's pin, FLA's kernels as `fla_variants`."""
+    from kevscore.kernels.branch_attn import _branch_attn_kernel
+    from kevscore.kernels.fla_ops import ATTN_FP32 as a32
+    from kevscore.kernels.state_scan import _indexed_scan_kernel
+
+    attn, scan = (next(v for v in variants() if v[0].startswith(name)) for name in ("attention bm", "scan BV 32"))
+    f32 = lambda types: {n: "*fp32" if t == "*bf16" else t for n, t in types.items()}  # noqa: E731
+    return [("fp32 attention", _branch_attn_kernel, f32(attn[2]),
+             attn[3] | {"BM": a32["block_m"], "BN": a32["block_n"]}, a32["num_warps"], a32["num_stages"], attn[6]),
+            ("fp32 scan", _indexed_scan_kernel, f32(scan[2]), scan[3], *scan[4:]),
+            *((f"fp32 fla {name}", *rest) for name, *rest in fla_variants("*fp32"))]
+
+
 def fla_variants(act: str) -> list[tuple]:
     """FLA's four gated-delta-rule kernels of a scoring call at the Kev-4B shape, with activations of type `act`
-    (fp32 in an fp32 model), at the launch configurations pinned for the H200 (kevscore.kernels.tuning)."""
+    at the launch configurations pinned for the H200 (kevscore.kernels.tuning); in fp32, the copy of its
+    (I + A)^-1 kernel that an fp32 model runs (fla_ops._kkt_solve_fp32)."""
     import importlib
 
+    from kevscore.kernels.fla_ops import _kkt_solve_fp32
     from kevscore.kernels.tuning import PINS
 
     shape, v = dict(H=16, HV=32, K=128, BT=64), dict(V=128)
@@ -150,22 +169,42 @@ def fla_variants(act: str) -> list[tuple]:
         consts = consts | {k: x for k, x in pin.items() if k not in launch}
         aligned = tuple(n for n, t in types.items() if t.startswith("*"))
         short = name.removeprefix("chunk_gated_delta_rule_fwd_").removesuffix("_kernel")
-        out.append((short, getattr(importlib.import_module(module), name), types, consts, launch["num_warps"],
-                    launch["num_stages"], aligned))
+        kernel = getattr(importlib.import_module(module), name)
+        if act == "*fp32" and short == "kkt_solve":
+            kernel = _kkt_solve_fp32()
+        out.append((short, kernel, types, consts, launch["num_warps"], launch["num_stages"], aligned))
     return out
+
+
+@contextlib.contextmanager
+def f32_dots(precision: str | None):
+    """Triton's precision of the dots of fp32 operands that name none, while compiling (None: as it is)."""
+    before = os.environ.get("TRITON_F32_DEFAULT")
+    if precision:
+        os.environ["TRITON_F32_DEFAULT"] = precision
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_F32_DEFAULT", None)
+        else:
+            os.environ["TRITON_F32_DEFAULT"] = before
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--only", help="variants whose name starts with this")
+    ap.add_argument("--only", help="variants whose name starts with this (several: comma-separated)")
     args = ap.parse_args()
     rows = []
-    fla = [(f"fla {name} {dt}", *rest) for dt in ("bf16", "fp32") for name, *rest in fla_variants(f"*{dt}")]
-    for name, fn, types, consts, wp, st, aligned in variants() + fla:
-        if args.only and not name.startswith(args.only):
+    from kevscore.engine.cuda_runner import F32_DOTS
+
+    fla = [(f"fla {name}", *rest) for name, *rest in fla_variants("*bf16")]
+    for name, fn, types, consts, wp, st, aligned in variants() + fla + fp32_variants():
+        if args.only and not name.startswith(tuple(args.only.split(","))):
             continue
-        res = build(fn, types, consts, wp, st, aligned)
+        with f32_dots(F32_DOTS if name.startswith("fp32 ") else None):
+            res = build(fn, types, consts, wp, st, aligned)
         rows.append({"variant": name} | res)
         print(f"{name:<44}{res['registers']:>5} regs {res['spill_bytes']:>7} B spilled {res['shared']:>8} B shared")
     if args.json:

@@ -1,6 +1,7 @@
 """The benchmark scripts stay runnable: each parses its options and prints its usage on a CPU machine, and
 the ones that have a CPU mode run end to end on tiny inputs (their GPU runs happen on the device only)."""
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -13,8 +14,9 @@ ROOT = Path(__file__).parent.parent
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
 
 
-def run(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=cwd)
+def run(*args, cwd=ROOT, env: dict | None = None):
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=600, cwd=cwd,
+                          env={**os.environ, **env} if env else None)
 
 
 def benchmark(name: str):
@@ -114,11 +116,20 @@ def test_kernels_compile_for_the_h200(tmp_path):
     # state store to 132 registers (NOTES.md 13)
     scan = next(r for r in rows if r["variant"] == "scan BV 32 final_update False")
     assert scan["shared"] * 4 <= 228 * 1024 and scan["registers"] * 128 * 4 <= 65536, scan
-    # an fp32 model (--dtype fp32) launches these at the Kev-4B shape: each fits in a block's 227 KB of shared
-    # memory (fp32 tiles take twice bf16's: branch attention's default tiles would take 384 KB)
-    fp32 = [r for r in rows if r["variant"] in ("attention fp32", "scan fp32 K 128 BV 32 warps 4 stages 2")
-            or r["variant"].startswith("fla") and r["variant"].endswith("fp32")]
+    # an fp32 model (--dtype fp32) launches these at the Kev-4B shape, its dots in 3xTF32: each fits in a block's
+    # 227 KB of shared memory (branch attention's bf16 tiles would take 512 KB in fp32)
+    fp32 = [r for r in rows if r["variant"].startswith("fp32 ")]
     assert len(fp32) == 6 and all(r["shared"] <= 227 * 1024 for r in fp32), fp32
+    assert sum(r["variant"].startswith("fla ") for r in rows) == 4  # FLA's pinned kernels in bf16 as well
+    # which an fp32 model's 3xTF32 leaves alone: no dot of a bf16 model's kernels has fp32 operands without a
+    # precision of its own, so their code is the same under TRITON_F32_DEFAULT (set process-wide for fp32)
+    bf16 = "fla ,scan BV 32,attention bm 128 bn 64,gdr T <= 64  bk 128"
+    again = run(ROOT / "benchmarks" / "sm90_build.py", "--only", bf16, "--json", tmp_path / "again.json",
+                env={"TRITON_F32_DEFAULT": "tf32x3"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    ptx = {r["variant"]: r["ptx_sha256"] for r in rows}
+    same = json.loads((tmp_path / "again.json").read_text())
+    assert len(same) == 8 and all(ptx[r["variant"]] == r["ptx_sha256"] for r in same), same
 
 
 def test_profile_summary_adds_kernels_whose_short_names_collide():

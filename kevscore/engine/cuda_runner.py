@@ -8,6 +8,7 @@ graph replay; the output (final hidden states at the rows' scored tokens) is clo
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -82,10 +83,23 @@ class GraphRunner(EagerRunner):
         return CapturedBatch(graph, host, device, out)
 
 
+F32_DOTS = "tf32x3"  # an fp32 model's Triton dots: fp32's precision on tensor cores (TF32's costs 1e-3 in p)
+
+
+def fp32_dots(dtype: torch.dtype) -> None:
+    """For an fp32 model, Triton's dots of fp32 operands in 3xTF32 instead of TF32, FLA's and ours alike where
+    they name no precision (kernels/fla_ops.py: the one FLA names). Process-wide, read when a kernel compiles
+    and part of Triton's cache key; set before an fp32 model's first kernel compiles (a kernel already
+    compiled in this process keeps its dots). No bf16 model's kernel has such a dot: their code is the same."""
+    if dtype == torch.float32:
+        os.environ["TRITON_F32_DEFAULT"] = F32_DOTS
+
+
 def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int], capacity: int | None,
                       eager: bool, dtype: torch.dtype = torch.bfloat16) -> GraphRunner:
     from kevscore.kernels import fla_ops, tuning
 
+    fp32_dots(dtype)
     pinned = tuning.pin_for(torch.cuda.get_device_name(device))
     model = KevModel.from_weights(ckpt.config, ckpt.weights, fla_ops, dtype, device)
     free, _ = torch.cuda.mem_get_info(device)

@@ -91,8 +91,10 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
     and, given the model's config, compiles the kernels. Join it before the job's own GPU work."""
     if device.type != "cuda":
         return None
-    from kevscore.engine import cuda_runner  # noqa: F401
+    from kevscore.engine import cuda_runner
     from kevscore.kernels import fla_ops, tuning  # noqa: F401
+
+    cuda_runner.fp32_dots(dtype)  # before the thread compiles anything
 
     def work() -> None:
         t0 = time.perf_counter()

@@ -12,13 +12,16 @@ synchronizes with the GPU to derive them.
 """
 from __future__ import annotations
 
+import functools
 import os
+import types
 
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # always FLA's own Triton kernels
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 # FLA's ops that only the A/B switches and the tests' oracles use are imported where they are called: the
 # default path then never imports FLA's modules package (several seconds, `fla_packages`)
@@ -46,9 +49,11 @@ PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench
 # keywords: bench_kernels.py --only 'fused wy')
 FUSED_WY = os.environ.get("KEVSCORE_FUSED_WY", "0") == "1"
 FUSED_WY_LAUNCH: dict = {}
-# branch attention in fp32: its bf16 tiles take twice the shared memory, over the H200's 227 KB at head dim 256
-# (benchmarks/sm90_build.py: 384 KB); these fit (192 KB)
-ATTN_FP32 = {"block_m": 64, "block_n": 32, "num_warps": 4, "num_stages": 2}
+# An fp32 model's Triton dots run in 3xTF32, fp32's precision on tensor cores (TRITON_F32_DEFAULT, set by
+# cuda_runner.fp32_dots). Its branch attention's tiles: the bf16 defaults' would take 512 KB of shared memory at
+# head dim 256, over the H200's 227 KB; these take 192 KB (benchmarks/sm90_build.py)
+ATTN_FP32 = {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 1}
+KKT_FP32 = {"BK": 64, "num_warps": 1, "num_stages": 3}  # `_kkt_solve_fp32`'s launch: FLA's H200 pin (tuning.py)
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -147,8 +152,11 @@ def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torc
                                       beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
                                       use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
     gc = decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2, cu, chunks)
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_size=CHUNK,
-                                               chunk_indices=chunks)
+    if k.dtype == torch.float32:  # its (I + A)^-1 merges in 3xTF32, not FLA's TF32 (wy_repr)
+        w, u = wy_repr(k, v, gc, beta, cu, chunks)
+    else:
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_size=CHUNK,
+                                                   chunk_indices=chunks)
     h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
                                                    cu_seqlens=cu, chunk_indices=chunks)
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_size=CHUNK,
@@ -166,35 +174,57 @@ def gate_cumsum(gate) -> torch.Tensor:
 _ZERO_A: dict[tuple, torch.Tensor] = {}
 
 
-def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, cu_seqlens=None,
+            chunk_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(w, u): FLA 0.5.2's `chunk_gated_delta_rule_fwd_intra` for 64-token chunks of equal-length rows, its two
     kernels called as it calls them, except for the buffer A of the solved (I + A)^-1 blocks. FLA zero-fills a
     new one per call, because its kernel writes only the blocks on and below the diagonal; here one buffer per
     shape is zeroed once, outside any graph capture, and reused: the kernel writes the same blocks every time,
     so the others stay zero. That drops a 25 MB fill (and a graph node) per DeltaNet layer. Same bits.
     The buffers live as long as the process (captured graphs hold their addresses): one per (rows, length)
-    bucket, 4 KB per token at the Kev-4B shape, as much as one of the layer's [tokens, 2048] activations."""
+    bucket, 4 KB per token at the Kev-4B shape, as much as one of the layer's [tokens, 2048] activations.
+    Packed documents (`cu_seqlens`, `chunk_indices`: an fp32 model's prefill) get a new buffer."""
     b, t, _, _ = k.shape
     key = (b, t, beta.shape[2], k.dtype, k.device)
-    a = _ZERO_A.get(key)
+    a = _ZERO_A.get(key) if cu_seqlens is None else None
     if a is None:
         a = torch.zeros(b, t, beta.shape[2], CHUNK, device=k.device, dtype=k.dtype)
-        if not torch.cuda.is_current_stream_capturing():  # (memory of a capture's pool is not kept)
+        if cu_seqlens is None and not torch.cuda.is_current_stream_capturing():  # (a capture's pool is not kept)
             _ZERO_A[key] = a
-    solve_chunks(k, gc, beta, a)
-    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=gc, cu_seqlens=None, chunk_indices=None)
+    solve_chunks(k, gc, beta, a, cu_seqlens, chunk_indices)
+    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=gc, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
-def solve_chunks(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, a: torch.Tensor | None = None) -> torch.Tensor:
-    """FLA's kkt + solve kernel on rows of equal length: (I + A)^-1 of each 64-token chunk and value head into
-    `a` [R, T, HV, 64] (k's dtype), which it returns; it writes the blocks on and below the diagonal of valid
-    rows only, so a new buffer (a None) holds garbage elsewhere, which `branch_wy` never reads."""
+def solve_chunks(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, a: torch.Tensor | None = None,
+                 cu_seqlens=None, chunk_indices=None) -> torch.Tensor:
+    """FLA's kkt + solve kernel on rows of equal length (or packed documents: `cu_seqlens`, `chunk_indices`):
+    (I + A)^-1 of each 64-token chunk and value head into `a` [R, T, HV, 64] (k's dtype), which it returns; it
+    writes the blocks on and below the diagonal of valid rows only, so a new buffer (a None) holds garbage
+    elsewhere, which `branch_wy` never reads. In fp32 the kernel is `_kkt_solve_fp32`."""
     b, t, h, kd = k.shape
     hv = beta.shape[2]
     a = torch.empty(b, t, hv, CHUNK, device=k.device, dtype=k.dtype) if a is None else a
-    chunk_gated_delta_rule_fwd_kkt_solve_kernel[(triton.cdiv(t, CHUNK), b * hv)](
-        k=k, g=gc, beta=beta, A=a, cu_seqlens=None, chunk_indices=None, T=t, H=h, HV=hv, K=kd, BT=CHUNK, BC=16)
+    grid = (triton.cdiv(t, CHUNK) if cu_seqlens is None else chunk_indices.shape[0], b * hv)
+    args = dict(k=k, g=gc, beta=beta, A=a, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=t, H=h, HV=hv,
+                K=kd, BT=CHUNK, BC=16)
+    if k.dtype == torch.float32:
+        _kkt_solve_fp32()[grid](**args, USE_G=True, IS_VARLEN=cu_seqlens is not None, **KKT_FP32)
+    else:
+        chunk_gated_delta_rule_fwd_kkt_solve_kernel[grid](**args)
     return a
+
+
+@functools.cache
+def _kkt_solve_fp32():
+    """FLA's fused kernel of the solved (I + A)^-1 blocks with its block merges' dots in 3xTF32, as an fp32
+    model's other dots: FLA names TF32 for them in a module constant (SOLVE_TRIL_DOT_PRECISION) on GPUs that
+    have it, so this is its function over a copy of its module's globals with the constant changed, compiled
+    as a kernel of its own (FLA's stays as it is for bf16)."""
+    fn = chunk_gated_delta_rule_fwd_kkt_solve_kernel
+    while not isinstance(fn, types.FunctionType):  # through FLA's heuristics, autotuner and jit
+        fn = fn.fn
+    scope = {**fn.__globals__, "SOLVE_TRIL_DOT_PRECISION": tl.constexpr("tf32x3")}
+    return triton.jit(do_not_specialize=["T"])(types.FunctionType(fn.__code__, scope, fn.__name__))
 
 
 def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):

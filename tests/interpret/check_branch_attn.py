@@ -3,6 +3,7 @@ launches of both models), with the document start and length as strided upload-b
 import torch
 
 from kevscore.kernels import torch_ops
+from kevscore.kernels.fla_ops import ATTN_FP32
 from kevscore.kernels.branch_attn import branch_attention
 from kevscore.model.layers.common import BranchContext
 
@@ -29,8 +30,7 @@ for t in (1, 17, 70):
     ref = torch_ops.attn_branch(q, k, v, gate, pool, ctx)
     out = branch_attention(q, k, v, pool[0], pool[1], start, plen, gate=gate, block_m=32)
     worst = max(worst, ((out - ref).norm() / ref.norm()).item())
-    # the fp32 model's launch (fla_ops.ATTN_FP32: smaller tiles)
-    out = branch_attention(q, k, v, pool[0], pool[1], start, plen, gate=gate, block_m=64, block_n=32, num_warps=4)
+    out = branch_attention(q, k, v, pool[0], pool[1], start, plen, gate=gate, **ATTN_FP32)  # the fp32 model's tiles
     worst = max(worst, ((out - ref).norm() / ref.norm()).item())
 print(f"max relative error {worst:.3g}")
 assert worst < 1e-5, worst
