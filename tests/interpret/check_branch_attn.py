@@ -3,8 +3,8 @@ launches of both models), with the document start and length as strided upload-b
 import torch
 
 from kevscore.kernels import torch_ops
-from kevscore.kernels.fla_ops import ATTN_FP32
 from kevscore.kernels.branch_attn import branch_attention
+from kevscore.kernels.fla_ops import ATTN_FP32
 from kevscore.model.layers.common import BranchContext
 
 nh, nkv, d, rows = 4, 2, 64, 5
