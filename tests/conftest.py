@@ -47,10 +47,11 @@ def cpu_engine(ckpt, entries=None, tokens=None, max_rows=64, max_tokens=8192, do
     return Engine(runner, max_rows=max_rows, max_tokens=max_tokens)
 
 
-def gpu_engine(ckpt, docs, eager=False, max_rows=64, max_tokens=8192, entries=None, prefill_tokens=4096):
+def gpu_engine(ckpt, docs, eager=False, max_rows=64, max_tokens=8192, entries=None, prefill_tokens=4096,
+               dtype=torch.bfloat16):
     from kevscore.engine.cuda_runner import build_cuda_runner
 
-    runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(d) for d in docs], entries, eager)
+    runner = build_cuda_runner(ckpt, torch.device("cuda"), [len(d) for d in docs], entries, eager, dtype)
     return Engine(runner, max_rows=max_rows, max_tokens=max_tokens, prefill_tokens=prefill_tokens)
 
 
