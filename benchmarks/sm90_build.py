@@ -197,13 +197,11 @@ def main() -> None:
     ap.add_argument("--only", help="variants whose name starts with this (several: comma-separated)")
     args = ap.parse_args()
     rows = []
-    from kevscore.engine.cuda_runner import F32_DOTS
-
     fla = [(f"fla {name}", *rest) for name, *rest in fla_variants("*bf16")]
     for name, fn, types, consts, wp, st, aligned in variants() + fla + fp32_variants():
         if args.only and not name.startswith(tuple(args.only.split(","))):
             continue
-        with f32_dots(F32_DOTS if name.startswith("fp32 ") else None):
+        with f32_dots("tf32x3" if name.startswith("fp32 ") else None):  # as cuda_runner.fp32_dots sets
             res = build(fn, types, consts, wp, st, aligned)
         rows.append({"variant": name} | res)
         print(f"{name:<44}{res['registers']:>5} regs {res['spill_bytes']:>7} B spilled {res['shared']:>8} B shared")

@@ -130,9 +130,8 @@ def run(
                         help="A checkpoint directory, a hub id (ORG/NAME, ORG/NAME@REV), demo, kev-0.8b or kev-4b."),
     device: str = option("auto", "--device", panel=MODEL, metavar="[cpu|cuda|auto]",
                          help="auto: the GPU if there is one."),
-    dtype: str = option("auto", "--dtype", panel=MODEL, metavar="[auto|bf16|fp32]",
-                        help="The model's weights and activations: auto is bf16 on a GPU, fp32 on the CPU (which "
-                        "runs fp32 only); fp32 on a GPU gives the reference precision, slower."),
+    dtype: str = option("auto", "--dtype", panel=MODEL, metavar="[auto|bf16|fp32]", help="The model's dtype: auto "
+                        "is bf16 on a GPU, fp32 on the CPU (fp32 only); fp32 on a GPU: reference precision, slower."),
     state_read: str = option("indexed", "--state-read", panel=MODEL, metavar="[indexed|gathered]",
                              help="How each row's document state is read from the bank: in place (indexed) or "
                              "copied out first (gathered); the same probabilities."),

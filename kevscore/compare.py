@@ -35,7 +35,6 @@ SHAPE_CASES = ("shared", "distinct", "padded", "long-branch")
 TEMPERATURES = {"cold": 0.0, "mixed": 0.5, "warm": 1.0}
 CASES = SHAPE_CASES + tuple(TEMPERATURES)
 FAULTS = ("index-off-by-one",)
-BASELINES = ("hf", "fp32")  # transformers timed; the model in fp32 timed and its decisions compared
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +117,6 @@ class CaseResult:
             if samples := getattr(self, f"{base}_ms"):
                 out[f"{base}_median_ms"] = statistics.median(samples)
                 out[f"{base}_over_indexed"] = out[f"{base}_median_ms"] / self.median("indexed")
-        if self.fp32_flipped is not None:
-            out["fp32_flips"] = len(self.fp32_flipped)
         return out
 
 
@@ -155,26 +152,24 @@ def _argmax(p: list[float]) -> int:
     return max(range(len(p)), key=p.__getitem__)
 
 
-def case_call(engine: Engine, enc: Encoded, warm: float, scores: dict[str, Scores]) -> Callable[[str], None]:
-    """A case's timed call on `engine`, `path` -> its scores into `scores[path]`: the bank is reset to hold
-    the `warm` share of the documents; each call prefills the others (into the same slots every time), then
-    scores every row."""
+def case_call(engine: Engine, enc: Encoded, warm: float) -> tuple[Callable[[str], None], dict[str, Scores]]:
+    """A case's timed call on `engine` (`path` -> its scores into the dict returned beside it): the bank is reset
+    to hold the `warm` share of the documents; each call prefills the others (into the same slots every time),
+    then scores every row."""
     bank, docs = engine.runner.bank, list(range(len(enc.prefixes)))
     n_warm = round(warm * len(docs))
     bank.reset()
     slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in docs}
     bank.publish()
-    stats, rows = Scores.empty(0).stats, list(range(len(enc)))
+    stats, rows, scores = Scores.empty(0).stats, list(range(len(enc))), {p: Scores.empty(len(enc)) for p in PATHS}
     engine.prefill_into(enc, docs[:n_warm], slot_of, stats)
 
     def call(path: str) -> None:
         if n_warm < len(docs):
             engine.prefill_into(enc, docs[n_warm:], slot_of, stats)
-        if path not in scores:
-            scores[path] = Scores.empty(len(enc))
         engine.score_rows(enc, rows, slot_of, path, scores[path])
 
-    return call
+    return call, scores
 
 
 def differences(a: list[list[float]], b: list[list[float]]) -> tuple[float, list[int]]:
@@ -192,8 +187,7 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
     then its baselines: transformers (`hf`) timed, and the model in fp32 (`fp32`: an engine of the same
     weights) timed on the indexed path and compared with it."""
     runner, device = engine.runner, engine.runner.device
-    scores: dict[str, Scores] = {}
-    call = case_call(engine, enc, warm, scores)
+    call, scores = case_call(engine, enc, warm)
     res = CaseResult(name, definition, len(enc), len(enc.prefixes), len(enc.prefixes) - round(warm * len(enc.prefixes)))
     capture0 = getattr(runner, "capture_s", 0.0)
     first = "warm-up and graph capture" if device.type == "cuda" else "warm-up"
@@ -221,8 +215,7 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
         res.hf_ms = events_ms(hf(enc), hf_reps, 1, device)
     if fp32 is not None:
         log(f"{name}: fp32 baseline ({hf_reps} calls)")
-        base: dict[str, Scores] = {}
-        fp32_call = case_call(fp32, enc, warm, base)
+        fp32_call, base = case_call(fp32, enc, warm)
         res.fp32_ms = events_ms(lambda: fp32_call("indexed"), hf_reps, 1, device)  # the warm-up captures graphs
         res.fp32_max_abs_diff, res.fp32_flipped = differences(base["indexed"].probs, scores["indexed"].probs)
     return res
@@ -247,7 +240,7 @@ class CompareOptions:
 def _check(opts: CompareOptions) -> list[str]:
     if opts.reps < 1 or opts.warmup < 0:
         raise KevscoreError(f"--reps {opts.reps} --warmup {opts.warmup}: need reps >= 1 and warmup >= 0")
-    if opts.baseline not in (None, *BASELINES):
+    if opts.baseline not in (None, "hf", "fp32"):  # transformers timed; the model in fp32 timed and compared
         raise KevscoreError(f"--baseline {opts.baseline}: choose hf or fp32")
     if opts.batch_rows < 1:
         raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
@@ -292,9 +285,8 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     t0 = time.perf_counter()
     runner = build_runner(ckpt, device, doc_tokens)
     engine = Engine(runner, max_rows=opts.batch_rows)
-    fp32 = None
-    if opts.baseline == "fp32":  # the same weights in fp32, beside the bf16 model
-        fp32 = Engine(build_runner(ckpt, device, doc_tokens, dtype=torch.float32), max_rows=opts.batch_rows)
+    fp32 = None if opts.baseline != "fp32" else Engine(  # the same weights in fp32, beside the bf16 model
+        build_runner(ckpt, device, doc_tokens, dtype=torch.float32), max_rows=opts.batch_rows)
     load_s = time.perf_counter() - t0
     hf = None
     if opts.baseline == "hf":

@@ -123,13 +123,13 @@ def test_kernels_compile_for_the_h200(tmp_path):
     assert sum(r["variant"].startswith("fla ") for r in rows) == 4  # FLA's pinned kernels in bf16 as well
     # which an fp32 model's 3xTF32 leaves alone: no dot of a bf16 model's kernels has fp32 operands without a
     # precision of its own, so their code is the same under TRITON_F32_DEFAULT (set process-wide for fp32)
-    bf16 = "fla ,scan BV 32,attention bm 128 bn 64,gdr T <= 64  bk 128"
-    again = run(ROOT / "benchmarks" / "sm90_build.py", "--only", bf16, "--json", tmp_path / "again.json",
+    bf16 = ("fla ", "scan BV 32", "attention bm 128 bn 64", "wy T tiles")
+    again = run(ROOT / "benchmarks" / "sm90_build.py", "--only", ",".join(bf16), "--json", tmp_path / "again.json",
                 env={"TRITON_F32_DEFAULT": "tf32x3"})
     assert again.returncode == 0, again.stderr[-3000:]
-    ptx = {r["variant"]: r["ptx_sha256"] for r in rows}
-    same = json.loads((tmp_path / "again.json").read_text())
-    assert len(same) == 8 and all(ptx[r["variant"]] == r["ptx_sha256"] for r in same), same
+    ptx = {r["variant"]: r["ptx_sha256"] for r in rows if r["variant"].startswith(bf16)}
+    same = {r["variant"]: r["ptx_sha256"] for r in json.loads((tmp_path / "again.json").read_text())}
+    assert len(same) >= 8 and same == ptx, (same, ptx)
 
 
 def test_profile_summary_adds_kernels_whose_short_names_collide():

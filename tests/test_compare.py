@@ -128,8 +128,7 @@ def test_fp32_baseline_times_an_fp32_engine_and_reports_the_rows_that_flip(tiny,
     assert res.fp32_flipped == flips and flips
     assert res.fp32_max_abs_diff == max(abs(x - y) for a, b in zip(*want) for x, y in zip(a, b)) > 0
     s = res.summary()
-    assert s["fp32_flips"] == len(flips) and s["fp32_over_indexed"] == pytest.approx(s["fp32_median_ms"] /
-                                                                                   s["indexed"]["median_ms"])
+    assert s["fp32_over_indexed"] == pytest.approx(s["fp32_median_ms"] / s["indexed"]["median_ms"])
     assert res.parity  # the baseline's flips are no parity failure
     same = run_case(ours, "mixed", enc, 0.5, {}, reps=1, warmup=1, hf_reps=1, fp32=cpu_engine(demo, docs=enc.prefixes))
     assert same.fp32_flipped == [] and same.fp32_max_abs_diff == 0.0

@@ -170,7 +170,7 @@ def test_compare_baseline_fp32_reports_the_rows_that_flip(tmp_path, example_rows
     for case in report["cases"]:
         assert len(case["fp32_ms"]) == 2 and all(ms > 0 for ms in case["fp32_ms"])
         flipped = case["fp32_flipped"]
-        assert all(0 <= r < case["rows"] for r in flipped) and case["summary"]["fp32_flips"] == len(flipped)
+        assert all(0 <= r < case["rows"] for r in flipped) and flipped == sorted(set(flipped))
         assert 0 < case["fp32_max_abs_diff"] < 0.5  # bf16 is not fp32, and not far from it
         assert case["summary"]["fp32_over_indexed"] > 0
     assert "predictions flipped" in " ".join(result.output.split())

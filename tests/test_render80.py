@@ -122,7 +122,7 @@ def compare_report() -> dict:
             "fp32_ms": [2.0], "fp32_max_abs_diff": 0.01234, "fp32_flipped": [3] * 1_234,
             "summary": {"gathered": lat, "indexed": lat, "indexed_over_gathered": 1.234, "spread_overlap": True,
                         "hf_median_ms": 123_456.7, "hf_over_indexed": 10.0, "fp32_median_ms": 23_456.7,
-                        "fp32_over_indexed": 1.9, "fp32_flips": 1_234}}
+                        "fp32_over_indexed": 1.9}}
     return {"model": "/models/Qwen3.5-4B-Instruct", "timer": "cuda-events",
             "environment": {"gpu": "NVIDIA H200 NVL 141GB HBM3e"}, "cases": [case] * 7}
 

@@ -12,7 +12,6 @@ from kevscore.model.checkpoint import Checkpoint
 from kevscore.model.kev import KevModel
 
 CPU_BANK_BUDGET = 2 << 30  # bytes
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # --dtype (auto: bf16 on a GPU, fp32 on the CPU)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,17 +38,10 @@ def release_cache(device: torch.device) -> None:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The model's dtype (weights, activations, the bank but its recurrent states) that `--dtype` (auto, bf16,
-    fp32: job.options.check_options) asks for on `device`; the CPU runs fp32 only."""
-    if device.type != "cuda":
-        if name == "bf16":
-            raise KevscoreError("--dtype bf16: the CPU runs fp32 only; bf16 needs a GPU (--device cuda)")
-        return torch.float32
-    return TORCH_DTYPES.get(name, torch.bfloat16)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """`bfloat16`, `float32`: how outputs, reports and bank fingerprints name a dtype."""
-    return str(dtype).removeprefix("torch.")
+    fp32: job.options.check_options) asks for on `device`: auto is bf16 on a GPU; the CPU runs fp32 only."""
+    if device.type != "cuda" and name == "bf16":
+        raise KevscoreError("--dtype bf16: the CPU runs fp32 only; bf16 needs a GPU (--device cuda)")
+    return torch.bfloat16 if device.type == "cuda" and name != "fp32" else torch.float32
 
 
 @contextlib.contextmanager
@@ -70,14 +62,12 @@ def invariant_threads(device: torch.device, batch_invariant: bool) -> Iterator[N
 
 def build_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int],
                  capacity: int | None = None, eager: bool = False, dtype: torch.dtype | None = None):
-    """The CPU runner (torch ops, fp32) or, on a GPU, the fused runner (FLA, CUDA graphs; `dtype` bf16, the
-    default, or fp32)."""
+    """The CPU runner (torch ops, fp32 whatever `dtype`) or, on a GPU, the fused runner (FLA, CUDA graphs;
+    `dtype` bf16, the default, or fp32)."""
     if device.type == "cuda":
         from kevscore.engine.cuda_runner import build_cuda_runner
 
         return build_cuda_runner(ckpt, device, doc_tokens, capacity, eager, dtype or torch.bfloat16)
-    if dtype not in (None, torch.float32):
-        raise KevscoreError(f"--dtype {dtype_name(dtype)}: the CPU runs fp32 only")
     from kevscore.engine.runner import EagerRunner
     from kevscore.kernels import torch_ops
 

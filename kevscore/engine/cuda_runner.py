@@ -83,16 +83,13 @@ class GraphRunner(EagerRunner):
         return CapturedBatch(graph, host, device, out)
 
 
-F32_DOTS = "tf32x3"  # an fp32 model's Triton dots: fp32's precision on tensor cores (TF32 moves p by ~3e-4)
-
-
 def fp32_dots(dtype: torch.dtype) -> None:
     """For an fp32 model, Triton's dots of fp32 operands in 3xTF32 instead of TF32, FLA's and ours alike where
     they name no precision (kernels/fla_ops.py: the one FLA names). Process-wide, read when a kernel compiles
     and part of Triton's cache key; set before an fp32 model's first kernel compiles (a kernel already
     compiled in this process keeps its dots). No bf16 model's kernel has such a dot: their code is the same."""
     if dtype == torch.float32:
-        os.environ["TRITON_F32_DEFAULT"] = F32_DOTS
+        os.environ["TRITON_F32_DEFAULT"] = "tf32x3"  # fp32's precision on tensor cores (TF32 moves p by ~3e-4)
 
 
 def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int], capacity: int | None,
@@ -106,7 +103,8 @@ def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[i
     layout = BankLayout.plan(ckpt.config, dtype, doc_tokens, int(free * BANK_SHARE), capacity)
     bank = StateBank(ckpt.config, layout, device, dtype)
     runner = GraphRunner(model, bank, ckpt.pad_id, eager)
-    runner.similar_lengths = dtype == torch.float32  # no flash attention in fp32: prefill groups attention pads
+    # prefill groups of documents attention pads by at most PAD_WASTE (engine.pipeline): fp32 has no flash attention
+    runner.similar_lengths = dtype == torch.float32
     free, _ = torch.cuda.mem_get_info(device)
     runner.prefill_tokens = prefill_group_tokens(free, prefill_bytes_per_token(ckpt.config, dtype.itemsize))
     runner.pinned = pinned

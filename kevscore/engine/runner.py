@@ -84,7 +84,6 @@ class EagerRunner:
     """Runs the model eagerly (the CPU path, and the GPU path under --eager)."""
 
     prefill_tokens = 8192  # document tokens per prefill group (the GPU runner sizes its own from memory)
-    similar_lengths = False  # prefill groups only of documents attention pads to one length (PAD_WASTE)
 
     def __init__(self, model: KevModel, bank: StateBank, pad_id: int):
         self.model, self.bank, self.pad_id = model, bank, pad_id

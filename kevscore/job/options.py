@@ -9,7 +9,6 @@ from kevscore.errors import KevscoreError
 from kevscore.job.labels import check_labels
 
 STATE_READS = ("indexed", "gathered")  # --state-read: a row's document state read in place, or copied out
-DTYPES = ("auto", "bf16", "fp32")  # --dtype
 WINDOW_DOCS = 1024          # documents per window (--window)
 WINDOW_ROWS = 65536         # rows per window; a document with more rows is split over windows of its own
 WINDOW_TOKENS = 1 << 20     # document tokens per window
@@ -22,7 +21,7 @@ class RunOptions:
     output: Path | None = None
     model: str = "demo"
     device: str = "auto"
-    dtype: str = "auto"           # the model's dtype on a GPU: bf16 (auto) or fp32; the CPU runs fp32 (DTYPES)
+    dtype: str = "auto"           # the model's dtype: auto (bf16 on a GPU, fp32 on the CPU), bf16 (GPU) or fp32
     state_read: str = "indexed"   # how a row's document state is read from the bank (STATE_READS)
     labels: list[str] = field(default_factory=lambda: ["Yes", "No"])
     template: Path | None = None
@@ -45,7 +44,7 @@ class RunOptions:
 def check_options(opts: RunOptions) -> None:
     if opts.state_read not in STATE_READS:
         raise KevscoreError(f"--state-read {opts.state_read}: choose indexed or gathered")
-    if opts.dtype not in DTYPES:
+    if opts.dtype not in ("auto", "bf16", "fp32"):
         raise KevscoreError(f"--dtype {opts.dtype}: choose auto, bf16 or fp32")
     for flag, value in (("--batch-rows", opts.batch_rows), ("--bank-capacity", opts.bank_capacity),
                         ("--limit", opts.limit), ("--window", opts.window)):

@@ -88,10 +88,11 @@ def differences(old: dict, new: dict) -> list[str]:
     return out or ["the parts' format"]
 
 
-def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str, device: str, dtype: str,
-                 windows: Windows, ranks: int = 1) -> dict:
+def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint, device: str, windows: Windows,
+                 ranks: int = 1) -> dict:
     """What a job's results depend on; a resumed run (on any number of processes) must match it exactly.
-    `dtype`: the model's, resolved (bfloat16, float32), so `--dtype auto` and the dtype it picks are one job."""
+    `fingerprint`: the model's (engine.bank_entry.Fingerprint), whose dtype (bfloat16, float32) is the job's:
+    `--dtype auto` is the job of the dtype it picks."""
     def file(path):
         return None if path is None else {"name": Path(path).name, "sha256": file_sha256(Path(path))}
 
@@ -105,8 +106,9 @@ def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint: str,
 
     return {
         "input": source(inputs.questions), "documents": source(inputs.documents), "template": file(opts.template),
-        "model": {"name": model, "fingerprint": fingerprint},
-        "options": {"device": device, "dtype": dtype, "state_read": opts.state_read, "labels": list(opts.labels),
+        "model": {"name": model, "fingerprint": fingerprint.digest},
+        "options": {"device": device, "dtype": fingerprint.about["dtype"], "state_read": opts.state_read,
+                    "labels": list(opts.labels),
                     "batch_rows": opts.batch_rows,
                     "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
                     "window": opts.window, "shard": list(opts.shard) if opts.shard else None, "ranks": ranks,

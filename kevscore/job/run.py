@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from kevscore.engine.backend import build_runner, dtype_name, invariant_threads, release_cache, resolve_device, resolve_dtype
+from kevscore.engine.backend import build_runner, invariant_threads, release_cache, resolve_device, resolve_dtype
 from kevscore.engine.bank import BankLayout
 from kevscore.engine.bank_entry import Fingerprint, model_fingerprint
 from kevscore.engine.bank_store import BankStats, BankStore
@@ -87,8 +87,7 @@ class LoadedModel:
 def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedModel | None = None) -> RunResult:
     """Score the input into the output (`-o -`: JSON Lines on stdout, written at the end); with `loaded`,
     on the model it holds (loading it there the first time)."""
-    device = resolve_device(opts.device)
-    with invariant_threads(device, opts.batch_invariant):
+    with invariant_threads(device := resolve_device(opts.device), opts.batch_invariant):
         started = time.perf_counter()
         check_options(opts)
         resolve_dtype(opts.dtype, device)  # bf16 on the CPU: refused before the input is opened
@@ -197,8 +196,7 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1, lo
     warm_up = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
     p.laps.lap("runner")
     fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME)
-    identity = job_identity(opts, inputs, p.ckpt.name, fingerprint.digest, p.device.type, dtype_name(p.dtype),
-                            p.windows, ranks)
+    identity = job_identity(opts, inputs, p.ckpt.name, fingerprint, p.device.type, p.windows, ranks)
     p.laps.lap("identity")
     return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up)
 

@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import functools
 import os
-import types
 
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # always FLA's own Triton kernels
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 # FLA's ops that only the A/B switches and the tests' oracles use are imported where they are called: the
 # default path then never imports FLA's modules package (several seconds, `fla_packages`)
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h  # noqa: E402
 from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
-from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra, chunk_gated_delta_rule_fwd_kkt_solve_kernel  # noqa: E402
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel  # noqa: E402
 from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd  # noqa: E402
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
@@ -53,7 +51,6 @@ FUSED_WY_LAUNCH: dict = {}
 # cuda_runner.fp32_dots). Its branch attention's tiles: the bf16 defaults' would take 512 KB of shared memory at
 # head dim 256, over the H200's 227 KB; these take 192 KB (benchmarks/sm90_build.py)
 ATTN_FP32 = {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 1}
-KKT_FP32 = {"BK": 64, "num_warps": 1, "num_stages": 3}  # `_kkt_solve_fp32`'s launch: FLA's H200 pin (tuning.py)
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,11 +149,7 @@ def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torc
                                       beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
                                       use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
     gc = decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2, cu, chunks)
-    if k.dtype == torch.float32:  # its (I + A)^-1 merges in 3xTF32, not FLA's TF32 (wy_repr)
-        w, u = wy_repr(k, v, gc, beta, cu, chunks)
-    else:
-        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, cu_seqlens=cu, chunk_size=CHUNK,
-                                                   chunk_indices=chunks)
+    w, u = wy_repr(k, v, gc, beta, cu, chunks)  # FLA's chunk_gated_delta_rule_fwd_intra, its launches as they are
     h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
                                                    cu_seqlens=cu, chunk_indices=chunks)
     o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_size=CHUNK,
@@ -183,7 +176,7 @@ def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tens
     so the others stay zero. That drops a 25 MB fill (and a graph node) per DeltaNet layer. Same bits.
     The buffers live as long as the process (captured graphs hold their addresses): one per (rows, length)
     bucket, 4 KB per token at the Kev-4B shape, as much as one of the layer's [tokens, 2048] activations.
-    Packed documents (`cu_seqlens`, `chunk_indices`: an fp32 model's prefill) get a new buffer."""
+    Packed documents (`cu_seqlens`, `chunk_indices`: prefill) get a new buffer, as FLA's function does."""
     b, t, _, _ = k.shape
     key = (b, t, beta.shape[2], k.dtype, k.device)
     a = _ZERO_A.get(key) if cu_seqlens is None else None
@@ -207,8 +200,8 @@ def solve_chunks(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, a: torch
     grid = (triton.cdiv(t, CHUNK) if cu_seqlens is None else chunk_indices.shape[0], b * hv)
     args = dict(k=k, g=gc, beta=beta, A=a, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=t, H=h, HV=hv,
                 K=kd, BT=CHUNK, BC=16)
-    if k.dtype == torch.float32:
-        _kkt_solve_fp32()[grid](**args, USE_G=True, IS_VARLEN=cu_seqlens is not None, **KKT_FP32)
+    if k.dtype == torch.float32:  # at FLA's H200 pin (tuning.py)
+        _kkt_solve_fp32()[grid](**args, USE_G=True, IS_VARLEN=cu_seqlens is not None, BK=64, num_warps=1, num_stages=3)
     else:
         chunk_gated_delta_rule_fwd_kkt_solve_kernel[grid](**args)
     return a
@@ -221,10 +214,10 @@ def _kkt_solve_fp32():
     have it, so this is its function over a copy of its module's globals with the constant changed, compiled
     as a kernel of its own (FLA's stays as it is for bf16)."""
     fn = chunk_gated_delta_rule_fwd_kkt_solve_kernel
-    while not isinstance(fn, types.FunctionType):  # through FLA's heuristics, autotuner and jit
+    while hasattr(fn, "fn"):  # through FLA's heuristics, autotuner and jit to its function
         fn = fn.fn
-    scope = {**fn.__globals__, "SOLVE_TRIL_DOT_PRECISION": tl.constexpr("tf32x3")}
-    return triton.jit(do_not_specialize=["T"])(types.FunctionType(fn.__code__, scope, fn.__name__))
+    scope = {**fn.__globals__, "SOLVE_TRIL_DOT_PRECISION": triton.language.constexpr("tf32x3")}
+    return triton.jit(do_not_specialize=["T"])(type(fn)(fn.__code__, scope, fn.__name__))
 
 
 def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
