@@ -76,7 +76,8 @@ def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Seq
 
 def plan_waves(doc_tokens: Sequence[int], entries: int, tokens: int, waste: float | None = None) -> list[list[int]]:
     """Group documents (in order) into waves of at most `entries` documents and `tokens` K/V tokens; with
-    `waste`, documents in ascending length that padding to the last adds at most `waste` - 1 to."""
+    `waste` (documents in ascending length), also none that its documents padded to its longest would fill more
+    than `waste` times."""
     waves: list[list[int]] = []
     current: list[int] = []
     used = 0
