@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,7 +76,11 @@ def _failing(interrupted: str | None = "interrupted", prefix: str = "",
     Ctrl-C: `interrupted`, or (None) what the run says was kept."""
     try:
         yield
-    except (KevscoreError, OSError) as exc:
+    except (typer.Exit, typer.Abort):  # already said
+        raise
+    except Exception as exc:  # noqa: BLE001 - ours, the OS's and a bug's: each one line (errors.reported)
+        if os.environ.get("KEVSCORE_TRACEBACK") == "1" and not isinstance(exc, (KevscoreError, OSError)):
+            raise
         error = reported(exc)
         if log:
             log.emit("error", message=str(error), exit_code=error.exit_code)
@@ -252,9 +257,6 @@ def _run_rank(opts, quiet: bool) -> None:
     renamed: interpreter teardown can abort a rank after a complete, correct job (SIGABRT, "terminate
     called without an active exception": a C++ thread still joinable while static objects are destroyed),
     and the launcher would then fail the job. Nothing is left for teardown to do."""
-    import os
-    import traceback
-
     code = 0
     try:
         _rank_work(opts, quiet)
@@ -264,8 +266,8 @@ def _run_rank(opts, quiet: bool) -> None:
         code = exc.code if isinstance(exc.code, int) else 1
     except KeyboardInterrupt:
         code = 130
-    except BaseException:  # noqa: BLE001 - a bug: report it as the interpreter would, then leave
-        traceback.print_exc()
+    except BaseException as exc:  # noqa: BLE001 - a bug outside the rank's work (`_failing`): its line, then leave
+        console.print(f"[bold red]error:[/] {escape(str(reported(exc)))}", highlight=False, soft_wrap=True)
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

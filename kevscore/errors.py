@@ -35,12 +35,14 @@ def rows_phrase(rows: Sequence[int], limit: int = 10) -> str:
     return f"rows {shown}{more}"
 
 
-def reported(exc: BaseException) -> KevscoreError | None:
+def reported(exc: BaseException) -> KevscoreError:
     """What to tell the user about `exc`: a KevscoreError as it is, an OSError not caught where it happened
-    (disk full, a file removed mid-run) as a KevscoreFailure naming its file; None for anything else."""
+    (disk full, a file removed mid-run) as a KevscoreFailure naming its file, anything else (a bug in kevscore)
+    as a KevscoreFailure that says so in one line."""
     if isinstance(exc, KevscoreError):
         return exc
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
         return KevscoreFailure(f"{where}{exc.strerror or first_line(exc)}")
-    return None
+    return KevscoreFailure(f"internal error, a bug in kevscore: {type(exc).__name__}: {first_line(exc)} (rerun "
+                           f"with KEVSCORE_TRACEBACK=1 for where it happened, and report it)")

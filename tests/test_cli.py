@@ -1,6 +1,7 @@
 """The `kevscore` command line, end to end on CPU with the demo model: outputs, invariants, and errors."""
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -364,3 +365,44 @@ def test_run_help_lists_options() -> None:
     for option in ("--documents", "--output", "--model", "--device", "--state-read", "--labels", "--template",
                    "--batch-rows", "--bank-capacity", "--eager", "--overwrite", "--quiet"):
         assert option in result.stdout, option
+
+
+@pytest.mark.parametrize("log_json", [False, True])
+def test_a_bug_is_one_line_not_a_traceback(tmp_path: Path, monkeypatch, log_json: bool) -> None:
+    """An exception that is kevscore's fault (not bad input, not the disk) reaches the user as one `error:`
+    line and exit status 1 (and an `error` event under --log-json); KEVSCORE_TRACEBACK=1 shows the traceback."""
+    from kevscore.api import Scorer
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel failed to compile\nat 52:10: arange's arguments must be constexpr")
+
+    monkeypatch.setattr(Scorer, "run", broken)
+    args = ["run", str(EXAMPLES / "demo-task.parquet"), "-o", str(tmp_path / "out.parquet"), "--device", "cpu",
+            *(["--log-json"] if log_json else [])]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    said = "internal error, a bug in kevscore: RuntimeError: kernel failed to compile (rerun with KEVSCORE_TRACEBACK"
+    if log_json:
+        events = [json.loads(x) for x in res.output.splitlines() if x.startswith("{")]
+        assert events[-1]["event"] == "error" and events[-1]["message"].startswith(said), events
+    else:
+        assert "error: " + said in res.output.replace("\n", " ")
+    assert "at 52:10" not in res.output and not (tmp_path / "out.parquet").exists()
+    monkeypatch.setenv("KEVSCORE_TRACEBACK", "1")
+    res = runner.invoke(app, args)
+    assert isinstance(res.exception, RuntimeError)
+
+
+def test_an_exit_inside_a_command_is_not_a_bug(tmp_path: Path, monkeypatch) -> None:
+    """typer's Exit is a RuntimeError: one raised inside a command's error handling keeps its status and adds
+    no `internal error` line."""
+    import typer
+
+    from kevscore.api import Scorer
+
+    def leave(*args, **kwargs):
+        raise typer.Exit(3)
+
+    monkeypatch.setattr(Scorer, "run", leave)
+    res = runner.invoke(app, ["run", str(EXAMPLES / "demo-task.parquet"), "-o", str(tmp_path / "o.parquet")])
+    assert res.exit_code == 3 and "internal error" not in res.output

@@ -129,25 +129,18 @@ def load_tokenizer(path: Path):
     import brings in transformers' model and generation code (seconds, on some versions)."""
     import transformers
 
-    picked = []
-
-    def pick() -> str:  # AutoTokenizer's choice of class, by its name
-        from transformers import AutoTokenizer
-
-        picked.append(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
-        return f"{type(picked[0]).__module__}:{type(picked[0]).__qualname__}"
+    def pick() -> str:  # the class AutoTokenizer picks, by its name
+        cls = type(transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+        return f"{cls.__module__}:{cls.__qualname__}"
 
     try:
         name = remembered("tokenizer-classes.json", tokenizer_key(path, transformers.__version__), pick,
                           lambda key: os.path.isdir(key.partition(":")[2].rpartition(":")[0]))
-        if picked:
-            return picked[0]
         module, _, qualname = name.partition(":")
         try:
             cls = getattr(importlib.import_module(module), qualname)
         except (ImportError, AttributeError):  # remembered wrongly: AutoTokenizer decides again
-            pick()
-            return picked[0]
+            cls = transformers.AutoTokenizer
         return cls.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises many types here
         raise KevscoreError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
@@ -156,10 +149,9 @@ def load_tokenizer(path: Path):
 def tokenizer_key(path: Path, version: str) -> str:
     """What AutoTokenizer's choice of class depends on: transformers' version, the directory (it matches some
     hub names) and the contents of its config files."""
-    digest = hashlib.sha256()
-    for name in ("config.json", "tokenizer_config.json"):
-        digest.update(name.encode() + b"\0" + ((path / name).read_bytes() if (path / name).is_file() else b""))
-    return f"{version}:{path.resolve()}:{digest.hexdigest()}"
+    files = [name.encode() + b"\0" + ((path / name).read_bytes() if (path / name).is_file() else b"")
+             for name in ("config.json", "tokenizer_config.json")]
+    return f"{version}:{path.resolve()}:{hashlib.sha256(b''.join(files)).hexdigest()}"
 
 
 def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
