@@ -214,14 +214,13 @@ def _kkt_solve_fp32():
     model's other dots: FLA names TF32 for them in a module constant (SOLVE_TRIL_DOT_PRECISION) on GPUs that
     have it, so this is its function over a copy of its module's globals with the constant changed, compiled
     as a kernel of its own (FLA's stays as it is for bf16)."""
-    jit = chunk_gated_delta_rule_fwd_kkt_solve_kernel
-    while not isinstance(jit, triton.runtime.jit.JITFunction):  # through FLA's heuristics and autotuner to its kernel
-        jit = jit.fn
-    fn = jit.fn
+    jit, fn = None, chunk_gated_delta_rule_fwd_kkt_solve_kernel
+    while hasattr(fn, "fn"):  # through FLA's heuristics, autotuner and jit (or the interpreter's) to its function
+        jit, fn = fn, fn.fn
     scope = {**fn.__globals__, "SOLVE_TRIL_DOT_PRECISION": triton.language.constexpr("tf32x3")}
     clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     clone.__annotations__, clone.__kwdefaults__ = fn.__annotations__, fn.__kwdefaults__  # its constexprs
-    return triton.jit(do_not_specialize=jit.do_not_specialize)(clone)
+    return triton.jit(do_not_specialize=getattr(jit, "do_not_specialize", ["T"]))(clone)
 
 
 def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
