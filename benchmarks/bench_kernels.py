@@ -19,9 +19,9 @@ from kevscore.measure import environment
 
 DEV = "cuda"
 KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused wy"]
-# the fused WY kernel's launches (kernels/branch_wy.py's keywords), its default first
-WY_LAUNCHES = ({}, dict(block_v=128), dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8),
-               dict(block_v=32, num_warps=8), dict(tiles=(16, 32, 64)), dict(block_v=128, tiles=(16, 32, 64)))
+# the fused WY kernel's launches (kernels/branch_wy.py's keywords), its defaults first (BV 128 or 64 by tiles)
+WY_LAUNCHES = ({}, dict(block_v=64), dict(block_v=64, tiles=(16, 64)), dict(block_v=128, tiles=(16, 64)),
+               dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8), dict(block_v=32, num_warps=8))
 
 
 def timed(fn) -> float | None:

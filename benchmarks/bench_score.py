@@ -56,8 +56,12 @@ def matmul_flops(cfg: KevConfig, tokens: int, rows: int) -> float:
 
 
 def prefill_flops(cfg: KevConfig, tokens: int) -> float:
-    """Weight-matmul FLOPs of prefilling `tokens` document tokens: every projection, no LM head."""
-    return token_flops(cfg)[0] * tokens
+    """Weight-matmul FLOPs of prefilling `tokens` document tokens: every projection but what the last layer
+    would compute after its bank entry (`Block.write_bank`: its output projection and MLP, and an attention
+    layer's q|gate projection); no LM head."""
+    every, last_only = token_flops(cfg)
+    q_gate = 2 * cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size if cfg.layer_types[-1] == "full_attention" else 0
+    return (every - last_only - 2 * q_gate) * tokens
 
 
 def workload(cfg: KevConfig, docs: int, doc_len: int, questions: int, q_len: int, seed: int) -> Encoded:

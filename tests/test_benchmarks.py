@@ -69,7 +69,8 @@ def test_long_input_has_the_asked_rows_and_documents(tmp_path):
 def test_the_floor_counts_the_weight_matmuls_the_model_runs(shape):
     """bench_score's floor FLOPs against the model's own projection weights (built on the meta device): every
     branch token through every projection, except the last layer's output projection and MLP, which run at
-    each row's last position only, like the LM head; prefill runs every projection on every token."""
+    each row's last position only, like the LM head; prefill runs every projection on every token but the
+    last layer's after its bank entry (its output projection, MLP and an attention layer's q|gate)."""
     import torch
 
     from kevscore.kernels import torch_ops
@@ -92,7 +93,8 @@ def test_the_floor_counts_the_weight_matmuls_the_model_runs(shape):
     tokens, rows = 96 * 64, 96
     expected = 2 * (per_token * tokens - last_only * (tokens - rows) + cfg.hidden_size * cfg.vocab_size * rows)
     assert bench.matmul_flops(cfg, tokens, rows) == expected
-    assert bench.prefill_flops(cfg, 1000) == 2 * per_token * 1000
+    q_gate = last.mixer.qkv_proj[:last.mixer.splits[0]].numel() if cfg.layer_types[-1] == "full_attention" else 0
+    assert bench.prefill_flops(cfg, 1000) == 2 * (per_token - last_only - q_gate) * 1000
     # at the W1 shape the last layer's tail is about 2% of the call's FLOPs
     assert 0.01 < 1 - expected / (2 * (per_token * tokens + cfg.hidden_size * cfg.vocab_size * rows)) < 0.04
 
@@ -109,7 +111,12 @@ def test_kernels_compile_for_the_h200(tmp_path):
     assert any(n.startswith("conv") for n in names)
     assert all(0 < r["registers"] <= 255 and r["shared"] >= 0 for r in rows)
     # the defaults the runner launches spill nothing
-    defaults = {"scan BV 32 final_update False", "conv block_t 4 warps 1 tiles 1"}
+    from kevscore.kernels.branch_wy import default_block_v
+
+    wy = benchmark("sm90_build").WY_DEFAULTS
+    assert all(bv == default_block_v(*tiles) for tiles, bv, _ in wy)
+    defaults = {"scan BV 32 final_update False", "conv block_t 4 warps 1 tiles 1"} | {
+        f"wy T tiles {bt1}+{bt2} bv {bv} warps {wp}" for (bt1, bt2), bv, wp in wy}
     assert all(r["spill_bytes"] == 0 for r in rows if r["variant"] in defaults)
     # the scan at 64 tokens is bound by memory latency and needs its programs resident: 4 per SM need at most
     # 128 registers and 57 KB of shared memory; a pipelined loop took it to 82 KB, loading v before the

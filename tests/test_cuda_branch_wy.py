@@ -14,8 +14,8 @@ DEV = "cuda"
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 1e-2}
 DIMS = {"kev4b": (16, 32, 128, 128), "demo": (2, 4, 64, 64)}
 # bench_kernels.py's "fused wy" launches besides the default
-LAUNCHES = [dict(block_v=128), dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8),
-            dict(block_v=32, num_warps=8), dict(tiles=(16, 32, 64)), dict(block_v=128, tiles=(16, 32, 64))]
+LAUNCHES = [dict(block_v=64), dict(block_v=64, tiles=(16, 64)), dict(block_v=128, tiles=(16, 64)),
+            dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8), dict(block_v=32, num_warps=8)]
 
 
 def stages_and_fused(monkeypatch, inputs, launch: dict | None = None):

@@ -1,8 +1,12 @@
 """The CPU bank/branch pipeline against transformers on the full sequence, and its invariants."""
+import dataclasses
+
 import pytest
+import torch
 from conftest import cpu_engine, material_masses, reference_scores, synthetic
 
 from kevscore.engine.pipeline import Scores
+from kevscore.model.checkpoint import Checkpoint, random_weights
 from kevscore.reference import reference_model
 
 DOC_LENS = [1, 63, 64, 65, 300]
@@ -78,8 +82,9 @@ def test_waves_when_bank_is_smaller_than_input(tiny, enc):
 
 
 def test_last_layer_runs_only_at_the_scored_positions(tiny, monkeypatch):
-    """The last layer's output projection and MLP see one position per row (its last), and the scores equal
-    those of running every position through the last layer and selecting afterwards."""
+    """The last layer's output projection and MLP see one position per row (its last) and never a prefill's
+    tokens, and the scores equal those of running every position through the last layer and selecting
+    afterwards."""
     from kevscore.model.kev import KevModel
 
     enc = synthetic([30, 64], [5, 17, 40])
@@ -87,9 +92,8 @@ def test_last_layer_runs_only_at_the_scored_positions(tiny, monkeypatch):
     shapes = []
     engine.runner.model.layers[-1].mlp.register_forward_hook(lambda mod, args, out: shapes.append(args[0].shape))
     kept = engine.run(enc, "indexed").probs
-    branch = [s for s in shapes if len(s) == 2]  # [rows, hidden]: no token axis left
-    assert all(s[0] == 1 for s in shapes if len(s) == 3)  # only the packed prefill [1, tokens, hidden]
-    assert sum(s[0] for s in branch) >= len(enc)
+    assert shapes and all(len(s) == 2 for s in shapes)  # [rows, hidden]: no token axis left, no prefill
+    assert sum(s[0] for s in shapes) >= len(enc)
 
     full_run = KevModel._run
 
@@ -100,3 +104,28 @@ def test_last_layer_runs_only_at_the_scored_positions(tiny, monkeypatch):
     monkeypatch.setattr(KevModel, "_run", select_after)
     full = cpu_engine(tiny, docs=enc.prefixes).run(enc, "indexed").probs
     assert max(abs(a - b) for ra, rb in zip(kept, full) for a, b in zip(ra, rb)) < 1e-5
+
+
+@pytest.mark.parametrize("last_kind", ["full_attention", "linear_attention"])
+def test_a_prefills_last_layer_writes_the_same_entries_alone(tiny, last_kind, monkeypatch):
+    """A prefill's last layer writes its bank entry and computes nothing after it (attention projects only k
+    and v): the entries equal those of the whole layer's forward, for either kind of last layer."""
+    from kevscore.model.kev import Block
+
+    types = tiny.config.layer_types
+    cut = max(i for i, kind in enumerate(types) if kind == last_kind) + 1
+    cfg = dataclasses.replace(tiny.config, layer_types=types[:cut])
+    ckpt = Checkpoint("cut", cfg, random_weights(cfg, 1, torch.float32, "cpu"), tiny.tokenizer)
+    enc = synthetic([7, 30, 64], [5])
+
+    def bank():
+        engine = cpu_engine(ckpt, docs=enc.prefixes)
+        engine.prefill_wave(enc, list(range(len(enc.prefixes))), Scores.empty(0).stats)
+        return engine.runner.bank
+
+    alone = bank()
+    monkeypatch.setattr(Block, "write_bank", lambda self, x, residual, ctx, cos, sin: self(x, residual, ctx, cos, sin))
+    whole = bank()
+    for name in ("state", "conv", "kv"):
+        a, b = getattr(alone, name), getattr(whole, name)
+        assert a.abs().max() > 0 and torch.allclose(a, b, rtol=1e-5, atol=1e-6), (name, (a - b).abs().max())

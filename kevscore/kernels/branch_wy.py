@@ -1,11 +1,11 @@
 """Fused WY, state read and output: a branch's gated delta rule after the solve, one kernel per DeltaNet layer.
 
-With KEVSCORE_FUSED_WY=1 the branch path (branches of at most 128 tokens) runs three kernels per DeltaNet
+Unless KEVSCORE_FUSED_WY=0, the branch path (branches of at most 128 tokens) runs three kernels per DeltaNet
 layer: our gate cumsum (`kernels/gate.py`), FLA's kkt + solve kernel (A_inv = (I + A)^-1 of each 64-token
 chunk and value head, [R, T, HV, 64]) and this one, in place of FLA's w/u kernel, our indexed scan and FLA's
 chunk_fwd_o. The solve stays out of it: in the first fused kernel (benchmarks/NOTES.md 18, slower than the
 stages, removed) it sat on every program's critical path. One program per (row, value head, block of BV value
-columns; default 64 on 4 warps), grid (V / BV, R * HV), computes for each chunk, from the state entering it
+columns; 64 or 128 on 4 warps by default), grid (V / BV, R * HV), computes for each chunk, from the state entering it
 (h [K, BV]; the first chunk's is the row's state read from the bank entry `index[r * index_stride]`, which is
 never written):
 
@@ -15,7 +15,7 @@ never written):
 - after the first of two chunks, the state exp2(g_last) h + k^T (v_new exp2(g_last - g)) in fp32, as our
   scan computes it.
 
-Chunks are tiles of BT1 and BT2 tokens (16 or 64 by default, `token_tiles`) masked past T: the second chunk
+Chunks are tiles of BT1 and BT2 tokens (16, 32 or 64 by default, `token_tiles`) masked past T: the second chunk
 of an 85-token branch reads its 21 tokens and nothing past them. After the first of two chunks the state is
 read from the bank again (L2) rather than kept in registers through it. The dots take the state and v_new in
 the input dtype (where FLA's pipeline stores them between kernels), and beta v - w h rounded once where FLA
@@ -93,26 +93,33 @@ def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_s
         _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), BT1, T, o_v, m_v, scale, H, HV, K, V, BT2)
 
 
-def token_tiles(t: int, tiles: tuple[int, ...] = (16, 64)) -> tuple[int, int]:
+def token_tiles(t: int, tiles: tuple[int, ...] = (16, 32, 64)) -> tuple[int, int]:
     """The two chunks' token tiles for a branch of t <= 128 tokens, each the smallest of `tiles` (powers of two
-    from 16 to 64) that holds its tokens; 0: no second chunk. 32 is left out by default: below 64 rows the dots
-    take their operands in registers (no wgmma), and at BV 32 that costs 255 registers against 128-195."""
+    from 16 to 64) that holds its tokens; 0: no second chunk. Below 64 rows the dots take their operands in
+    registers (no wgmma); at BV 128 the 32-row tile is still the faster for a short second chunk."""
     tile = lambda n: min(x for x in (*tiles, CHUNK) if x >= n)  # noqa: E731
     return (tile(t), 0) if t <= CHUNK else (CHUNK, tile(t - CHUNK))
 
 
+def default_block_v(bt1: int, bt2: int, fp32: bool = False) -> int:
+    """Value columns per program: 128 where that spills no registers on sm_90a at 4 warps in bf16, else 64 (a
+    32-row first tile, two chunks of 64 rows, fp32 operands: benchmarks/sm90_build.py)."""
+    return 64 if fp32 or bt1 == 32 or bt2 == CHUNK else 128
+
+
 def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
-              block_v: int = 64, num_warps: int = 4, num_stages: int = 1,
-              tiles: tuple[int, ...] = (16, 64)) -> torch.Tensor:
+              block_v: int | None = None, num_warps: int = 4, num_stages: int = 1,
+              tiles: tuple[int, ...] = (16, 32, 64)) -> torch.Tensor:
     """o [R, T, HV, V] (v's dtype) of branches of T <= 128 tokens, row r from `bank[index[r * index_stride]]`.
 
     q, k [R, T, H, K] l2-normalized, v [R, T, HV, V], beta [R, T, HV]: contiguous, as `branch_conv` writes
     them; g [R, T, HV] fp32, the chunk-local cumulative gate in log2 (`gate.gate_cumsum`); a_inv
     [R, T, HV, 64] in k's dtype as FLA's kkt + solve kernel writes it (only its lower triangles are read);
     bank [E, HV, K, V] fp32 (any entry stride), never written; index: int tensor read at `r * index_stride`.
-    Launch: block_v value columns per program, warps, and the chunks' token tiles (`token_tiles`);
-    benchmarks/bench_kernels.py --only "fused wy" sweeps them, sm90_build.py reports their registers."""
+    Launch: block_v value columns per program (None: `default_block_v`), warps, and the chunks' token tiles
+    (`token_tiles`); benchmarks/bench_kernels.py --only "fused wy" sweeps them, sm90_build.py reports their
+    registers."""
     r, t, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     assert 0 < t <= MAX_T and kd in (16, 32, 64, 128) and hv % h == 0
@@ -120,10 +127,10 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     assert g.shape == beta.shape == (r, t, hv) and g.dtype == torch.float32 and a_inv.shape == (r, t, hv, CHUNK)
     assert bank.shape[1:] == (hv, kd, vd) and bank.stride()[1:] == (kd * vd, vd, 1) and bank.dtype == torch.float32
     stride = index.stride(0) if index_stride is None else index_stride
-    # Triton 3.6 (the H200's) computes the output's bf16 S v_new dot wrong with 32 value columns on 4 warps
-    assert block_v >= 64 or num_warps >= 8, "block_v < 64 needs 8 warps (benchmarks/NOTES.md 22)"
     bt1, bt2 = token_tiles(t, tiles)
-    bv = min(block_v, triton.next_power_of_2(vd))
+    bv = min(block_v or default_block_v(bt1, bt2, v.dtype == torch.float32), triton.next_power_of_2(vd))
+    # Triton 3.6 (the H200's) computes the output's bf16 S v_new dot wrong with 32 value columns on 4 warps
+    num_warps = num_warps if bv >= 64 else max(num_warps, 8)
     o = torch.empty_like(v)
     _branch_wy_kernel[(triton.cdiv(vd, bv), r * hv)](
         q, k, v, g, beta, a_inv, bank, index, stride, bank.stride(0), o, t, kd ** -0.5, H=h, HV=hv, K=kd, V=vd,

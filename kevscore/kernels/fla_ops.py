@@ -43,10 +43,10 @@ FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch
 # prefill through FLA's whole ops (its conv, `chunk_gated_delta_rule`, padded SDPA) instead: A/B and oracle
 FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"
 PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
-# kernels/branch_wy.py for branches of <= 128 tokens: FLA's solve, then one kernel for w/u, scan and output (1.7x
-# the stages per layer, NOTES 22; not yet measured in a scoring call); launched with FUSED_WY_LAUNCH (branch_wy's
-# keywords: bench_kernels.py --only 'fused wy')
-FUSED_WY = os.environ.get("KEVSCORE_FUSED_WY", "0") == "1"
+# kernels/branch_wy.py for branches of <= 128 tokens: FLA's solve, then one kernel for w/u, scan and output;
+# 0: FLA's stages and our scan (A/B). Launched with FUSED_WY_LAUNCH (branch_wy's keywords: bench_kernels.py
+# --only 'fused wy')
+FUSED_WY = os.environ.get("KEVSCORE_FUSED_WY", "1") == "1"
 FUSED_WY_LAUNCH: dict = {}
 # An fp32 model's Triton dots run in 3xTF32, fp32's precision on tensor cores (TRITON_F32_DEFAULT, set by
 # cuda_runner.fp32_dots). Its branch attention's tiles: the bf16 defaults' would take 512 KB of shared memory at
@@ -236,7 +236,7 @@ def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
                qk_normed: bool = False) -> torch.Tensor:
-    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan. With KEVSCORE_FUSED_WY=1,
+    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan. Unless KEVSCORE_FUSED_WY=0,
     branches of up to 128 tokens run the gate cumsum, FLA's solve and `branch_wy`, which `gathered` gives the
     rows' states copied out and an identity index, so both paths compute alike to the bit."""
     if FUSED_WY and qk_normed and q.shape[1] <= MAX_T:

@@ -51,15 +51,24 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: Context, cos, sin, keep=None):
         """(sub-layer output, residual stream before it is added). keep: an index into the leading dims; the
         mixer's output projection, the MLP and the returned tensors cover only those positions."""
-        if residual is None:
-            h, residual = self.ops.rms_norm(x, self.input_scale, self.eps), x
-        else:
-            h, residual = self.ops.add_rms_norm(x, residual, self.input_scale, self.eps)
+        h, residual = self._input_norm(x, residual)
         h = self.mixer(h, ctx, keep=keep) if self.kind == LINEAR else self.mixer(h, ctx, cos, sin, keep=keep)
         if keep is not None:
             residual = residual[keep]
         h, residual = self.ops.add_rms_norm(h, residual, self.post_scale, self.eps)
         return self.mlp(h), residual
+
+
+    def write_bank(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: PrefillContext, cos, sin) -> None:
+        """The last layer of a prefill: its mixer's bank entry only; nothing reads its output."""
+        h, _ = self._input_norm(x, residual)
+        self.mixer.write_bank(h, ctx) if self.kind == LINEAR else self.mixer.write_bank(h, ctx, cos, sin)
+
+    def _input_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the mixer's input, the residual stream): the previous block's output added first, if any."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.input_scale, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.input_scale, self.eps)
 
 
 class KevModel(nn.Module):
@@ -114,13 +123,17 @@ class KevModel(nn.Module):
 
     def _run(self, ids: torch.Tensor, ctx: Context, keep=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(last sub-layer output, residual stream before it): their sum is the final hidden state. keep: an
-        index into the leading dims of ids; the last layer computes its output at those positions only."""
+        index into the leading dims of ids; the last layer computes its output at those positions only. A
+        prefill's last layer writes its bank entry and returns (None, None)."""
         x, residual = self.embed[ids], None
         cos, sin = self.rotary.cos_sin(ctx.positions)
-        last = len(self.layers) - 1
-        for i, block in enumerate(self.layers):
-            x, residual = block(x, residual, ctx, cos, sin, keep if i == last else None)
-        return x, residual
+        *body, last = self.layers
+        for block in body:
+            x, residual = block(x, residual, ctx, cos, sin)
+        if isinstance(ctx, PrefillContext):
+            last.write_bank(x, residual, ctx, cos, sin)
+            return None, None
+        return last(x, residual, ctx, cos, sin, keep)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, ctx: PrefillContext) -> None:

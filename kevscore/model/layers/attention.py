@@ -35,13 +35,26 @@ class Attention(nn.Module):
                                        cos, sin, self.eps)
         v = v.reshape(*shape, self.nkv, self.d)
         if isinstance(ctx, PrefillContext):
-            self.bank_kv[0].index_copy_(0, ctx.kv_slots, k[0].to(self.bank_kv.dtype))
-            self.bank_kv[1].index_copy_(0, ctx.kv_slots, v[0].to(self.bank_kv.dtype))
+            self._store_kv(k, v, ctx)
             o = self.ops.attn_prefill(q, k, v, gate, ctx)
         else:
             o = self.ops.attn_branch(q, k, v, gate, self.bank_kv, ctx)
         o = o.reshape(*shape, -1)
         return F.linear(o if keep is None else o[keep], self.o_proj)
+
+    def write_bank(self, x: torch.Tensor, ctx: PrefillContext, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Prefill's last layer: the documents' K/V and nothing more (its output would feed nothing), so only
+        k and v are projected."""
+        shape = (*x.shape[:-1], self.nkv, self.d)
+        k, v = F.linear(x, self.qkv_proj[self.splits[0]:]).split(self.splits[1:], -1)
+        k = k.reshape(shape)
+        _, k = self.ops.qk_norm_rotary(k, k, self.k_scale, self.k_scale, cos, sin, self.eps)  # no q to norm
+        self._store_kv(k, v.reshape(shape), ctx)
+
+    def _store_kv(self, k: torch.Tensor, v: torch.Tensor, ctx: PrefillContext) -> None:
+        """The packed documents' K/V [1, N, Hkv, D] into their slots of the bank's token pool."""
+        self.bank_kv[0].index_copy_(0, ctx.kv_slots, k[0].to(self.bank_kv.dtype))
+        self.bank_kv[1].index_copy_(0, ctx.kv_slots, v[0].to(self.bank_kv.dtype))
 
     def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:
         self.qkv_proj.copy_(torch.cat([w[f"{prefix}{n}_proj.weight"] for n in "qkv"]))

@@ -44,11 +44,7 @@ class DeltaNet(nn.Module):
         gate = (a, self.A_log, self.dt_bias)  # the ops compute the decay -exp(A_log) * softplus(a + dt_bias)
         # the fronts: the conv, the q/k/v split and beta = sigmoid(b), in one kernel on the GPU
         if isinstance(ctx, PrefillContext):
-            self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx).to(self.bank_conv.dtype))
-            q, k, v, beta, normed = self.ops.prefill_front(mixed, self.conv_weight, ctx, self.hk, self.dk,
-                                                           self.hv, self.dv, b)
-            o, final = self.ops.gdr_prefill(q, k, v, gate, beta, ctx, normed)
-            self.bank_state.index_copy_(0, ctx.slots, final.to(self.bank_state.dtype))
+            o = self._prefill(mixed, b, gate, ctx)
         else:
             assert isinstance(ctx, BranchContext)
             q, k, v, beta, normed = self.ops.branch_front(mixed, self.conv_weight, self.bank_conv, ctx.slots,
@@ -60,6 +56,20 @@ class DeltaNet(nn.Module):
             shape = o.shape[:-2]
         o = self.ops.gated_rms_norm(o, z, self.norm_weight, self.eps)
         return F.linear(o.reshape(*shape, -1), self.out_proj)
+
+    def write_bank(self, x: torch.Tensor, ctx: PrefillContext) -> None:
+        """Prefill's last layer: the documents' states and nothing more (its output would feed nothing)."""
+        mixed, _, b, a = F.linear(x, self.in_proj).split(self.splits, -1)
+        self._prefill(mixed, b, (a, self.A_log, self.dt_bias), ctx)
+
+    def _prefill(self, mixed: torch.Tensor, b: torch.Tensor, gate, ctx: PrefillContext) -> torch.Tensor:
+        """Packed documents from zero states: their conv and recurrent states into the bank; returns the output."""
+        self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx).to(self.bank_conv.dtype))
+        q, k, v, beta, normed = self.ops.prefill_front(mixed, self.conv_weight, ctx, self.hk, self.dk, self.hv,
+                                                       self.dv, b)
+        o, final = self.ops.gdr_prefill(q, k, v, gate, beta, ctx, normed)
+        self.bank_state.index_copy_(0, ctx.slots, final.to(self.bank_state.dtype))
+        return o
 
     def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
