@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from kevscore.cli import app
+from kevscore.demo.train import tied_weight_shapes
 from kevscore.errors import KevscoreError
 from kevscore.model.checkpoint import load_checkpoint, load_directory
 from kevscore.model.config import KevConfig
-from kevscore.model.demo import DEMO_CONFIG, demo_checkpoint_dir, weight_shapes
+from kevscore.model.demo import DEMO_CONFIG, demo_checkpoint_dir
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -94,11 +95,11 @@ def error(path_or_spec, *parts: str) -> str:
 
 def test_demo_is_a_text_only_checkpoint(demo_dir: Path, demo_tensors, text_config: dict) -> None:
     assert text_config["model_type"] == "qwen3_5_text"
-    assert set(demo_tensors) == set(weight_shapes(DEMO_CONFIG))  # tied: no lm_head on disk
+    assert set(demo_tensors) == set(tied_weight_shapes(DEMO_CONFIG))  # tied: no lm_head on disk
     ckpt = load_checkpoint("demo")
     assert ckpt.name == "demo" and ckpt.path == demo_dir
     assert_same_as_demo(ckpt, demo_tensors)
-    for name, shape in weight_shapes(DEMO_CONFIG).items():
+    for name, shape in tied_weight_shapes(DEMO_CONFIG).items():
         assert tuple(ckpt.weights[name].shape) == shape, name
     assert ckpt.tokenizer.encode("Yes", add_special_tokens=False) == [361]
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kevscore.demo.train import tied_weight_shapes
 from kevscore.model.config import KevConfig
-from kevscore.model.demo import DEMO_CONFIG, DEMO_NAME, build_demo_checkpoint, demo_checkpoint_dir, weight_shapes
+from kevscore.model.demo import DEMO_CONFIG, DEMO_NAME, build_demo_checkpoint, demo_checkpoint_dir
 
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 PATCHED = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
@@ -59,7 +60,7 @@ def test_transformers_loads_and_runs(ckpt: Path, tok, monkeypatch: pytest.Monkey
     model, info = modeling.Qwen3_5ForCausalLM.from_pretrained(ckpt, config=config, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    assert weight_shapes(DEMO_CONFIG) == expected
+    assert tied_weight_shapes(DEMO_CONFIG) == expected
     with safe_open(ckpt / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
         weights = {k: f.get_tensor(k) for k in f.keys()}

@@ -3,8 +3,8 @@
     python -m kevscore.demo.train --out /tmp/demo-trained      # the shipped weights: ~55 min on 2 CPU cores
     python -m kevscore.demo.train --out /tmp/smoke --steps 20 --recall-steps 10    # a smoke run
 
-It starts from the demo checkpoint's deterministic initial weights (`kevscore.model.demo.demo_weights`, with
-long-memory DeltaNet decays) and trains transformers' Qwen3_5ForCausalLM (the Kev architecture) with
+It starts from deterministic initial weights made here (`demo_weights`: SplitMix64 over seed, tensor name
+and element index; with long-memory DeltaNet decays) and trains transformers' Qwen3_5ForCausalLM (the Kev architecture) with
 AdamW: first a dense recall warm-up ("did this word occur before?"), then freshly generated task
 examples (`--pack` questions per document, documents and noun vocabulary growing over a curriculum),
 with the loss on the answer token ("Yes" / "No" after the prompt kevscore itself builds: prefix and
@@ -23,6 +23,7 @@ import json
 import math
 import random
 import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ from kevscore.demo import task as demo_task
 from kevscore.durable import file_sha256
 from kevscore.kernels import gdr_ref
 from kevscore.model import demo
-from kevscore.model.config import FULL, LINEAR, KevConfig
+from kevscore.model.config import FULL, LINEAR, KevConfig, weight_shapes
 
 SMALL = dataclasses.replace(demo.DEMO_CONFIG, hidden_size=64, intermediate_size=128,
                             layer_types=(LINEAR, LINEAR, LINEAR, FULL), num_attention_heads=2, num_key_value_heads=1,
@@ -44,6 +45,78 @@ VALIDATION_SEED = 1 << 40   # validation examples; training seeds are seed * 2**
 EXAMPLES_SEED = 1 << 41     # examples/demo-task.parquet (see examples/make_demo_task.py)
 SHIPPED_FAMILIES = ("mention", "number")  # what the shipped demo was trained on (`order` is not learnt yet)
 EXAMPLE_ROWS, EXAMPLE_PER_DOCUMENT = 200, 4
+
+
+# ---------------------------------------------------------------- initial weights
+
+SEED = 0x4B657653636F7265  # "KevScore": the initial weights' seed
+LN_16 = 2.772588722239781  # log(16), written out so no libm is involved
+
+
+def tied_weight_shapes(cfg: KevConfig) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of transformers' Qwen3_5ForCausalLM (tied embeddings: no lm_head)."""
+    shapes = weight_shapes(cfg)
+    if cfg.tie_word_embeddings:
+        del shapes["lm_head.weight"]
+    return shapes
+
+
+def uniform(seed: int, name: str, size: int) -> np.ndarray:
+    """`size` floats uniform in [-1, 1) from SplitMix64 of (seed, sha256(name), index); exact in fp32."""
+    key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+    z = np.arange(1, size + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed ^ key)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(40)).astype(np.float64) / float(1 << 23) - 1.0
+
+
+def _init(name: str, shape: tuple[int, ...], u: np.ndarray) -> np.ndarray:
+    """Scale uniform [-1, 1) noise like a sensible init for this parameter (uniform std = range/sqrt(3))."""
+    if name.endswith("embed_tokens.weight"):
+        return u * (0.05 * math.sqrt(3.0))  # tied lm_head: keeps next-token distributions broad
+    if name.endswith("A_log"):
+        return (u + 1.0) * (LN_16 / 2)  # log of values in [1, 16)
+    if name.endswith("dt_bias"):
+        return 1.0 + 0.25 * u
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + 0.1 * u  # plain x * w
+    if len(shape) == 1:
+        return 0.1 * u  # zero-centred RMSNorm x * (1 + w)
+    fan_in = math.prod(shape[1:])
+    return u * math.sqrt(0.75 / fan_in)  # std 0.5 / sqrt(fan_in): well-conditioned in fp32
+
+
+def demo_weights(cfg: KevConfig = demo.DEMO_CONFIG, seed: int = SEED) -> dict[str, np.ndarray]:
+    """Deterministic fp32 weights for every parameter of `cfg`."""
+    out = {}
+    for name, shape in tied_weight_shapes(cfg).items():
+        u = uniform(seed, name, math.prod(shape))
+        out[name] = _init(name, shape, u).astype(np.float32).reshape(shape)
+    return out
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """A safetensors file with names and JSON keys sorted, so its bytes depend only on the tensors."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in sorted(tensors):
+            f.write(np.ascontiguousarray(tensors[name], dtype="<f4").tobytes())
+
+
+def initial_checkpoint(dest: Path, config: KevConfig) -> None:
+    """The demo's config and tokenizer with the deterministic initial weights of `config`, in `dest`."""
+    demo.write_demo_files(dest, config)
+    write_safetensors(dest / "model.safetensors", demo_weights(config))
+
 
 
 def example_rows(families: tuple[str, ...] = SHIPPED_FAMILIES) -> list[demo_task.Example]:
@@ -246,7 +319,7 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
     torch.backends.cudnn.allow_tf32 = False
     with tempfile.TemporaryDirectory() as tmp:
         init = Path(tmp)
-        demo.build_demo_checkpoint(init, config, trained=False)  # config, tokenizer, deterministic initial weights
+        initial_checkpoint(init, config)
         if start_from is not None:  # a second stage: go on from an earlier run's weights
             shutil.copyfile(Path(start_from) / "model.safetensors", init / "model.safetensors")
         tok = load_tokenizer(init)
@@ -324,11 +397,11 @@ def train(out: Path, steps: int, batch: int, lr: float, seed: int, device: str, 
 def save(model, out: Path, report: dict, config: KevConfig = demo.DEMO_CONFIG) -> None:
     """A complete checkpoint directory: the demo's config and tokenizer, the trained fp32 weights."""
     out.mkdir(parents=True, exist_ok=True)
-    demo.build_demo_checkpoint(out, config, trained=False)  # config + tokenizer (+ initial weights, overwritten below)
+    demo.write_demo_files(out, config)
     state = model.state_dict()
-    names = demo.weight_shapes(config)
+    names = tied_weight_shapes(config)
     tensors = {n: state[n].detach().float().cpu().numpy().astype(np.float32) for n in names}
-    demo.write_safetensors(out / "model.safetensors", tensors)
+    write_safetensors(out / "model.safetensors", tensors)
     report["model_sha256"] = file_sha256(out / "model.safetensors")
     (out / "training.json").write_text(json.dumps(report, indent=1) + "\n")
 

@@ -2,35 +2,29 @@
 
 The tokenizer is a byte-level BPE whose merges are counted here over a small corpus (`demo_model/`), written as
 plain JSON by this module, so no library version changes the files. The weights are trained on the demo
-task (`kevscore.demo.task`, by `kevscore.demo.train`) and ship in `demo_model/`; training starts from
-the deterministic initial weights made here by a counter-based generator (SplitMix64 over seed, tensor
-name and element index).
+task (`kevscore.demo.task`, by `kevscore.demo.train`, which also makes the initial weights) and ship in
+`demo_model/`.
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
 import json
 import math
 import os
 import shutil
-import struct
 import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import numpy as np
 from tokenizers.pre_tokenizers import ByteLevel
 
 from kevscore.durable import cache_root, file_sha256, lock_file
 from kevscore.errors import KevscoreError
-from kevscore.model import config
 from kevscore.model.config import FULL, LINEAR, KevConfig
 
 DEMO_NAME = "demo-v4"
 TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo.train)
 CORPUS = TRAINED_DIR / "corpus.txt"  # the text the tokenizer's merges are counted over
-SEED = 0x4B657653636F7265  # "KevScore"
 NUM_MERGES = 1000  # learned merges; with bytes, forced merges and specials the tokenizer stays in (1216, 1280]
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
 SINGLE_TOKEN_WORDS = ("Yes", "No", "yes", "no", " Yes", " No", " yes", " no")
@@ -57,8 +51,6 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endif -%}"
 )
-
-
 
 # ---------------------------------------------------------------- tokenizer
 
@@ -179,71 +171,6 @@ def tokenizer_config() -> dict:
     }
 
 
-# ---------------------------------------------------------------- weights
-
-
-def weight_shapes(cfg: KevConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of transformers' Qwen3_5ForCausalLM (tied embeddings: no lm_head)."""
-    shapes = config.weight_shapes(cfg)
-    if cfg.tie_word_embeddings:
-        del shapes["lm_head.weight"]
-    return shapes
-
-
-def uniform(seed: int, name: str, size: int) -> np.ndarray:
-    """`size` floats uniform in [-1, 1) from SplitMix64 of (seed, sha256(name), index); exact in fp32."""
-    key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
-    z = np.arange(1, size + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed ^ key)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return (z >> np.uint64(40)).astype(np.float64) / float(1 << 23) - 1.0
-
-
-LN_16 = 2.772588722239781  # log(16), written out so no libm is involved
-
-
-def _init(name: str, shape: tuple[int, ...], u: np.ndarray) -> np.ndarray:
-    """Scale uniform [-1, 1) noise like a sensible init for this parameter (uniform std = range/sqrt(3))."""
-    if name.endswith("embed_tokens.weight"):
-        return u * (0.05 * math.sqrt(3.0))  # tied lm_head: keeps next-token distributions broad
-    if name.endswith("A_log"):
-        return (u + 1.0) * (LN_16 / 2)  # log of values in [1, 16)
-    if name.endswith("dt_bias"):
-        return 1.0 + 0.25 * u
-    if name.endswith("linear_attn.norm.weight"):
-        return 1.0 + 0.1 * u  # plain x * w
-    if len(shape) == 1:
-        return 0.1 * u  # zero-centred RMSNorm x * (1 + w)
-    fan_in = math.prod(shape[1:])
-    return u * math.sqrt(0.75 / fan_in)  # std 0.5 / sqrt(fan_in): well-conditioned in fp32
-
-
-def demo_weights(cfg: KevConfig = DEMO_CONFIG, seed: int = SEED) -> dict[str, np.ndarray]:
-    """Deterministic fp32 weights for every parameter of `cfg`."""
-    out = {}
-    for name, shape in weight_shapes(cfg).items():
-        u = uniform(seed, name, math.prod(shape))
-        out[name] = _init(name, shape, u).astype(np.float32).reshape(shape)
-    return out
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """A safetensors file with names and JSON keys sorted, so its bytes depend only on the tensors."""
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for name in sorted(tensors):
-            f.write(np.ascontiguousarray(tensors[name], dtype="<f4").tobytes())
-
-
 # ---------------------------------------------------------------- checkpoint
 
 
@@ -266,10 +193,9 @@ def trained_weights() -> Path:
     return path
 
 
-def build_demo_checkpoint(dest: Path, cfg: KevConfig = DEMO_CONFIG, trained: bool = True) -> None:
-    """Write config.json, model.safetensors and the tokenizer files of the demo model into `dest`: the
-    shipped trained weights, or with `trained=False` the deterministic initial ones that training starts
-    from (another `cfg` than the demo's: a model of the same tokenizer, for training experiments)."""
+def write_demo_files(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
+    """Write config.json and the tokenizer files of the demo model into `dest` (another `cfg` than the
+    demo's: a model of the same tokenizer, for training experiments)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     tok = tokenizer_json()
@@ -284,10 +210,12 @@ def build_demo_checkpoint(dest: Path, cfg: KevConfig = DEMO_CONFIG, trained: boo
     _write_json(dest / "config.json", config)
     _write_json(dest / "tokenizer.json", tok)
     _write_json(dest / "tokenizer_config.json", tokenizer_config())
-    if trained and cfg == DEMO_CONFIG:
-        shutil.copyfile(trained_weights(), dest / "model.safetensors")
-    else:
-        write_safetensors(dest / "model.safetensors", demo_weights(cfg))
+
+
+def build_demo_checkpoint(dest: Path) -> None:
+    """Write the demo checkpoint into `dest`: config.json, the tokenizer files and the shipped trained weights."""
+    write_demo_files(dest)
+    shutil.copyfile(trained_weights(), Path(dest) / "model.safetensors")
 
 
 def _complete(path: Path) -> bool:
