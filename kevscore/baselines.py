@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,27 +42,6 @@ def length_batches(lengths: Sequence[int], batch: int) -> list[list[int]]:
     """Indices of `lengths`, longest first, in groups of at most `batch` (least padding for the group count)."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     return [order[i:i + batch] for i in range(0, len(order), batch)]
-
-
-def whole_documents(enc: Encoded, rows: int, seed: int = 0) -> list[int]:
-    """Rows of randomly chosen documents, every question of each, until at least `rows` rows (a sample the
-    prefix-cached baseline can run without prefilling a document for a part of its questions)."""
-    by_doc: dict[int, list[int]] = {}
-    for r, d in enumerate(enc.row_prefix):
-        by_doc.setdefault(d, []).append(r)
-    docs = list(by_doc)
-    random.Random(seed).shuffle(docs)
-    out: list[int] = []
-    for d in docs:
-        if len(out) >= rows:
-            break
-        out.extend(by_doc[d])
-    return sorted(out)
-
-
-def label_probs(logits: torch.Tensor) -> torch.Tensor:
-    """Softmax over each row's label logits (0 past its own labels)."""
-    return torch.softmax(logits.double(), -1)
 
 
 def _batch(seqs: list[list[int]], labels: list[list[int]], out: list[int], past: int, width: int,
@@ -147,5 +125,3 @@ def prefix_cached_call(model, enc: Encoded, device: torch.device | str, batch: i
 
     return call
 
-
-BASELINES: dict[str, Callable[..., Call]] = {"naive": naive_call, "prefix-cached": prefix_cached_call}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import cpu_engine, reference_scores
 
-from kevscore.baselines import BASELINES, label_probs, length_batches, naive_call, prefix_cached_call, whole_documents
+from kevscore.baselines import length_batches, naive_call, prefix_cached_call
 from kevscore.model.prompt import Encoded
 from kevscore.reference import reference_model
 
@@ -14,6 +14,7 @@ from kevscore.reference import reference_model
 # questions are all a single token (the cache's decode path), and one with more questions than a batch
 QUESTIONS = {1: [1, 5, 20], 40: [7], 97: [1, 3, 30, 64, 65], 150: [1, 1]}
 BATCH = 3
+BASELINES = {"naive": naive_call, "prefix-cached": prefix_cached_call}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def reference(model, enc):
 
 
 def probs_lists(logits, enc, rows):
-    p = label_probs(logits)
+    p = torch.softmax(logits.double(), -1)  # over each row's label logits (0 past its own labels)
     return [p[i, :len(enc.label_ids[r])].tolist() for i, r in enumerate(rows)]
 
 
@@ -89,6 +90,22 @@ def test_a_sample_of_rows_in_its_order(model, enc, reference, call):
 def test_length_batches_longest_first():
     assert length_batches([3, 9, 1, 9, 4], 2) == [[1, 3], [4, 0], [2]]
     assert length_batches([], 4) == []
+
+
+def whole_documents(enc: Encoded, rows: int, seed: int = 0) -> list[int]:
+    """Rows of randomly chosen documents, every question of each, until at least `rows` rows (a sample the
+    prefix-cached baseline can run without prefilling a document for a part of its questions)."""
+    by_doc: dict[int, list[int]] = {}
+    for r, d in enumerate(enc.row_prefix):
+        by_doc.setdefault(d, []).append(r)
+    docs = list(by_doc)
+    random.Random(seed).shuffle(docs)
+    out: list[int] = []
+    for d in docs:
+        if len(out) >= rows:
+            break
+        out.extend(by_doc[d])
+    return sorted(out)
 
 
 def test_whole_documents_keeps_every_question(enc):

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_shard import shard_rows
 from typer.testing import CliRunner
 
 from kevscore.cli import app
@@ -31,7 +32,6 @@ from kevscore.job.parts import ERRORS_SCHEMA, PartStore, errors_path, parts_dir
 from kevscore.job.rows import RowReader
 from kevscore.job.run import run_job
 from kevscore.job.scan import scan_input
-from kevscore.job.shard import shard_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -205,7 +205,7 @@ def test_shard_in_windows_keeps_the_shard_assignment(tmp_path, template):
     for rank in range(3):
         run_job(opts(src, tmp_path / f"r{rank}.parquet", template, window=2, shard=(rank, 3)))
         got = read(tmp_path / f"r{rank}.parquet").column("row").to_pylist()
-        assert got == shard_rows(table.doc_keys, table.documents, table.questions, rank, 3)
+        assert got == shard_rows(table.documents, table.documents, table.questions, rank, 3)  # keyed by text
         rows += got
     assert sorted(rows) == list(range(len(table)))
 

@@ -1,5 +1,6 @@
 """Splitting a job by document over ranks: deterministic, balanced, and the shards add up to the whole."""
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -8,9 +9,33 @@ import pytest
 
 from kevscore.job.options import RunOptions
 from kevscore.job.run import run_job
-from kevscore.job.shard import assign_documents, document_costs, rank_loads, shard_rows
+from kevscore.job.shard import assign_documents
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def document_costs(doc_keys: Sequence[str], documents: Sequence[str], questions: Sequence[str]) -> dict[str, int]:
+    """Document key -> its text's length plus its questions' lengths (what InputScan.costs gives a job)."""
+    costs: dict[str, int] = {}
+    for key, doc, question in zip(doc_keys, documents, questions):
+        costs[key] = costs.get(key, len(doc)) + len(question)
+    return costs
+
+
+def rank_loads(costs: dict[str, int], assignment: dict[str, int], world: int) -> list[int]:
+    loads = [0] * world
+    for key, rank in assignment.items():
+        loads[rank] += costs[key]
+    return loads
+
+
+def shard_rows(doc_keys: Sequence[str], documents: Sequence[str], questions: Sequence[str],
+               rank: int, world: int) -> list[int]:
+    """Positions of the rows whose documents `rank` of `world` scores, in input order."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+    assignment = assign_documents(document_costs(doc_keys, documents, questions), world)
+    return [i for i, key in enumerate(doc_keys) if assignment[key] == rank]
 
 
 def random_costs(n, seed):

@@ -43,11 +43,6 @@ class InputTable:
     def __len__(self) -> int:
         return len(self.questions)
 
-    @property
-    def doc_keys(self) -> list[str]:
-        """What identifies each row's document: its doc_id, else its text."""
-        return self.doc_ids if self.doc_ids is not None else self.documents
-
     def take(self, indices: Sequence[int]) -> InputTable:
         """The rows at `indices` (positions in this table), keeping their input row numbers."""
         pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731

@@ -9,14 +9,6 @@ result depends on nothing but the input and the world size.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-
-
-def document_costs(doc_keys: Sequence[str], documents: Sequence[str], questions: Sequence[str]) -> dict[str, int]:
-    costs: dict[str, int] = {}
-    for key, doc, question in zip(doc_keys, documents, questions):
-        costs[key] = costs.get(key, len(doc)) + len(question)
-    return costs
 
 
 def assign_documents(costs: dict[str, int], world: int) -> dict[str, int]:
@@ -30,19 +22,3 @@ def assign_documents(costs: dict[str, int], world: int) -> dict[str, int]:
         out[key] = rank
         heapq.heappush(loads, (load + costs[key], rank))
     return out
-
-
-def rank_loads(costs: dict[str, int], assignment: dict[str, int], world: int) -> list[int]:
-    loads = [0] * world
-    for key, rank in assignment.items():
-        loads[rank] += costs[key]
-    return loads
-
-
-def shard_rows(doc_keys: Sequence[str], documents: Sequence[str], questions: Sequence[str],
-               rank: int, world: int) -> list[int]:
-    """Positions of the rows whose documents `rank` of `world` scores, in input order."""
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    assignment = assign_documents(document_costs(doc_keys, documents, questions), world)
-    return [i for i, key in enumerate(doc_keys) if assignment[key] == rank]
