@@ -58,7 +58,7 @@ def main() -> None:
     from kevscore.kernels.branch_attn import branch_attention
     from kevscore.kernels.branch_conv import branch_conv
     from kevscore.kernels.elementwise import qk_norm_rope, swiglu_rows
-    from kevscore.model.config import SHAPES
+    from kevscore.model.config import FULL, LINEAR, SHAPES
     from kevscore.model.layers.common import Rotary
 
     cfg = SHAPES["kev-4b"]
@@ -82,8 +82,8 @@ def main() -> None:
         print(f"{kernel:<14}{variant:<34}{(ms or 0) * 1000:>9.1f} us{total} ms/call"
               + (f"   floor {floor * 1000:.1f} us" if floor else ""))
 
-    layers, attn_layers = cfg.num_layers, len(cfg.attn_layers)
-    delta_layers = len(cfg.delta_layers)
+    layers, attn_layers = cfg.num_layers, cfg.layer_types.count(FULL)
+    delta_layers = cfg.layer_types.count(LINEAR)
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     c = 2 * hk * dk + hv * dv
@@ -249,9 +249,10 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
     run with the launch configurations a job pins on this GPU (`kernels/tuning.py`)."""
     from kevscore.kernels import fla_ops, tuning
     from kevscore.kernels.branch_wy import branch_wy
+    from kevscore.model.config import LINEAR
 
     tuning.pin_for(torch.cuda.get_device_name())
-    layers = len(cfg.delta_layers)
+    layers = cfg.layer_types.count(LINEAR)
     fla_ops.FUSED_WY = False  # the stages; the fused path is called directly
     for tt in lengths:
         q, k, v, gate, beta, bank, slots = branch_case(cfg, r, tt, gen)

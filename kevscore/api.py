@@ -33,6 +33,7 @@ from kevscore.job.dryrun import Plan, dry_run
 from kevscore.job.labels import parse_labels
 from kevscore.job.options import WINDOW_DOCS, RunOptions, check_options
 from kevscore.job.run import LoadedModel, RunResult, run_job
+from kevscore.job.scan import COLUMNS
 
 PathLike = Union[str, "os.PathLike[str]"]
 Tabular = Any  # a pyarrow Table or RecordBatch, or a pandas DataFrame (pandas is not a dependency)
@@ -40,7 +41,6 @@ Tabular = Any  # a pyarrow Table or RecordBatch, or a pandas DataFrame (pandas i
 # RunOptions' fields a Scorer fixes: the model and how it scores; the others belong to each call
 SCORER_OPTIONS = ("model", "device", "dtype", "labels", "template", "state_read", "batch_rows", "bank",
                   "bank_max_gb", "bank_capacity", "eager", "batch_invariant")
-COLUMNS = ("question", "document", "doc_id", "question_id", "labels")  # the input columns kevscore reads
 TABLE_NAMES = {"questions": "<questions>", "documents": "<documents>"}  # how messages name tables passed in
 
 

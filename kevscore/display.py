@@ -238,11 +238,11 @@ def _mass(p: float) -> str:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
+    for unit in ("B", "KB", "MB"):
+        if abs(n) < 1000:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1000
-    return f"{n:,.1f} TB"
+    return f"{n:,.1f} GB"
 
 
 def plan_table(plan) -> Table:

@@ -25,6 +25,7 @@ from kevscore.engine.bank_dir import INDEX, MARKER
 from kevscore.engine.bank_inspect import inspect_bank
 from kevscore.job.options import RunOptions
 from kevscore.job.run import run_job
+from kevscore.model.config import FULL, LINEAR
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ROOT = Path(__file__).resolve().parent.parent
@@ -358,7 +359,7 @@ def test_inspect_json(bank, demo):
     assert result.exit_code == 0, (result.stderr, result.exception)
     report = json.loads(result.stdout)
     cfg = demo.config
-    nd, na = len(cfg.delta_layers), len(cfg.attn_layers)
+    nd, na = cfg.layer_types.count(LINEAR), cfg.layer_types.count(FULL)
     recurrent = nd * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     conv = nd * cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * 4
     per_token = na * 2 * cfg.num_key_value_heads * cfg.head_dim * 4

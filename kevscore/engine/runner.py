@@ -89,7 +89,6 @@ class EagerRunner:
         self.model, self.bank, self.pad_id = model, bank, pad_id
         self.device = bank.state.device
         model.attach_bank(bank)
-        self.prefilled = 0  # documents prefilled by this runner, for tests and summaries
 
     def prefill(self, docs: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
         empty = [s for d, s in zip(docs, slots) if not d]
@@ -101,7 +100,6 @@ class EagerRunner:
             ids, ctx = prefill_inputs([d for d, _ in real], [s for _, s in real], self.bank, self.device,
                                       self.model.cfg.linear_conv_kernel_dim - 1)
             self.model.prefill(ids, ctx)
-        self.prefilled += len(docs)
 
     def upload(self, batch: Batch, branches, slots, prefix_lens) -> torch.Tensor:
         buf = torch.empty(batch.size, batch.length + 3, dtype=torch.long)

@@ -18,6 +18,7 @@ import triton.language as tl
 from fla.ops.utils.op import exp2
 
 from kevscore.kernels.gdr_ref import CHUNK
+from kevscore.kernels.tuning import autotuner
 
 
 @triton.jit
@@ -145,12 +146,6 @@ def _indexed_scan_kernel(k, v, w, v_new, g, h, bank, index, index_stride, bank_s
 _FLA_CONFIGS: dict[tuple, triton.Config] = {}
 
 
-def _autotuner(kernel):
-    while not hasattr(kernel, "configs"):
-        kernel = kernel.fn
-    return kernel
-
-
 def fla_scan_config(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> triton.Config:
     """The launch configuration FLA's autotuned scan uses for these shapes and dtypes.
 
@@ -162,7 +157,7 @@ def fla_scan_config(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.
     if key not in _FLA_CONFIGS:
         h0 = torch.zeros(u.shape[0], u.shape[2], k.shape[3], u.shape[3], dtype=torch.float32, device=k.device)
         chunk_delta_h.chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, chunk_size=CHUNK)
-        _FLA_CONFIGS[key] = _autotuner(chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64).best_config
+        _FLA_CONFIGS[key] = autotuner(chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64).best_config
     return _FLA_CONFIGS[key]
 
 

@@ -43,14 +43,6 @@ class KevConfig:
         return len(self.layer_types)
 
     @property
-    def delta_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == LINEAR]
-
-    @property
-    def attn_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == FULL]
-
-    @property
     def key_dim(self) -> int:
         return self.linear_num_key_heads * self.linear_key_head_dim
 
