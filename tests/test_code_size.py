@@ -7,7 +7,7 @@ import tokenize
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kevscore"
-NOT_COUNTED = ("demo/train.py", "demo/task.py")  # the demo model's trainer and task, outside the runtime
+NOT_COUNTED = ("demo/train.py", "demo/task.py", "demo/tokenizer.py")  # what makes the demo model, outside the runtime
 # lines of code in the package (no blank, comment or docstring line): issue 19 aims at 6,000; lower this as
 # the package shrinks, and let new code make its room elsewhere
 MAX_CODE_LINES = 6_830

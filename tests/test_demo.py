@@ -11,7 +11,14 @@ import torch
 
 from kevscore.demo.train import tied_weight_shapes
 from kevscore.model.config import KevConfig
-from kevscore.model.demo import DEMO_CONFIG, DEMO_NAME, build_demo_checkpoint, demo_checkpoint_dir
+from kevscore.model.demo import (
+    DEMO_CONFIG,
+    DEMO_NAME,
+    TOKENIZER_FILES,
+    TRAINED_DIR,
+    build_demo_checkpoint,
+    demo_checkpoint_dir,
+)
 
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 PATCHED = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
@@ -39,6 +46,12 @@ def test_build_is_byte_identical(ckpt: Path, tmp_path: Path) -> None:
     build_demo_checkpoint(tmp_path / "again")
     assert set(_digests(ckpt)) == FILES
     assert _digests(ckpt) == _digests(tmp_path / "again")
+
+
+def test_shipped_tokenizer_files_are_what_the_builder_makes() -> None:
+    from kevscore.demo.tokenizer import tokenizer_files
+
+    assert tokenizer_files() == {name: (TRAINED_DIR / name).read_bytes() for name in TOKENIZER_FILES}
 
 
 def test_config_round_trips(ckpt: Path, tok) -> None:

@@ -70,6 +70,14 @@ def test_the_graph_sees_imports_inside_functions():
     assert "kevscore.kernels.torch_ops" in edges["kevscore.engine.backend"]
 
 
+def test_the_runtime_never_imports_the_demo_subpackage():
+    """kevscore.demo makes the demo model (its task, trainer and tokenizer files): no runtime code of it."""
+    edges = graph()
+    importers = sorted(name for name, deps in edges.items() if not name.startswith("kevscore.demo")
+                       and any(d.startswith("kevscore.demo") for d in deps))
+    assert not importers, importers
+
+
 def test_no_import_circles():
     cycle = find_cycle(graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)

@@ -1,1 +1,1 @@
-"""The demo model's task and trainer (`python -m kevscore.demo.train`); the runtime never imports this."""
+"""The demo model's task, trainer (`python -m kevscore.demo.train`) and tokenizer; the runtime never imports this."""

@@ -1,33 +1,24 @@
 """The built-in demo model: a small Kev checkpoint, byte-for-byte the same on every machine.
 
-The tokenizer is a byte-level BPE whose merges are counted here over a small corpus (`demo_model/`), written as
-plain JSON by this module, so no library version changes the files. The weights are trained on the demo
-task (`kevscore.demo.task`, by `kevscore.demo.train`, which also makes the initial weights) and ship in
-`demo_model/`.
+Its config is `DEMO_CONFIG`; its tokenizer files (a byte-level BPE made by `kevscore.demo.tokenizer`) and its
+weights (trained on the demo task by `kevscore.demo.train`) ship in `demo_model/`. On first use they are put
+together into a checkpoint directory in the cache.
 """
 from __future__ import annotations
 
-import heapq
 import json
-import math
 import os
 import shutil
 import tempfile
-from collections import Counter, defaultdict
 from pathlib import Path
-
-from tokenizers.pre_tokenizers import ByteLevel
 
 from kevscore.durable import cache_root, file_sha256, lock_file
 from kevscore.errors import KevscoreError
 from kevscore.model.config import FULL, LINEAR, KevConfig
 
 DEMO_NAME = "demo-v4"
-TRAINED_DIR = Path(__file__).parent / "demo_model"  # trained weights + training.json (kevscore.demo.train)
-CORPUS = TRAINED_DIR / "corpus.txt"  # the text the tokenizer's merges are counted over
-NUM_MERGES = 1000  # learned merges; with bytes, forced merges and specials the tokenizer stays in (1216, 1280]
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")
-SINGLE_TOKEN_WORDS = ("Yes", "No", "yes", "no", " Yes", " No", " yes", " no")
+TRAINED_DIR = Path(__file__).parent / "demo_model"  # the shipped files: weights, training.json, tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # made by kevscore.demo.tokenizer
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 DEMO_CONFIG = KevConfig(
@@ -37,141 +28,6 @@ DEMO_CONFIG = KevConfig(
     linear_conv_kernel_dim=4, rope_theta=10_000.0, partial_rotary_factor=0.25,
     max_position_embeddings=4096, tie_word_embeddings=True,
 )
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- else -%}"
-    "{{- '<think>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endif -%}"
-)
-
-# ---------------------------------------------------------------- tokenizer
-
-
-def _byte_symbols() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 bytes, indexed by byte value (what ByteLevel uses)."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
-
-
-def _to_symbols(text: str) -> str:
-    table = _byte_symbols()
-    return "".join(table[b] for b in text.encode("utf-8"))
-
-
-def _pretokenize(text: str) -> list[str]:
-    """Words as the ByteLevel pre-tokenizer splits them (GPT-2 regex), already in byte symbols."""
-    return [w for w, _ in ByteLevel(add_prefix_space=False).pre_tokenize_str(text)]
-
-
-def _apply(seq: list[str], pair: tuple[str, str]) -> list[str]:
-    out, i = [], 0
-    while i < len(seq):
-        if i + 1 < len(seq) and (seq[i], seq[i + 1]) == pair:
-            out.append(seq[i] + seq[i + 1])
-            i += 2
-        else:
-            out.append(seq[i])
-            i += 1
-    return out
-
-
-def learn_merges(words: Counter[str], count: int) -> list[tuple[str, str]]:
-    """Greedy BPE: merge the most frequent pair, ties broken by the smaller (left, right) strings."""
-    seqs, freqs = [list(w) for w in words], list(words.values())
-    pairs: Counter[tuple[str, str]] = Counter()
-    where: defaultdict[tuple[str, str], set[int]] = defaultdict(set)
-    for i, seq in enumerate(seqs):
-        for p in zip(seq, seq[1:]):
-            pairs[p] += freqs[i]
-            where[p].add(i)
-    heap = [(-n, p) for p, n in pairs.items()]
-    heapq.heapify(heap)
-    merges: list[tuple[str, str]] = []
-    while heap and len(merges) < count:
-        n, best = heapq.heappop(heap)
-        if -n != pairs.get(best, 0) or n == 0:
-            continue  # stale entry
-        merges.append(best)
-        for i in sorted(where.pop(best)):
-            old, f = seqs[i], freqs[i]
-            seqs[i] = new = _apply(old, best)
-            for p in zip(old, old[1:]):
-                pairs[p] -= f
-            for p in zip(new, new[1:]):
-                pairs[p] += f
-                where[p].add(i)
-            for p in set(zip(old, old[1:])) | set(zip(new, new[1:])):
-                if pairs[p] > 0:
-                    heapq.heappush(heap, (-pairs[p], p))
-        pairs.pop(best, None)
-    return merges
-
-
-def bpe(word: str, ranks: dict[tuple[str, str], int]) -> list[str]:
-    """Encode one pre-tokenized word: repeatedly merge the lowest-ranked pair (leftmost on ties)."""
-    seq = list(word)
-    while len(seq) > 1:
-        best = min(zip(seq, seq[1:]), key=lambda p: ranks.get(p, math.inf))
-        if best not in ranks:
-            break
-        seq = _apply(seq, best)
-    return seq
-
-
-def force_single_tokens(merges: list[tuple[str, str]], words: tuple[str, ...]) -> list[tuple[str, str]]:
-    """Append merges so that each of `words` encodes to exactly one token."""
-    merges = list(merges)
-    ranks = {p: r for r, p in enumerate(merges)}
-    for word in words:
-        while len(pieces := bpe(_to_symbols(word), ranks)) > 1:
-            ranks[(pieces[0], pieces[1])] = len(merges)
-            merges.append((pieces[0], pieces[1]))
-    return merges
-
-
-def tokenizer_json() -> dict:
-    """The full `tokenizer.json` dict: byte-level BPE over CORPUS, then the special tokens."""
-    merges = learn_merges(Counter(_pretokenize(CORPUS.read_text(encoding="utf-8"))), NUM_MERGES)
-    merges = force_single_tokens(merges, SINGLE_TOKEN_WORDS)
-    vocab: dict[str, int] = {}
-    for token in [*_byte_symbols(), *(a + b for a, b in merges)]:
-        vocab.setdefault(token, len(vocab))
-    added = [
-        dict(id=len(vocab) + i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
-        for i, t in enumerate(SPECIAL_TOKENS)
-    ]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    model = {
-        "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-        "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-        "vocab": vocab, "merges": [f"{a} {b}" for a, b in merges],
-    }
-    return {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-        "pre_tokenizer": byte_level, "post_processor": {**byte_level, "trim_offsets": False},
-        "decoder": byte_level, "model": model,
-    }
-
-
-def tokenizer_config() -> dict:
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "unk_token": None, "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False, "add_prefix_space": False, "split_special_tokens": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-
-
-# ---------------------------------------------------------------- checkpoint
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -194,22 +50,19 @@ def trained_weights() -> Path:
 
 
 def write_demo_files(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
-    """Write config.json and the tokenizer files of the demo model into `dest` (another `cfg` than the
-    demo's: a model of the same tokenizer, for training experiments)."""
+    """Write config.json and the shipped tokenizer files of the demo model into `dest` (another `cfg` than
+    the demo's: a model of the same tokenizer, for training experiments)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer_json()
-    size = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
-    if -(-size // 64) * 64 != cfg.vocab_size:
-        raise KevscoreError(f"demo tokenizer has {size} tokens; DEMO_CONFIG.vocab_size must be updated")
-    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(TRAINED_DIR / name, dest / name)
+    added = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    ids = {t["content"]: t["id"] for t in added}
     config = cfg.to_hf() | {
         "bos_token_id": None, "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
         "dtype": "float32",
     }
     _write_json(dest / "config.json", config)
-    _write_json(dest / "tokenizer.json", tok)
-    _write_json(dest / "tokenizer_config.json", tokenizer_config())
 
 
 def build_demo_checkpoint(dest: Path) -> None:
