@@ -44,9 +44,10 @@ from kevscore.job.provenance import job_digest, job_identity, output_job
 from kevscore.job.rows import Cursor
 from kevscore.job.scan import InputScan, scan_input
 from kevscore.job.shard import assign_documents
-from kevscore.job.tokens import measure_tokens
+from kevscore.job.tokens import in_background, measure_tokens
 from kevscore.job.windows import make_engine, score_windows
 from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
+from kevscore.model.config import KevConfig
 from kevscore.model.prompt import Template, load_template
 
 WARM_UP_WAIT_S = 300        # the longest the job waits for its kernels' compilation (kevscore.engine.warmup)
@@ -155,13 +156,20 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     laps.lap("scan")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    ckpt = held or load_checkpoint(opts.model, device)
+    token_pass: list = []  # (template, the pass's Future), started as soon as the tokenizer is loaded
+
+    def measure(tokenizer, cfg: KevConfig) -> None:  # the input is tokenized while the weights load
+        template = load_template(opts.template, tokenizer)
+        token_pass.extend([template, in_background(measure_tokens, scan, tokenizer, template, opts.labels,
+                                                   cfg.max_position_embeddings, opts.skip_invalid)])
+
+    if held is not None:
+        measure(held.tokenizer, held.config)
+    ckpt = held or load_checkpoint(opts.model, device, tokenizer_ready=measure)
     if loaded is not None:
         loaded.ckpt = ckpt
     laps.lap("checkpoint")
-    template = load_template(opts.template, ckpt.tokenizer)
-    max_positions = ckpt.config.max_position_embeddings
-    doc_tokens = measure_tokens(scan, ckpt.tokenizer, template, opts.labels, max_positions, opts.skip_invalid)
+    template, doc_tokens = token_pass[0], token_pass[1].result()
     laps.lap("tokens")
     doc_of_row = scan.doc_of_row
     if opts.shard is not None:  # a shard of a job: the rows of its documents only

@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from kevscore.model.config import SHAPES, KevConfig, weight_shapes
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name or org/name@revision
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenizer*"]
 MODEL_NAMES = ("demo", *SHAPES)  # --model values that name no directory
+
+TokenizerReady = Callable[[object, KevConfig], None]  # (tokenizer, config), called before the weights load
 
 MULTIMODAL_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "visual.")
@@ -40,23 +43,27 @@ class Checkpoint:
         return 0
 
 
-def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0) -> Checkpoint:
-    """`demo`, a benchmark shape name (`kev-0.8b`, `kev-4b`) or a checkpoint directory."""
+def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0,
+                    tokenizer_ready: TokenizerReady | None = None) -> Checkpoint:
+    """`demo`, a benchmark shape name (`kev-0.8b`, `kev-4b`) or a checkpoint directory. The tokenizer loads
+    first: `tokenizer_ready(tokenizer, config)` is called before the weights load (a job tokenizes its input
+    meanwhile)."""
     from kevscore.model.demo import demo_checkpoint_dir
 
     if spec == "demo":
-        ckpt = load_directory(demo_checkpoint_dir(), device)
+        ckpt = load_directory(demo_checkpoint_dir(), device, tokenizer_ready)
         ckpt.name = "demo"
         return ckpt
     if spec in SHAPES:
-        tok = load_tokenizer(demo_checkpoint_dir())
-        cfg = SHAPES[spec]
+        tok, cfg = load_tokenizer(demo_checkpoint_dir()), SHAPES[spec]
+        if tokenizer_ready is not None:
+            tokenizer_ready(tok, cfg)
         return Checkpoint(spec, cfg, random_weights(cfg, seed, torch.bfloat16, device), tok)
     path = Path(spec)
     if path.is_dir():
-        return load_directory(path, device)
+        return load_directory(path, device, tokenizer_ready)
     if HUB_ID.match(spec):
-        ckpt = load_directory(hub_directory(spec), device)
+        ckpt = load_directory(hub_directory(spec), device, tokenizer_ready)
         ckpt.name = spec
         return ckpt
     names = ", ".join(MODEL_NAMES)
@@ -111,7 +118,8 @@ def peek_config(spec: str) -> KevConfig | None:
         return None
 
 
-def load_directory(path: Path, device: str | torch.device = "cpu") -> Checkpoint:
+def load_directory(path: Path, device: str | torch.device = "cpu",
+                   tokenizer_ready: TokenizerReady | None = None) -> Checkpoint:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise KevscoreError(f"{path}: no config.json (is this a Hugging Face checkpoint directory?)")
@@ -119,8 +127,11 @@ def load_directory(path: Path, device: str | torch.device = "cpu") -> Checkpoint
     if raw.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
         raise KevscoreError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not qwen3_5 / qwen3_5_text")
     cfg = KevConfig.from_hf(raw)
+    tokenizer = load_tokenizer(path)
+    if tokenizer_ready is not None:
+        tokenizer_ready(tokenizer, cfg)
     weights = normalize_names(read_safetensors(path, device), cfg, path)
-    return Checkpoint(str(path), cfg, weights, load_tokenizer(path), path)
+    return Checkpoint(str(path), cfg, weights, tokenizer, path)
 
 
 def load_tokenizer(path: Path):
