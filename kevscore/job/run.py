@@ -156,12 +156,13 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     laps.lap("scan")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    token_pass: list = []  # (template, the pass's Future), started as soon as the tokenizer is loaded
+    template, token_pass = None, None  # the pass starts as soon as the tokenizer is loaded
 
     def measure(tokenizer, cfg: KevConfig) -> None:  # the input is tokenized while the weights load
+        nonlocal template, token_pass
         template = load_template(opts.template, tokenizer)
-        token_pass.extend([template, in_background(measure_tokens, scan, tokenizer, template, opts.labels,
-                                                   cfg.max_position_embeddings, opts.skip_invalid)])
+        token_pass = in_background(measure_tokens, scan, tokenizer, template, opts.labels,
+                                   cfg.max_position_embeddings, opts.skip_invalid)
 
     if held is not None:
         measure(held.tokenizer, held.config)
@@ -169,7 +170,7 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     if loaded is not None:
         loaded.ckpt = ckpt
     laps.lap("checkpoint")
-    template, doc_tokens = token_pass[0], token_pass[1].result()
+    doc_tokens = token_pass.result()
     laps.lap("tokens")
     doc_of_row = scan.doc_of_row
     if opts.shard is not None:  # a shard of a job: the rows of its documents only

@@ -95,11 +95,12 @@ def swiglu_fla(gate_up: torch.Tensor) -> torch.Tensor:
     return swiglu_fwd(gate, up, output_contiguous=True)
 
 
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rotary(q: torch.Tensor | None, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
     """RMSNorm of each q and k head, then partial NeoX rotary (cos/sin fp32 [..., rotary_dim]); one kernel
-    per tensor, reading q out of the q|gate projection in place. Returns packed [..., heads, head_dim]."""
-    return qk_norm_rope(q, q_scale, cos, sin, eps), qk_norm_rope(k, k_scale, cos, sin, eps)
+    per tensor, reading q out of the q|gate projection in place. Returns packed [..., heads, head_dim] (q None:
+    k alone)."""
+    return None if q is None else qk_norm_rope(q, q_scale, cos, sin, eps), qk_norm_rope(k, k_scale, cos, sin, eps)
 
 
 def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:

@@ -46,10 +46,11 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([rot * cos + rotated * sin, rest], -1).to(x.dtype)
 
 
-def qk_norm_rotary(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of each q and k head (fp32), then rotary; q and k [..., heads, head_dim]."""
-    return rotary(rms_norm(q, q_scale, eps), cos, sin), rotary(rms_norm(k, k_scale, eps), cos, sin)
+def qk_norm_rotary(q: torch.Tensor | None, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """RMSNorm of each q and k head (fp32), then rotary; q and k [..., heads, head_dim] (q None: k alone)."""
+    norm = lambda x, scale: rotary(rms_norm(x, scale, eps), cos, sin)  # noqa: E731
+    return None if q is None else norm(q, q_scale), norm(k, k_scale)
 
 
 def gdn_decay(gate) -> torch.Tensor:

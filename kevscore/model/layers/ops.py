@@ -32,9 +32,9 @@ class Ops(Protocol):
         """silu(gate) * up of the gate|up projection output."""
 
     # attention
-    def qk_norm_rotary(self, q: Tensor, k: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor,
-                       eps: float) -> tuple[Tensor, Tensor]:
-        """RMSNorm of each q and k head, then partial rotary; q and k [..., heads, head_dim]."""
+    def qk_norm_rotary(self, q: Tensor | None, k: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor,
+                       eps: float) -> tuple[Tensor | None, Tensor]:
+        """RMSNorm of each q and k head, then partial rotary; q and k [..., heads, head_dim] (q None: k alone)."""
 
     def attn_prefill(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, ctx) -> Tensor:
         """Causal attention within each packed document (ctx: a PrefillContext), times sigmoid(gate)."""
