@@ -1,4 +1,4 @@
-"""Row-tiled elementwise kernels: SwiGLU, RMSNorm with the residual add, q/k norm + rotary, gated norm.
+"""Row-tiled elementwise kernels: SwiGLU, RMSNorm with the residual add, q/k norm + rotary, gated norms.
 
 Row-tiled elementwise kernels for the fused GPU path: SwiGLU over the gate|up projection output, the
 residual stream's RMSNorm (with the residual add), and the attention layer's per-head RMSNorm + partial
@@ -11,12 +11,15 @@ q|gate projection output (strided heads), normalizes each head in fp32, rotates 
 channels NeoX-style with fp32 cos/sin and rounds once; it replaces the norm, the `.contiguous()` copy and the
 five-kernel torch rotary (slices, negation, two concatenations) of each tensor.
 `gated_rms_norm_heads` is DeltaNet's output norm reading its gate in place from the projection output.
+`sigmoid_gate` is the attention prefill's output gate, reading the gate in place from the q|gate projection
+output and each token's attention output wherever the attention left it (a padded batch: the unpadding gather).
 `rms_norm_rows` is FLA's `rms_norm` arithmetic (fp32 sum of squares over the row, one rounding; with a
 residual, the sum x + residual rounded to its dtype as the new residual) with nothing that depends on the
 token count at compile time: FLA's kernel takes `cdiv(tokens, 2048)` as a constexpr and autotune key, so
 each new group or batch size compiled (and tuned) it again.
 Launch defaults: `benchmarks/bench_kernels.py` on the H200 (benchmarks/NOTES.md 8).
-Torch references: `torch_ops.swiglu`, `torch_ops.rms_norm` + `torch_ops.rotary`, `torch_ops.gated_rms_norm`.
+Torch references: `torch_ops.swiglu`, `torch_ops.rms_norm` + `torch_ops.rotary`, `torch_ops.gated_rms_norm`,
+`x * torch.sigmoid(gate)`.
 """
 from __future__ import annotations
 
@@ -161,4 +164,39 @@ def gated_rms_norm_heads(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     grid = (triton.cdiv(n, block_t), h)
     _gated_norm_kernel[grid](x, flat, flat.stride(0), weight, out, n, eps, H=h, D=d, BD=triton.next_power_of_2(d),
                              BT=block_t, num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(x, index, sx_b, sx_l, sx_h, L, g, sg_t, sg_h, o, n_tok, H: tl.constexpr, D: tl.constexpr,
+                         BD: tl.constexpr, BT: tl.constexpr, INDEXED: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < n_tok
+    o_d = tl.arange(0, BD)
+    m = m_t[:, None] & (o_d < D)[None, :]
+    place = tl.load(index + o_t, mask=m_t, other=0).to(tl.int64) if INDEXED else o_t.to(tl.int64)
+    p_x = x + (place // L * sx_b + place % L * sx_l)[:, None] + i_h * sx_h + o_d[None, :]
+    b_x = tl.load(p_x, mask=m, other=0.0).to(tl.float32)
+    b_g = tl.load(g + o_t[:, None].to(tl.int64) * sg_t + i_h * sg_h + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.store(o + (o_t[:, None].to(tl.int64) * H + i_h) * D + o_d[None, :], (b_x * tl.sigmoid(b_g)).to(o.dtype.element_ty),
+             mask=m)
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, index: torch.Tensor | None = None, block_t: int = 16,
+                 num_warps: int = 4) -> torch.Tensor:
+    """x * sigmoid(gate), rounded once, for N packed tokens: gate [..., H, D] (channels contiguous, heads at any
+    stride, leading dims flattening to one token stride: a slice of the projection output, read in place); x
+    [B, L, H, D] at any strides with contiguous channels, token n at place index[n] of its flattened B x L (None:
+    n) -> [..., H, D] contiguous, x's dtype."""
+    *lead, h, d = gate.shape
+    flat = gate.flatten(0, -3) if lead else gate[None]
+    n = flat.shape[0]
+    assert x.dim() == 4 and x.shape[2:] == (h, d) and x.stride(3) == 1 and flat.stride(2) == 1
+    assert index is None and x.shape[0] * x.shape[1] == n or index is not None and index.shape == (n,)
+    out = torch.empty(gate.shape, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, block_t), h)
+    _sigmoid_gate_kernel[grid](x, x if index is None else index, x.stride(0), x.stride(1), x.stride(2), x.shape[1], flat,
+                               flat.stride(0), flat.stride(1), out, n, H=h, D=d, BD=triton.next_power_of_2(d),
+                               BT=block_t, INDEXED=index is not None, num_warps=num_warps)
     return out

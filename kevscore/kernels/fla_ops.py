@@ -33,7 +33,7 @@ from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
 from kevscore.kernels.branch_wy import MAX_T, branch_wy  # noqa: E402
-from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows  # noqa: E402
+from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, sigmoid_gate, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
 from kevscore.kernels.torch_ops import split_front  # noqa: E402
@@ -268,9 +268,11 @@ def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     host computed `pad_index`) go through SDPA (cuDNN) as a right-padded [D, L] batch, gathered and scattered
     by host-computed indices (no copy at all when they are equally long); others through flash attention
     over the packed tokens (`cu_seqlens`); in fp32, which flash attention does not take, SDPA per document
-    (the runner groups documents of similar lengths, so this is the rare case)."""
+    (the runner groups documents of similar lengths, so this is the rare case). The gate and the unpadding are one
+    kernel, `elementwise.sigmoid_gate`."""
     if FLA_PREFILL:
         return _attn_prefill_masked(q, k, v, gate, ctx.cu_seqlens, ctx.max_len)
+    unpad = None  # the output's gate reads each token's output where the attention leaves it (`sigmoid_gate`)
     if ctx.pad_index is None and q.dtype == torch.float32:
         bounds = ctx.cu_seqlens.tolist()
         out = torch.cat([_sdpa_causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], 1)
@@ -279,11 +281,9 @@ def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
                                                       ctx.max_len, ctx.max_len, 0.0, True, False)[0][None]
     elif ctx.pad_index.numel() == q.shape[1]:  # equal lengths: the packed tokens are the batch
         out = _sdpa_causal(*(t.view(ctx.pad_index.shape[0], ctx.max_len, *t.shape[2:]) for t in (q, k, v)))
-        out = out.reshape(q.shape)
     else:
-        out = _sdpa_causal(q[0][ctx.pad_index], k[0][ctx.pad_index], v[0][ctx.pad_index])
-        out = out.flatten(0, 1)[ctx.unpad_index][None]
-    return out * torch.sigmoid(gate)
+        out, unpad = _sdpa_causal(q[0][ctx.pad_index], k[0][ctx.pad_index], v[0][ctx.pad_index]), ctx.unpad_index
+    return sigmoid_gate(out, gate, unpad)
 
 
 def _attn_prefill_masked(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:

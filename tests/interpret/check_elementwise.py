@@ -1,9 +1,9 @@
-"""Run under TRITON_INTERPRET=1: the row-tiled SwiGLU, the fused q/k RMSNorm + rotary and the gated output norm
-against the torch ops on the CPU, with q and the gate read in place from a projection output (strided)."""
+"""Run under TRITON_INTERPRET=1: the row-tiled SwiGLU, the fused q/k RMSNorm + rotary, the gated output norms
+against the torch ops on the CPU, with q and the gates read in place from a projection output (strided)."""
 import torch
 
 from kevscore.kernels import torch_ops
-from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, swiglu_rows
+from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, sigmoid_gate, swiglu_rows
 from kevscore.model.layers.common import Rotary
 
 worst = 0.0
@@ -47,6 +47,22 @@ for shape, d in (((3, 5), 40), ((7,), 100), ((1, 1), 8)):
     (out, summed), (ref, ref_sum) = rms_norm_rows(x, scale, 1e-6, res), torch_ops.add_rms_norm(x, res, scale, 1e-6)
     assert torch.equal(summed, ref_sum)
     worst = max(worst, (out - ref).abs().max().item())
+
+for docs, longest, h, d in ((3, 7, 2, 24), (1, 5, 3, 16)):  # attention prefill's output gate
+    gen = torch.Generator().manual_seed(docs)
+    lens = torch.randint(1, longest + 1, (docs,), generator=gen)
+    lens[0] = longest
+    n = int(lens.sum())
+    proj = torch.randn(1, n, h * 2 * d + 3, generator=gen) * 3
+    gate = proj[..., : h * 2 * d].reshape(1, n, h, 2 * d)[..., d:]  # the gate half of q|gate, per head
+    padded = torch.randn(docs, h, longest, d, generator=gen).transpose(1, 2)  # SDPA's [B, L, H, D], strided
+    place = torch.cat([b * longest + torch.arange(int(lens[b])) for b in range(docs)])
+    ref = padded.flatten(0, 1)[place][None] * torch.sigmoid(gate)
+    out = sigmoid_gate(padded, gate, place, block_t=4)
+    assert out.shape == gate.shape and out.is_contiguous()
+    worst = max(worst, (out - ref).abs().max().item())
+    packed = torch.randn(1, n, h, d, generator=gen)
+    worst = max(worst, (sigmoid_gate(packed, gate[0]) - packed[0] * torch.sigmoid(gate[0])).abs().max().item())
 
 print(f"max abs error {worst:.3g}")
 assert worst < 1e-4, worst
