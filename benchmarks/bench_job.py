@@ -159,11 +159,58 @@ def sample_rows(data: Path, docs: int, model: str):
     return enc, ckpt
 
 
+def cache_keyword(model) -> str:
+    """The forward's cache argument: `cache` from transformers 5.2x, `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+
+
+def prefix_cached_call(model, enc, device, batch: int, rows=None):
+    """The prefix-cached transformers baseline (calls as `kevscore.baselines.naive_call`): each document once
+    into a `DynamicCache`, then its questions `batch` at a time, right-padded, from a copy of that cache
+    expanded to the batch."""
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    from kevscore.baselines import label_logits, length_batches, padded_batch, row_list
+
+    device, rows = torch.device(device), row_list(enc, rows)
+    keyword = cache_keyword(model)
+    width = max(len(enc.label_ids[r]) for r in rows)
+    by_doc: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_doc.setdefault(enc.row_prefix[r], []).append(i)
+    plan = []
+    for d, members in by_doc.items():
+        groups = length_batches([len(enc.branches[rows[i]]) for i in members], batch)
+        batches = [padded_batch([enc.branches[rows[members[j]]] for j in g],
+                                [enc.label_ids[rows[members[j]]] for j in g], [members[j] for j in g],
+                                len(enc.prefixes[d]), width, device) for g in groups]
+        plan.append((torch.tensor([enc.prefixes[d]], device=device), batches))
+
+    @torch.no_grad()
+    def call() -> torch.Tensor:
+        out = torch.empty(len(rows), width, device=device)
+        for doc, batches in plan:
+            cache = DynamicCache(config=model.config)
+            model.model(input_ids=doc, use_cache=True, **{keyword: cache})
+            for k, b in enumerate(batches):
+                rows_cache = cache if k == len(batches) - 1 else copy.deepcopy(cache)
+                rows_cache.reorder_cache(torch.zeros_like(b.rows))  # [1] -> [B]: every row from the document
+                out[b.out] = label_logits(model, b, {keyword: rows_cache})
+        return out
+
+    return call
+
+
 def baselines(args, data: Path) -> dict:
     """Rows/s of naive and prefix-cached transformers (bf16, on the GPU) on the first documents' rows."""
     import torch
 
-    from kevscore.baselines import naive_call, prefix_cached_call
+    from kevscore.baselines import naive_call
     from kevscore.measure import events_ms
     from kevscore.reference import reference_model
 

@@ -1,12 +1,9 @@
-"""The transformers baselines kevscore is measured against: naive and prefix-cached scoring.
+"""The transformers baseline kevscore is measured against: naive scoring, and the batches it is built from.
 
-The transformers baselines kevscore is measured against, written as a careful user would with
-transformers' own `Qwen3_5ForCausalLM` (`kevscore.reference.reference_model`):
-
-- `naive`: each row's full `document + question` sequence, rows sorted by length and right-padded in
-  batches, logits at each row's last real token;
-- `prefix-cached`: each document run once into a `DynamicCache`, then its questions continued in batches
-  from a copy of that cache expanded to the batch, right-padded.
+The naive baseline, written as a careful user would with transformers' own `Qwen3_5ForCausalLM`
+(`kevscore.reference.reference_model`): each row's full `document + question` sequence, rows sorted by
+length and right-padded in batches, logits at each row's last real token. The prefix-cached baseline
+(`benchmarks/bench_job.py`) builds its batches from the same pieces.
 
 Right padding is safe: attention is causal and DeltaNet recurrent, so real positions never see padding.
 Each `*_call` prepares its batches on the device and returns a call that runs the model and gives the
@@ -14,8 +11,6 @@ label logits `[rows, labels]` fp32 on the device, in the order of `rows` (-inf p
 Timing is the caller's."""
 from __future__ import annotations
 
-import copy
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,8 +39,9 @@ def length_batches(lengths: Sequence[int], batch: int) -> list[list[int]]:
     return [order[i:i + batch] for i in range(0, len(order), batch)]
 
 
-def _batch(seqs: list[list[int]], labels: list[list[int]], out: list[int], past: int, width: int,
-           device: torch.device) -> Batch:
+def padded_batch(seqs: list[list[int]], labels: list[list[int]], out: list[int], past: int, width: int,
+                 device: torch.device) -> Batch:
+    """`seqs` right-padded into one forward after `past` cached tokens, their labels padded to `width`."""
     lengths = torch.tensor([len(s) for s in seqs])
     t = int(lengths.max())
     mask = None
@@ -59,69 +55,32 @@ def _batch(seqs: list[list[int]], labels: list[list[int]], out: list[int], past:
                  torch.tensor(padded, device=device), extra, torch.tensor(out, device=device))
 
 
-def _label_logits(model, b: Batch, cache_kw: dict) -> torch.Tensor:
+def label_logits(model, b: Batch, cache_kw: dict) -> torch.Tensor:
+    """The batch's label logits `[B, width]` fp32 (-inf past a row's own labels), with `cache_kw` as cache."""
     hidden = model.model(input_ids=b.ids, attention_mask=b.mask, use_cache=bool(cache_kw), **cache_kw)
     logits = model.lm_head(hidden.last_hidden_state[b.rows, b.last]).float()
     return logits.gather(1, b.labels).masked_fill(b.extra, float("-inf"))
 
 
-def _rows(enc: Encoded, rows: Sequence[int] | None) -> list[int]:
+def row_list(enc: Encoded, rows: Sequence[int] | None) -> list[int]:
+    """The rows asked for, all of `enc`'s when None."""
     return list(range(len(enc))) if rows is None else list(rows)
 
 
 def naive_call(model, enc: Encoded, device: torch.device | str, batch: int,
                rows: Sequence[int] | None = None) -> Call:
     """Each row's `document + question` through the model, `batch` rows a forward (sorted by length)."""
-    device, rows = torch.device(device), _rows(enc, rows)
+    device, rows = torch.device(device), row_list(enc, rows)
     seqs = [enc.prefixes[enc.row_prefix[r]] + enc.branches[r] for r in rows]
     width = max(len(enc.label_ids[r]) for r in rows)
-    batches = [_batch([seqs[i] for i in g], [enc.label_ids[rows[i]] for i in g], g, 0, width, device)
+    batches = [padded_batch([seqs[i] for i in g], [enc.label_ids[rows[i]] for i in g], g, 0, width, device)
                for g in length_batches([len(s) for s in seqs], batch)]
 
     @torch.no_grad()
     def call() -> torch.Tensor:
         out = torch.empty(len(rows), width, device=device)
         for b in batches:
-            out[b.out] = _label_logits(model, b, {})
+            out[b.out] = label_logits(model, b, {})
         return out
 
     return call
-
-
-def cache_keyword(model) -> str:
-    """The forward's cache argument: `cache` from transformers 5.2x, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
-
-
-def prefix_cached_call(model, enc: Encoded, device: torch.device | str, batch: int,
-                       rows: Sequence[int] | None = None) -> Call:
-    """Each document once into a `DynamicCache`, then its questions `batch` at a time from a copy of it."""
-    from transformers import DynamicCache
-
-    device, rows = torch.device(device), _rows(enc, rows)
-    keyword = cache_keyword(model)
-    width = max(len(enc.label_ids[r]) for r in rows)
-    by_doc: dict[int, list[int]] = {}
-    for i, r in enumerate(rows):
-        by_doc.setdefault(enc.row_prefix[r], []).append(i)
-    plan = []
-    for d, members in by_doc.items():
-        groups = length_batches([len(enc.branches[rows[i]]) for i in members], batch)
-        batches = [_batch([enc.branches[rows[members[j]]] for j in g], [enc.label_ids[rows[members[j]]] for j in g],
-                          [members[j] for j in g], len(enc.prefixes[d]), width, device) for g in groups]
-        plan.append((torch.tensor([enc.prefixes[d]], device=device), batches))
-
-    @torch.no_grad()
-    def call() -> torch.Tensor:
-        out = torch.empty(len(rows), width, device=device)
-        for doc, batches in plan:
-            cache = DynamicCache(config=model.config)
-            model.model(input_ids=doc, use_cache=True, **{keyword: cache})
-            for k, b in enumerate(batches):
-                rows_cache = cache if k == len(batches) - 1 else copy.deepcopy(cache)
-                rows_cache.reorder_cache(torch.zeros_like(b.rows))  # [1] -> [B]: every row from the document
-                out[b.out] = _label_logits(model, b, {keyword: rows_cache})
-        return out
-
-    return call
-

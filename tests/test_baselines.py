@@ -1,14 +1,22 @@
 """The transformers baselines compute kevscore's probabilities, and the prefix-cached one prefills each
 document once."""
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import cpu_engine, reference_scores
 
-from kevscore.baselines import length_batches, naive_call, prefix_cached_call
+from kevscore.baselines import length_batches, naive_call
 from kevscore.model.prompt import Encoded
 from kevscore.reference import reference_model
+
+# the prefix-cached baseline lives with the benchmark that times it (benchmarks/ is not a package)
+_spec = importlib.util.spec_from_file_location("bench_job", Path(__file__).parent.parent / "benchmarks" / "bench_job.py")
+bench_job = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_job)
+prefix_cached_call = bench_job.prefix_cached_call
 
 # per document its question lengths: one-token questions, a document of one question, one whose
 # questions are all a single token (the cache's decode path), and one with more questions than a batch
