@@ -128,12 +128,8 @@ def _bank_views(bank) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def injected_fault(ops, fault: str | None) -> Iterator[None]:
-    """Test-only: `index-off-by-one` makes the indexed state scan read the next entry's state."""
-    if fault is None:
-        yield
-        return
-    if fault not in FAULTS:
-        raise KevscoreError(f"--inject-fault {fault}: choose {', '.join(FAULTS)}")
+    """Test-only: `index-off-by-one` (checked by `_check`) makes the indexed state scan read the next entry's
+    state; no fault: `ops` as it is."""
     real = ops.gdr_branch
 
     def broken(q, k, v, gate, beta, bank, slots, path, *rest):
@@ -141,7 +137,7 @@ def injected_fault(ops, fault: str | None) -> Iterator[None]:
             slots = (slots + 1) % bank.shape[0]
         return real(q, k, v, gate, beta, bank, slots, path, *rest)
 
-    ops.gdr_branch = broken
+    ops.gdr_branch = broken if fault else real
     try:
         yield
     finally:
@@ -244,6 +240,8 @@ def _check(opts: CompareOptions) -> list[str]:
         raise KevscoreError(f"--baseline {opts.baseline}: choose hf or fp32")
     if opts.batch_rows < 1:
         raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
+    if opts.fault not in (None, *FAULTS):
+        raise KevscoreError(f"--inject-fault {opts.fault}: choose {', '.join(FAULTS)}")
     allowed = tuple(TEMPERATURES) if opts.data else CASES
     cases = opts.cases or list(allowed)
     bad = [c for c in cases if c not in allowed]

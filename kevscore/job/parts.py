@@ -267,8 +267,7 @@ class PartStore:
         if set_aside is not None:
             names["errors"] = temp_path(errors_path(self.output)).name
             errors = pa.concat_tables([set_aside.cast(ERRORS_SCHEMA), failed]).sort_by("row")
-            write_new(self.dir / names["errors"], table_filler([errors]),
-                      errors_path(self.output))
+            write_new(self.dir / names["errors"], table_filler([errors]), errors_path(self.output))
         chunks = self._merged(of_row)
         # in a Parquet output's metadata: the job, so a rerun finds it complete, and how it was made
         job = {JOB_KEY: self.job.encode(), PROVENANCE_KEY: json.dumps(provenance(self.identity)).encode()}

@@ -37,10 +37,7 @@ class Checkpoint:
     @property
     def pad_id(self) -> int:
         """The token that pads a batch's rows: the tokenizer's pad token, else its end of sequence, else 0."""
-        for tid in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
-            if tid is not None:
-                return int(tid)
-        return 0
+        return next((int(t) for t in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if t is not None), 0)
 
 
 def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0,
@@ -51,9 +48,7 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
     from kevscore.model.demo import demo_checkpoint_dir
 
     if spec == "demo":
-        ckpt = load_directory(demo_checkpoint_dir(), device, tokenizer_ready)
-        ckpt.name = "demo"
-        return ckpt
+        return load_directory(demo_checkpoint_dir(), device, tokenizer_ready, "demo")
     if spec in SHAPES:
         tok, cfg = load_tokenizer(demo_checkpoint_dir()), SHAPES[spec]
         if tokenizer_ready is not None:
@@ -63,9 +58,7 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
     if path.is_dir():
         return load_directory(path, device, tokenizer_ready)
     if HUB_ID.match(spec):
-        ckpt = load_directory(hub_directory(spec), device, tokenizer_ready)
-        ckpt.name = spec
-        return ckpt
+        return load_directory(hub_directory(spec), device, tokenizer_ready, spec)
     names = ", ".join(MODEL_NAMES)
     raise KevscoreError(f"--model {spec}: not a checkpoint directory, a hub id (org/name[@revision]) or one of: "
                         f"{names}")
@@ -118,8 +111,9 @@ def peek_config(spec: str) -> KevConfig | None:
         return None
 
 
-def load_directory(path: Path, device: str | torch.device = "cpu",
-                   tokenizer_ready: TokenizerReady | None = None) -> Checkpoint:
+def load_directory(path: Path, device: str | torch.device = "cpu", tokenizer_ready: TokenizerReady | None = None,
+                   name: str | None = None) -> Checkpoint:
+    """A checkpoint directory's config, tokenizer and weights; `name` (default: the path) is what runs report."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise KevscoreError(f"{path}: no config.json (is this a Hugging Face checkpoint directory?)")
@@ -131,7 +125,7 @@ def load_directory(path: Path, device: str | torch.device = "cpu",
     if tokenizer_ready is not None:
         tokenizer_ready(tokenizer, cfg)
     weights = normalize_names(read_safetensors(path, device), cfg, path)
-    return Checkpoint(str(path), cfg, weights, tokenizer, path)
+    return Checkpoint(name or str(path), cfg, weights, tokenizer, path)
 
 
 def load_tokenizer(path: Path):
