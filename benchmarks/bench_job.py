@@ -55,6 +55,28 @@ def _bench_score():
 
 # ---- the child: one job in a fresh process -------------------------------------------------------------
 
+def compile_log(t0: float) -> list[list]:
+    """Every Triton kernel this process compiles or loads from the cache from now on, as [start s since t0,
+    seconds, kernel, thread] (the forked compile workers' are not seen): which kernels a job still waits on."""
+    import threading
+
+    from triton import knobs
+
+    events, started = [], {}
+
+    def before(**kw):  # returns None: the compile goes ahead
+        started[threading.get_ident(), kw["fn"].name] = time.perf_counter()
+
+    def after(**kw):
+        start = started.pop((threading.get_ident(), kw["fn"].name), None)
+        if start is not None:
+            events.append([round(start - t0, 3), round(time.perf_counter() - start, 3), kw["fn"].name,
+                           threading.current_thread().name])
+
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+    return events
+
+
 def child(args) -> None:
     t0 = time.perf_counter()
     import torch
@@ -84,6 +106,7 @@ def child(args) -> None:
 
     cuda = args.device == "cuda"
     timeline = Timeline() if cuda else Reporter()
+    compiles = compile_log(t0) if cuda else []
     if cuda:
         torch.cuda.init()
         origin = torch.cuda.Event(enable_timing=True)
@@ -102,7 +125,7 @@ def child(args) -> None:
            "write_s": s.write_s, "rows": s.rows, "documents": result.documents, "prefix_tokens": s.prefix_tokens,
            "branch_tokens": s.branch_tokens, "batches": s.batches, "waves": s.waves,
            "gpu_idle_between_phases_s": idle_between(phases), "phases": len(phases),
-           "peak_gpu_bytes": result.peak_gpu}
+           "peak_gpu_bytes": result.peak_gpu, "compiles": compiles}
     Path(args.child).write_text(json.dumps(out))
 
 
@@ -380,6 +403,13 @@ def print_table(r: dict) -> None:
     jobs = r.get("jobs", {})
     if "cold" in jobs and "warm" in jobs:
         print(f"first run's extra (JIT, tuning): {jobs['cold']['wall_s'] - jobs['warm']['wall_s']:.1f} s")
+    for name, j in jobs.items():  # Triton compiles and cache loads in the job's process, by thread
+        by_thread: dict[str, list] = {}
+        for _, sec, kernel, thread in j.get("compiles", []):
+            by_thread.setdefault(thread, []).append((sec, kernel))
+        for thread, got in by_thread.items():
+            top = ", ".join(f"{k} {sec:.2f}" for sec, k in sorted(got, reverse=True)[:4])
+            print(f"{name} job, {thread}: {len(got)} kernels compiled or loaded, {sum(s for s, _ in got):.1f} s ({top})")
     base = r.get("baselines")
     if base:
         for name in ("naive", "prefix_cached"):
