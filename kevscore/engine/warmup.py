@@ -25,7 +25,9 @@ PARALLEL_COMPILE = os.environ.get("KEVSCORE_PARALLEL_COMPILE", "1") != "0"
 # branch buckets of both kinds: prefill groups and scoring batches of the shapes a job meets (rows of
 # one-token labels, and rows with a label of several tokens)
 PREFILL_GROUPS = ([100, 64], [64, 64])
-BRANCHES = ((4, 32), (1, 24), (2, 90))  # (rows, tokens)
+# (rows, tokens): a branch bucket of each of the fused WY kernel's tile pairs (16, 24-32, 48-64, 96, 128 tokens)
+BRANCHES = ((4, 32), (1, 24), (2, 90), (1, 10), (1, 60), (1, 120))
+LABELLED = 90  # the branches whose first label has three tokens: batches that score several positions per row
 
 
 def small_model(cfg: KevConfig) -> KevConfig:
@@ -54,8 +56,7 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
             batches = [(d, rows, length) for d in range(len(docs)) for rows, length in BRANCHES]
             n_rows = sum(rows for _, rows, _ in batches)
             lengths = [length for _, rows, length in batches for _ in range(rows)]
-            # the longest branches' first label has three tokens: batches that score several positions per row
-            tails = [[(5, 6), ()] if length == max(lengths) else [(), ()] for length in lengths]
+            tails = [[(5, 6), ()] if length == LABELLED else [(), ()] for length in lengths]
             enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)], [[7] * n for n in lengths],
                           [["a", "b"]] * n_rows, [[3, 4]] * n_rows, tails)
             engine.run(enc, path)

@@ -87,7 +87,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     return y if residual is None else (y, res_out)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tok"])  # one compile for every token count
 def _qk_norm_rope_kernel(x, sx_t, sx_h, w, cos, sin, o, n_tok, eps,
                          H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -167,7 +167,7 @@ def gated_rms_norm_heads(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["L", "n_tok"])  # one compile for every token count and padded length
 def _sigmoid_gate_kernel(x, index, sx_b, sx_l, sx_h, L, g, sg_t, sg_h, o, n_tok, H: tl.constexpr, D: tl.constexpr,
                          BD: tl.constexpr, BT: tl.constexpr, INDEXED: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
