@@ -143,13 +143,20 @@ def test_similar_length_prefill_groups(demo):
         assert a == pytest.approx(b, abs=1e-6)
 
 
-def test_fp32_prefill_attention_without_flash(demo):
+def test_fp32_prefill_attention_without_flash(demo, monkeypatch):
     """The GPU backend's prefill attention in fp32 (flash attention has none): padded documents through SDPA
-    with each KV head repeated, and documents of far-apart lengths one by one; both against the torch ops."""
+    with each KV head repeated, and documents of far-apart lengths one by one; both against the torch ops. Its
+    output gate's kernel (checked in Triton's interpreter, tests/interpret) runs here as torch arithmetic."""
     pytest.importorskip("triton")
     from kevscore.engine.bank import BankLayout, StateBank
     from kevscore.engine.runner import prefill_inputs
     from kevscore.kernels import fla_ops, torch_ops
+
+    def sigmoid_gate(x, gate, index=None):  # elementwise.sigmoid_gate: token n at place index[n] of B x L
+        rows = x.flatten(0, 1)
+        return (rows if index is None else rows[index]).reshape(gate.shape) * torch.sigmoid(gate)
+
+    monkeypatch.setattr(fla_ops, "sigmoid_gate", sigmoid_gate)
 
     bank = StateBank(demo.config, BankLayout(8, 2000), "cpu", torch.float32)
     gen = torch.Generator().manual_seed(0)
