@@ -25,9 +25,9 @@ PARALLEL_COMPILE = os.environ.get("KEVSCORE_PARALLEL_COMPILE", "1") != "0"
 # branch buckets of both kinds: prefill groups and scoring batches of the shapes a job meets (rows of
 # one-token labels, and rows with a label of several tokens)
 PREFILL_GROUPS = ([100, 64], [64, 64])
-# (rows, tokens): a branch bucket of each of the fused WY kernel's tile pairs (16, 24-32, 48-64, 96, 128 tokens)
-BRANCHES = ((4, 32), (1, 24), (2, 90), (1, 10), (1, 60), (1, 120))
 LABELLED = 90  # the branches whose first label has three tokens: batches that score several positions per row
+# (rows, tokens): a branch bucket of each of the fused WY kernel's tile pairs (16, 24-32, 48-64, 96, 128 tokens)
+BRANCHES = ((4, 32), (1, 24), (2, LABELLED), (1, 10), (1, 60), (1, 120))
 
 
 def small_model(cfg: KevConfig) -> KevConfig:

@@ -193,7 +193,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, index: torch.Tensor | None
     flat = gate.flatten(0, -3) if lead else gate[None]
     n = flat.shape[0]
     assert x.dim() == 4 and x.shape[2:] == (h, d) and x.stride(3) == 1 and flat.stride(2) == 1
-    assert index is None and x.shape[0] * x.shape[1] == n or index is not None and index.shape == (n,)
+    assert (x.shape[0] * x.shape[1] if index is None else index.numel()) == n
     out = torch.empty(gate.shape, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_t), h)
     _sigmoid_gate_kernel[grid](x, x if index is None else index, x.stride(0), x.stride(1), x.stride(2), x.shape[1], flat,
