@@ -18,7 +18,7 @@ from triton.testing import do_bench
 from kevscore.measure import environment
 
 DEV = "cuda"
-KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused wy"]
+KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused wy", "prefill wy"]
 # the fused WY kernel's launches (kernels/branch_wy.py's keywords), its defaults first (BV 128 or 64 by tiles)
 WY_LAUNCHES = ({}, dict(block_v=64), dict(block_v=64, tiles=(16, 64)), dict(block_v=128, tiles=(16, 64)),
                dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8), dict(block_v=32, num_warps=8))
@@ -215,6 +215,9 @@ def main() -> None:
     if "fused wy" in args.only:
         bench_fused_wy(record, sweep, cfg, r, (t, 85), gen)
 
+    if "prefill wy" in args.only:
+        bench_prefill_wy(record, sweep, cfg, args.prefill_tokens, gen)
+
     best = {}
     for res in results:
         if res["ms"] is not None and (res["kernel"] not in best or res["ms"] < best[res["kernel"]]["ms"]):
@@ -275,6 +278,43 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
             record(f"wy parts {tt}", f"fused wy {name}", timed(lambda: branch_wy(
                 q, k, v, gc, beta, a_inv, bank, slots, **launch)), layers, floor)
             record(f"fused wy {tt}", f"gate + solve + fused wy {name}", timed(lambda: fused_path(launch)), layers)
+
+
+PREFILL_WY_LAUNCHES = ({}, dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8),
+                      dict(block_v=64, num_stages=2), dict(block_v=64, num_warps=8, num_stages=2), dict(block_v=128))
+
+
+def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:
+    """Prefill's gated delta rule after the solve on m tokens of 1,700-token documents, per DeltaNet layer:
+    FLA's w/u, state scan and output kernels (at a job's pins) against the fused kernel at each launch
+    (`branch_wy.prefill_wy`); the floor is the fused kernel's HBM traffic (q, k read once per value head)."""
+    import types
+
+    from kevscore.kernels import fla_ops, tuning
+    from kevscore.kernels.branch_wy import prefill_wy
+    from kevscore.model.config import LINEAR
+
+    tuning.pin_for(torch.cuda.get_device_name())
+    layers = cfg.layer_types.count(LINEAR)
+    lens = [1700] * (m // 1700) + ([m % 1700] if m % 1700 else [])
+    cu = torch.tensor([0, *lens], device=DEV).cumsum(0)
+    chunks = torch.tensor([(d, c) for d, n in enumerate(lens) for c in range(-(-n // 64))], device=DEV)
+    q, k, v, gate, beta, _, _ = branch_case(cfg, 1, m, gen)
+    gc = fla_ops.decay_cumsum(*gate, 64, fla_ops.RCP_LN2, cu, chunks)
+    a_inv = fla_ops.solve_chunks(k, gc, beta, None, cu, chunks)
+    hv = v.shape[2]
+    floor = copy_ms(2 * (2 * hv // q.shape[2] * q.numel() + 2 * v.numel() + m * hv * 65) + 4 * m * hv
+                    + 4 * len(lens) * hv * q.shape[3] * v.shape[3])
+    ctx = types.SimpleNamespace(cu_seqlens_long=cu, chunk_indices=chunks)
+    fla_ops.FUSED_PREFILL = False
+    record("prefill wy", "FLA stages (gate, solve, w/u, scan, output)", timed(lambda: fla_ops.gdr_prefill(
+        q, k, v, gate, beta, ctx, qk_normed=True)), layers)
+    record("prefill wy", "gate + solve", timed(lambda: fla_ops.solve_chunks(
+        k, fla_ops.decay_cumsum(*gate, 64, fla_ops.RCP_LN2, cu, chunks), beta, None, cu, chunks)), layers)
+    for launch in sweep(PREFILL_WY_LAUNCHES):
+        name = str(launch)[1:-1].replace("'", "") or "default"
+        record("prefill wy", f"fused {name}", timed(lambda: prefill_wy(q, k, v, gc, beta, a_inv, cu, **launch)),
+               layers, floor)
 
 
 def _torch_rotary(x, cos, sin):

@@ -89,3 +89,42 @@ def test_model_with_the_switch_keeps_paths_bitwise(tiny, monkeypatch):
     truth = cpu_engine(tiny, docs=enc.prefixes).run(enc, "indexed").probs
     off = lambda a, b: max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))  # noqa: E731
     assert off(out["indexed"], truth) < off(base, truth) + 0.01, (off(out["indexed"], truth), off(base, truth))
+
+
+PREFILL_DOCS = [1, 17, 64, 65, 200, 1700, 130]
+PREFILL_LAUNCHES = [dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8),
+                    dict(block_v=64, num_stages=2), dict(block_v=128)]
+
+
+def prefill_stages_and_fused(monkeypatch, dims, dtype, launch: dict | None = None):
+    """(FLA's stages, the fused prefill kernel) on packed documents: each (output, final states)."""
+    import types
+
+    from kevscore.kernels import fla_ops
+
+    h, hv, dk, dv = dims
+    n = sum(PREFILL_DOCS)
+    q, k, v, gate, beta, _, _ = branch_inputs(1, n, h, hv, dk, dv, dtype, seed=n)
+    cu = torch.tensor([0, *torch.tensor(PREFILL_DOCS).cumsum(0).tolist()], device=DEV)
+    chunks = [(d, c) for d, t in enumerate(PREFILL_DOCS) for c in range(-(-t // 64))]
+    ctx = types.SimpleNamespace(cu_seqlens_long=cu, chunk_indices=torch.tensor(chunks, device=DEV))
+    monkeypatch.setattr(fla_ops, "FUSED_PREFILL", False)
+    ref = fla_ops.gdr_prefill(q, k, v, gate, beta, ctx, qk_normed=True)
+    monkeypatch.setattr(fla_ops, "FUSED_PREFILL", True)
+    monkeypatch.setattr(fla_ops, "PREFILL_WY_LAUNCH", launch or {})
+    return ref, fla_ops.gdr_prefill(q, k, v, gate, beta, ctx, qk_normed=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", list(DIMS.values()), ids=list(DIMS))
+def test_fused_prefill_close_to_fla_pipeline(dims, dtype, monkeypatch):
+    (ref_o, ref_final), (o, final) = prefill_stages_and_fused(monkeypatch, dims, dtype)
+    assert o.dtype == ref_o.dtype and final.dtype == torch.float32 and final.shape == ref_final.shape
+    assert relative(o, ref_o) < TOLERANCE[dtype], relative(o, ref_o)
+    assert relative(final, ref_final) < TOLERANCE[dtype], relative(final, ref_final)
+
+
+@pytest.mark.parametrize("launch", PREFILL_LAUNCHES, ids=str)
+def test_every_prefill_launch_close_to_fla_pipeline(launch, monkeypatch):
+    (ref_o, ref_final), (o, final) = prefill_stages_and_fused(monkeypatch, DIMS["kev4b"], torch.bfloat16, launch)
+    assert relative(o, ref_o) < TOLERANCE[torch.bfloat16] and relative(final, ref_final) < TOLERANCE[torch.bfloat16]

@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import gpu_engine, synthetic, transformers_states
+from conftest import cpu_engine, gpu_engine, synthetic, transformers_states
 
 from kevscore.engine.pipeline import Scores
 
@@ -43,16 +43,21 @@ def test_packed_prefill_equals_one_document_at_a_time(tiny, docs):
 
 
 def test_fused_prefill_close_to_fla_whole_ops(tiny, monkeypatch):
-    """Our packed conv front end, FLA's stages on host-computed chunk indices and flash attention over the
-    packed tokens, against FLA's conv + `chunk_gated_delta_rule` + padded SDPA (what prefill ran before)."""
+    """Our packed conv front end, the fused gated delta rule after FLA's solve and flash attention over the
+    packed tokens, against FLA's conv + `chunk_gated_delta_rule` + padded SDPA (what prefill ran before): in
+    bf16 both round differently, so each is measured against the fp32 CPU prefill, and ours may be no
+    farther from it than FLA's whole ops (and close to them)."""
     from kevscore.kernels import fla_ops
 
     enc = synthetic(DOCS, [4])
+    exact = entries(cpu_engine(tiny, docs=enc.prefixes), enc, 1 << 16)
     ours = entries(gpu_engine(tiny, enc.prefixes), enc, 1 << 16)
     monkeypatch.setattr(fla_ops, "FLA_PREFILL", True)
     theirs = entries(gpu_engine(tiny, enc.prefixes), enc, 1 << 16)
-    for name, a, b in zip(("state", "conv", "kv"), ours, theirs):
-        assert relative(a, b) < 5e-3, (name, relative(a, b))
+    for name, a, b, c in zip(("state", "conv", "kv"), ours, theirs, exact):
+        print(f"{name}: ours {relative(a, c):.3g} from fp32, FLA's whole ops {relative(b, c):.3g}, "
+              f"ours from FLA's {relative(a, b):.3g}")
+        assert relative(a, c) <= 1.25 * relative(b, c) + 1e-4 and relative(a, b) < 1e-2, name
 
 
 def test_prefill_never_waits_on_the_gpu(tiny):

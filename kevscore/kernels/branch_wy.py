@@ -1,4 +1,4 @@
-"""Fused WY, state read and output: a branch's gated delta rule after the solve, one kernel per DeltaNet layer.
+"""Fused WY, state scan and output: the gated delta rule after FLA's solve, one kernel per DeltaNet layer.
 
 Unless KEVSCORE_FUSED_WY=0, the branch path (branches of at most 128 tokens) runs three kernels per DeltaNet
 layer: our gate cumsum (`kernels/gate.py`), FLA's kkt + solve kernel (A_inv = (I + A)^-1 of each 64-token
@@ -21,6 +21,11 @@ read from the bank again (L2) rather than kept in registers through it. The dots
 the input dtype (where FLA's pipeline stores them between kernels), and beta v - w h rounded once where FLA
 rounds w and u: with bf16 inputs the two differ by rounding, with fp32 by tf32 dots only.
 Torch reference with the same interface: `kevscore.kernels.gdr_ref.branch_wy`.
+
+Prefill (`prefill_wy`, unless KEVSCORE_FUSED_PREFILL=0) runs the same chunk over packed documents: one program per
+(document, value head, block of value columns) walks the document's chunks from a zero state, the state in fp32
+registers from chunk to chunk, and writes each document's final state, in place of FLA's w/u kernel, state scan
+and output kernel (and the h and v_new they pass between them through memory).
 """
 from __future__ import annotations
 
@@ -93,6 +98,33 @@ def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_s
         _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), BT1, T, o_v, m_v, scale, H, HV, K, V, BT2)
 
 
+@triton.jit
+def _prefill_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, o, final, scale, H: tl.constexpr, HV: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    T = (eos - bos).to(tl.int32)
+    q += (bos * H + i_h // (HV // H)) * K
+    k += (bos * H + i_h // (HV // H)) * K
+    v += (bos * HV + i_h) * V
+    o += (bos * HV + i_h) * V
+    g += bos * HV + i_h
+    beta += bos * HV + i_h
+    a_inv += (bos * HV + i_h) * BC
+
+    o_v, o_k = i_v * BV + tl.arange(0, BV), tl.arange(0, K)
+    m_v = o_v < V
+    dt = k.dtype.element_ty
+    b_h = tl.zeros([K, BV], dtype=tl.float32)
+    for t0 in range(0, T, BC):
+        b_vn, b_k, b_g = _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), t0, T, o_v, m_v, scale, H, HV, K, V, BC)
+        g_last = tl.load(g + (tl.minimum(t0 + BC, T) - 1) * HV)
+        b_h = b_h * exp2(g_last) + tl.dot(tl.trans(b_k), (b_vn * exp2(g_last - b_g)[:, None]).to(dt))
+    p_f = final + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    tl.store(p_f, b_h, mask=m_v[None, :])
+
+
 def token_tiles(t: int, tiles: tuple[int, ...] = (16, 32, 64)) -> tuple[int, int]:
     """The two chunks' token tiles for a branch of t <= 128 tokens, each the smallest of `tiles` (powers of two
     from 16 to 64) that holds its tokens; 0: no second chunk. Below 64 rows the dots take their operands in
@@ -136,3 +168,29 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         q, k, v, g, beta, a_inv, bank, index, stride, bank.stride(0), o, t, kd ** -0.5, H=h, HV=hv, K=kd, V=vd,
         BV=bv, BT1=bt1, BT2=bt2, num_warps=num_warps, num_stages=num_stages)
     return o
+
+
+def prefill_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               a_inv: torch.Tensor, cu_seqlens: torch.Tensor, block_v: int = 64, num_warps: int = 4,
+               num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [1, N, HV, V] in v's dtype, final states [D, HV, K, V] fp32) of D documents packed into N tokens,
+    each from a zero state; cu_seqlens [D + 1] their bounds. Tensors as `branch_wy` takes them with R = 1 and
+    T = N; g and a_inv chunked per document (FLA's varlen gate cumsum and solve). Launch: the loop over chunks
+    pipelined in `num_stages` (the next chunk's loads under this one's dots); bench_kernels.py --only
+    "prefill wy" sweeps the launches."""
+    _, n, h, kd = k.shape
+    hv, vd = v.shape[2], v.shape[3]
+    assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape and k.shape[0] == 1
+    assert all(x.is_contiguous() for x in (q, k, v, g, beta, a_inv))
+    assert g.shape == beta.shape == (1, n, hv) and g.dtype == torch.float32 and a_inv.shape == (1, n, hv, CHUNK)
+    docs = cu_seqlens.shape[0] - 1
+    # Triton 3.6 (the H200's) computes this kernel wrong in bf16 at 32 value columns, on 4 warps or 8: narrow
+    # value heads take a block of 64, masked
+    assert block_v >= 64, "prefill_wy takes blocks of at least 64 value columns"
+    bv = min(block_v, max(64, triton.next_power_of_2(vd)))
+    o = torch.empty_like(v)
+    final = torch.empty(docs, hv, kd, vd, device=v.device, dtype=torch.float32)
+    _prefill_wy_kernel[(triton.cdiv(vd, bv), docs * hv)](
+        q, k, v, g, beta, a_inv, cu_seqlens, o, final, kd ** -0.5, H=h, HV=hv, K=kd, V=vd, BV=bv,
+        num_warps=num_warps, num_stages=num_stages)
+    return o, final

@@ -32,7 +32,7 @@ from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
-from kevscore.kernels.branch_wy import MAX_T, branch_wy  # noqa: E402
+from kevscore.kernels.branch_wy import MAX_T, branch_wy, prefill_wy  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, sigmoid_gate, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
@@ -48,6 +48,10 @@ PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench
 # --only 'fused wy')
 FUSED_WY = os.environ.get("KEVSCORE_FUSED_WY", "1") == "1"
 FUSED_WY_LAUNCH: dict = {}
+# prefill's gated delta rule after FLA's solve in one kernel (`branch_wy.prefill_wy`, launched with
+# PREFILL_WY_LAUNCH); 0: FLA's w/u, state scan and output kernels (A/B)
+FUSED_PREFILL = os.environ.get("KEVSCORE_FUSED_PREFILL", "1") == "1"
+PREFILL_WY_LAUNCH: dict = {}
 # An fp32 model's Triton dots run in 3xTF32, fp32's precision on tensor cores (TRITON_F32_DEFAULT, set by
 # cuda_runner.fp32_dots). Its branch attention's tiles: the bf16 defaults' would take 512 KB of shared memory at
 # head dim 256, over the H200's 227 KB; these take 192 KB (benchmarks/sm90_build.py)
@@ -151,6 +155,8 @@ def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torc
                                       beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
                                       use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
     gc = decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2, cu, chunks)
+    if FUSED_PREFILL:
+        return prefill_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), cu, **PREFILL_WY_LAUNCH)
     w, u = wy_repr(k, v, gc, beta, cu, chunks)  # FLA's chunk_gated_delta_rule_fwd_intra, its launches as they are
     h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
                                                    cu_seqlens=cu, chunk_indices=chunks)

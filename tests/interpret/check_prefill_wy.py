@@ -1,0 +1,55 @@
+"""Run under TRITON_INTERPRET=1: the fused prefill kernel (`branch_wy.prefill_wy`: every chunk of each packed
+document from a zero state, its final state out) after our varlen gate cumsum and FLA's varlen kkt + solve kernel,
+on the CPU in fp32, against `gdr_ref.chunk_gated_delta_rule` run on each document alone: outputs and final
+states. Documents of 1 to 200 tokens (one partial chunk, exact chunks, a partial last chunk), value heads
+narrower than the 64-column block (masked) and two blocks of them. fp32 only: Triton 3.8's interpreter
+multiplies bf16 dot operands as their raw bits."""
+import time
+
+import torch
+import triton
+from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
+
+from kevscore.kernels import gdr_ref
+from kevscore.kernels.branch_wy import prefill_wy
+from kevscore.kernels.gate import gate_cumsum
+
+SOLVE = chunk_gated_delta_rule_fwd_kkt_solve_kernel.fn.fn  # under FLA's heuristics and autotuner: no driver here
+
+
+def chunk_indices(lengths: list[int]) -> torch.Tensor:
+    """FLA's (document, chunk within it) pairs of every 64-token chunk."""
+    return torch.tensor([(d, c) for d, n in enumerate(lengths) for c in range(triton.cdiv(n, 64))], dtype=torch.int64)
+
+
+start = time.perf_counter()
+worst = 0.0
+for (h, hv, dk, dv, launch), lengths in [((2, 4, 32, 32, {}), (1, 17, 64, 130)),
+                                        ((1, 2, 64, 128, dict(block_v=64, num_warps=8)), (65, 200, 3))]:
+    n = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    chunks = chunk_indices(list(lengths))
+    gen = torch.Generator().manual_seed(dk + n)
+    q = gdr_ref.l2norm(torch.randn(1, n, h, dk, generator=gen))
+    k = gdr_ref.l2norm(torch.randn(1, n, h, dk, generator=gen))
+    v = torch.randn(1, n, hv, dv, generator=gen)
+    beta = torch.rand(1, n, hv, generator=gen)
+    a = torch.randn(1, n, hv, generator=gen) * 2
+    A_log, dt_bias = torch.randn(hv, generator=gen) * 0.5, torch.randn(hv, generator=gen)
+    gc = gate_cumsum(a, A_log, dt_bias, 64, gdr_ref.RCP_LN2, cu, chunks)
+    a_inv = torch.full((1, n, hv, 64), float("nan"))  # only the lower triangles of valid rows are written and read
+    SOLVE[(chunks.shape[0], hv)](k=k, g=gc, beta=beta, A=a_inv, cu_seqlens=cu, chunk_indices=chunks, T=n, H=h, HV=hv,
+                                 K=dk, BT=64, BC=16, BK=32, USE_G=True, IS_VARLEN=True)
+    out, final = prefill_wy(q, k, v, gc, beta, a_inv, cu, **launch)
+    assert out.shape == v.shape and final.shape == (len(lengths), hv, dk, dv) and final.dtype == torch.float32
+    decay = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)  # the gate kernel's natural-log decay
+    errors = []
+    for d, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        ref, ref_final = gdr_ref.chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], decay[:, s:e], beta[:, s:e],
+                                                        output_final_state=True, use_qk_l2norm=False)
+        errors += [((out[:, s:e] - ref).norm() / ref.norm()).item(),
+                   ((final[d] - ref_final[0]).norm() / ref_final[0].norm()).item()]
+    print(f"K {dk} V {dv} {launch} documents {lengths}: relative error {max(errors):.3g}")
+    worst = max(worst, *errors)
+print(f"max relative error {worst:.3g} in {time.perf_counter() - start:.1f} s")
+assert worst < 1e-4, worst
