@@ -138,3 +138,25 @@ def test_prefill_writes_the_states_transformers_keeps(tiny):
             torch.testing.assert_close(bank.conv[layer, slot], conv, rtol=1e-5, atol=1e-6)
         for layer, kv in enumerate(kvs):
             torch.testing.assert_close(bank.kv[layer, :, start:start + len(doc)], kv, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, stages", [(torch.bfloat16, 2), (torch.float32, 1)])
+def test_fused_prefill_launch_fits_the_h200(monkeypatch, dtype, stages):
+    """The fused prefill kernel's default launch: the chunk loop in 2 stages in bf16, 1 in fp32 (whose 2 stages
+    need 247 KB of shared memory at Kev-4B's heads, over the H200's 227 KB), and blocks of 64 value columns at
+    least (Triton 3.6 computes 32 wrong in bf16)."""
+    from kevscore.kernels import branch_wy
+
+    launches = []
+    monkeypatch.setattr(branch_wy, "_prefill_wy_kernel", type("Launcher", (), {
+        "__getitem__": lambda self, grid: lambda *args, **kw: launches.append((grid, kw))})())
+    n, h, hv, d = 100, 2, 4, 32
+    q = torch.zeros(1, n, h, d, dtype=dtype)
+    v = torch.zeros(1, n, hv, d, dtype=dtype)
+    g, beta, a_inv = torch.zeros(1, n, hv), torch.zeros(1, n, hv, dtype=dtype), torch.zeros(1, n, hv, 64, dtype=dtype)
+    o, final = branch_wy.prefill_wy(q, q, v, g, beta, a_inv, torch.tensor([0, 30, 100]))
+    (grid, kw), = launches
+    assert kw["num_stages"] == stages and kw["BV"] == 64 and grid == (1, 2 * hv)
+    assert o.shape == v.shape and final.shape == (2, hv, d, d) and final.dtype == torch.float32
+    with pytest.raises(AssertionError):
+        branch_wy.prefill_wy(q, q, v, g, beta, a_inv, torch.tensor([0, 100]), block_v=32)

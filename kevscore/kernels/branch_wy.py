@@ -172,12 +172,13 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
 def prefill_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                a_inv: torch.Tensor, cu_seqlens: torch.Tensor, block_v: int = 64, num_warps: int = 4,
-               num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+               num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [1, N, HV, V] in v's dtype, final states [D, HV, K, V] fp32) of D documents packed into N tokens,
     each from a zero state; cu_seqlens [D + 1] their bounds. Tensors as `branch_wy` takes them with R = 1 and
     T = N; g and a_inv chunked per document (FLA's varlen gate cumsum and solve). Launch: the loop over chunks
-    pipelined in `num_stages` (the next chunk's loads under this one's dots); bench_kernels.py --only
-    "prefill wy" sweeps the launches."""
+    pipelined in `num_stages` (the next chunk's loads under this one's dots; default 2, and 1 in fp32, whose
+    two stages take 247 KB of shared memory at 128-column heads, over the H200's 227 KB); bench_kernels.py
+    --only "prefill wy" sweeps the launches."""
     _, n, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape and k.shape[0] == 1
@@ -188,6 +189,7 @@ def prefill_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     # value heads take a block of 64, masked
     assert block_v >= 64, "prefill_wy takes blocks of at least 64 value columns"
     bv = min(block_v, max(64, triton.next_power_of_2(vd)))
+    num_stages = num_stages or (1 if v.dtype == torch.float32 else 2)
     o = torch.empty_like(v)
     final = torch.empty(docs, hv, kd, vd, device=v.device, dtype=torch.float32)
     _prefill_wy_kernel[(triton.cdiv(vd, bv), docs * hv)](
