@@ -49,8 +49,8 @@ def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, wit
     for source in inputs:
         if _same_file(output, Path(source)):
             raise KevscoreError(f"{output}: the output is the input file {source}; choose another --output")
-    for directory in within:
-        if _inside(output, Path(directory)):
+    for directory in map(Path, within):
+        if directory.is_dir() and output.resolve().is_relative_to(directory.resolve()):
             raise KevscoreError(f"{output}: the output is inside {directory}, which this run reads; "
                                 "choose another --output")
     if not output.parent.is_dir():
@@ -65,25 +65,19 @@ def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, wit
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
-    return a.exists() and b.exists() and os.path.samefile(a, b)
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    return directory.is_dir() and path.resolve().is_relative_to(directory.resolve())
+    return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
 
 
 def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[float]],
                  label_mass: list[float], extra: dict[str, pa.Array] | None = None) -> pa.Table:
-    n = len(rows)
-    extra = extra or {}
-    _check_lengths(n, {"labels": labels, "probs": probs, "label_mass": label_mass, **extra})
+    n, extra = len(rows), extra or {}
+    columns = {"labels": labels, "probs": probs, "label_mass": label_mass, **extra}
+    if wrong := {k: len(v) for k, v in columns.items() if len(v) != n}:
+        raise ValueError(f"expected {n} rows in every output column, got {wrong}")
     for i, (ls, ps) in enumerate(zip(labels, probs)):
         if len(ls) != len(ps):
             raise ValueError(f"row {i}: {len(ls)} labels but {len(ps)} probs")
-    clash = [k for k in extra if k in OUTPUT_SCHEMA.names]
-    if clash:
+    if clash := [k for k in extra if k in OUTPUT_SCHEMA.names]:
         raise ValueError(f"extra columns {clash} clash with the output schema")
     nulls = [None] * n
     arrays = [
@@ -102,14 +96,6 @@ def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[flo
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _check_lengths(n: int, columns: dict[str, Sequence | pa.Array]) -> None:
-    wrong = {k: len(v) for k, v in columns.items() if len(v) != n}
-    if wrong:
-        raise ValueError(f"expected {n} rows in every output column, got {wrong}")
-
-
 def _argmax_label(labels: Sequence[str], probs: Sequence[float]) -> str | None:
     """The label with the highest probability, the first one on ties."""
-    if not labels:
-        return None
-    return labels[max(range(len(probs)), key=probs.__getitem__)]
+    return labels[max(range(len(probs)), key=probs.__getitem__)] if labels else None

@@ -110,8 +110,7 @@ def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> Distr
         summary = os.environ.get("KEVSCORE_SUMMARY_JSON")  # for benchmarks: the job's figures as JSON
         if summary and rank == 0:
             Path(summary).write_text(json.dumps({"output": str(result.output), "seconds": result.seconds,
-                                                 "rows": result.rows,
-                                                 "ranks": [dataclasses.asdict(s) for s in statuses]}))
+                                                 "rows": result.rows, "ranks": [dataclasses.asdict(s) for s in statuses]}))
         return result
     finally:
         dist.destroy_process_group()

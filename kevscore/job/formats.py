@@ -134,8 +134,7 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
         return Source(given, files, files[0], False, rename)
     if not files[0].is_file():
         raise KevscoreError(f"{files[0]}: no such file")
-    return Source(given, files, _stage(given, [str(f) for f in files], None, rename, limit, stage_dir), True,
-                  rename)
+    return Source(given, files, _stage(given, [str(f) for f in files], None, rename, limit, stage_dir), True, rename)
 
 
 def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dict[str, str], limit: int | None,

@@ -100,8 +100,7 @@ def _read_json(path: Path) -> dict | None:
 def merged_output(output: Path) -> bool:
     """True when OUT.parts records a merge whose result is the file at OUT: a run killed after renaming its
     output and before removing its parts (the rerun only cleans up)."""
-    manifest = _read_json(parts_dir(output) / MANIFEST) or {}
-    merged = manifest.get("merged") or {}
+    merged = (_read_json(parts_dir(output) / MANIFEST) or {}).get("merged") or {}
     name = (merged.get("tmp") or {}).get("output")
     return bool(name) and output.is_file() and file_sha256(output) == (merged.get("sha256") or {}).get(name)
 
@@ -286,19 +285,18 @@ class PartStore:
         """The output in input order, MERGE_ROWS input rows at a time: each chunk takes the next rows of
         every part with rows in it (a part's rows ascend) and orders them by row."""
         readers: dict[int, _PartReader] = {}
-        n_windows = len(self.planned)
         for a in range(0, len(of_row), MERGE_ROWS):
             wins = of_row[a:a + MERGE_ROWS]
             live = wins >= 0
             if not live.any():
                 continue
-            counts = np.bincount(wins[live], minlength=n_windows)
+            counts = np.bincount(wins[live], minlength=len(self.planned))
             pieces = []
             for w in np.flatnonzero(counts).tolist():
                 if w not in readers:
                     readers[w] = _PartReader(self._part_file(w))
                 pieces.append(readers[w].take(int(counts[w])))
-                if readers[w].exhausted():
+                if readers[w].left <= 0:
                     del readers[w]
             chunk = pa.concat_tables(pieces).replace_schema_metadata(None).sort_by("row")
             want = np.flatnonzero(live) + a
@@ -334,7 +332,7 @@ class _PartReader:
         file = pq.ParquetFile(path)
         self.batches = file.iter_batches(batch_size=PART_ROW_GROUP)
         self.buffer = file.schema_arrow.empty_table()  # read, not yet taken
-        self.left = file.metadata.num_rows
+        self.left = file.metadata.num_rows  # rows not yet taken
 
     def take(self, n: int) -> pa.Table:
         """The next `n` rows."""
@@ -343,6 +341,3 @@ class _PartReader:
         taken, self.buffer = self.buffer.slice(0, n), self.buffer.slice(n)
         self.left -= n
         return taken
-
-    def exhausted(self) -> bool:
-        return self.left <= 0

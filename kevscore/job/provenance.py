@@ -23,9 +23,9 @@ JOB_KEY = b"kevscore.job"
 PROVENANCE_KEY = b"kevscore.provenance"  # how the output was made: version, inputs, model, options (`kevscore info`)
 OPTION_FLAGS = {"state_read": "--state-read", "labels": "--labels", "batch_rows": "--batch-rows",
                 "bank_capacity": "--bank-capacity", "eager": "--eager", "batch_invariant": "--batch-invariant",
-                "window": "--window", "dtype": "--dtype",
-                "shard": "shard (rank, world)", "ranks": "ranks (--gpus, torchrun)", "device": "--device",
-                "model": "--model", "skip_invalid": "--skip-invalid", "limit": "--limit", "carry": "--carry/--no-carry",
+                "window": "--window", "dtype": "--dtype", "shard": "shard (rank, world)",
+                "ranks": "ranks (--gpus, torchrun)", "device": "--device", "model": "--model",
+                "skip_invalid": "--skip-invalid", "limit": "--limit", "carry": "--carry/--no-carry",
                 "rename": "the column options (--question-column, ...)"}
 
 
@@ -108,8 +108,7 @@ def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint, devi
         "input": source(inputs.questions), "documents": source(inputs.documents), "template": file(opts.template),
         "model": {"name": model, "fingerprint": fingerprint.digest},
         "options": {"device": device, "dtype": fingerprint.about["dtype"], "state_read": opts.state_read,
-                    "labels": list(opts.labels),
-                    "batch_rows": opts.batch_rows,
+                    "labels": list(opts.labels), "batch_rows": opts.batch_rows,
                     "bank_capacity": opts.bank_capacity, "eager": opts.eager, "batch_invariant": opts.batch_invariant,
                     "window": opts.window, "shard": list(opts.shard) if opts.shard else None, "ranks": ranks,
                     "skip_invalid": opts.skip_invalid, "limit": opts.limit, "carry": carries(opts, ranks),

@@ -75,12 +75,8 @@ class RowReader:
         self.scan = scan
         cols = ["question"] + [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id),
                                                  ("labels", scan.has_labels)) if has]
-        if scan.documents_path is None:
-            cols.append("document")
-            self.docs = None
-        else:
-            self.docs = Cursor(scan.documents_path, ["document"])
-        self.rows = Cursor(scan.path, cols)
+        self.docs = None if scan.documents_path is None else Cursor(scan.documents_path, ["document"])
+        self.rows = Cursor(scan.path, cols + (["document"] if self.docs is None else []))
 
     def read(self, rows: np.ndarray):
         """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""

@@ -113,9 +113,6 @@ class Laps:
     def lap(self, phase: str) -> None:
         self.phases[phase] = time.perf_counter() - self.t0 - sum(self.phases.values())
 
-    def total(self) -> float:
-        return time.perf_counter() - self.t0
-
 
 @dataclass(slots=True)
 class Prepared:
@@ -172,9 +169,8 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     laps.lap("checkpoint")
     doc_tokens = token_pass.result()
     laps.lap("tokens")
-    doc_of_row = scan.doc_of_row
-    if opts.shard is not None:  # a shard of a job: the rows of its documents only
-        doc_of_row = shard_documents(scan, *opts.shard)
+    # a shard of a job: the rows of its documents only
+    doc_of_row = shard_documents(scan, *opts.shard) if opts.shard is not None else scan.doc_of_row
     if ranks > 1:  # each rank's documents cut into windows as its shard would be, rank 0's first
         windows = join_windows([plan_windows(shard_documents(scan, r, ranks), doc_tokens, opts.window, WINDOW_ROWS,
                                              WINDOW_TOKENS) for r in range(ranks)])
@@ -291,7 +287,7 @@ def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
     p, mine = job.prep, job.prep.windows.of_rank(rank)
     done = [w for w in mine if w in parts.done]
     return RunResult(job.output, RunStats(), len(np.unique(p.doc_of_row[p.windows.of_row >= 0])), str(p.device),
-                     p.ckpt.name, p.laps.total(), windows=len(mine), resumed=len(done),
+                     p.ckpt.name, time.perf_counter() - p.laps.t0, windows=len(mine), resumed=len(done),
                      resumed_rows=sum(parts.done[w] for w in done), load_phases=p.laps.phases, warm_up=job.warm_up)
 
 
@@ -334,9 +330,8 @@ def check_outputs(opts: RunOptions, sources: list[Path], output: Path, overwrite
     """The output, its errors file and its parts directory must not be (or hold) anything this run reads:
     the input files, the template, files of the model or bank directory."""
     inputs = sources + ([Path(opts.template)] if opts.template else [])
-    model = Path(opts.model)
-    within = [d for d in (model if model.is_dir() and opts.model not in MODEL_NAMES else None,
-                          opts.bank) if d is not None]
+    model = Path(opts.model) if Path(opts.model).is_dir() and opts.model not in MODEL_NAMES else None
+    within = [d for d in (model, opts.bank) if d is not None]
     check_output_path(output, inputs, overwrite, within)
     if opts.skip_invalid:
         check_output_path(errors_path(output), inputs, overwrite, within)
@@ -350,12 +345,9 @@ def finished_job(job: Job, wall_s: float) -> RunResult:
     if p.finished != job_digest(job.identity) or (errors is not None and not errors.is_file()):
         raise KevscoreError(f"{output}: already exists (the output of another job); pass --overwrite to replace it")
     rows, windows = pq.read_metadata(output).num_rows, len(p.windows)
-    result = RunResult(output, RunStats(rows=rows), int(p.windows.docs.sum()), str(p.device), p.ckpt.name, 0.0,
-                       errors=errors, windows=windows, resumed=windows, resumed_rows=rows, wall_s=wall_s,
-                       already_complete=True)
-    if errors is not None:
-        result.set_aside = pq.read_metadata(errors).num_rows
-    return result
+    return RunResult(output, RunStats(rows=rows), int(p.windows.docs.sum()), str(p.device), p.ckpt.name, 0.0,
+                     errors=errors, set_aside=pq.read_metadata(errors).num_rows if errors is not None else 0,
+                     windows=windows, resumed=windows, resumed_rows=rows, wall_s=wall_s, already_complete=True)
 
 
 def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:
@@ -372,8 +364,7 @@ def bank_documents(windows: Windows, doc_of_row: np.ndarray, doc_tokens: np.ndar
     the most documents; the longest document included), so the bank is sized for a window, not the input."""
     if not len(windows):
         return []
-    biggest = int(np.argmax(windows.tokens))
-    docs = np.unique(doc_of_row[windows.of_row == biggest])
+    docs = np.unique(doc_of_row[windows.of_row == int(np.argmax(windows.tokens))])  # the window of most tokens
     lengths = sorted(int(doc_tokens[d]) for d in docs)
     longest = int(doc_tokens[doc_of_row[windows.of_row >= 0]].max())
     if lengths[-1] < longest:

@@ -92,14 +92,11 @@ def open_parquet(path: Path) -> pq.ParquetFile:
 
 
 def check_names(path: Path, names: list[str], required: Sequence[str], reject: str | None) -> None:
-    twice = [c for c in dict.fromkeys(names) if c in COLUMNS and names.count(c) > 1]
-    if twice:
+    if twice := [c for c in dict.fromkeys(names) if c in COLUMNS and names.count(c) > 1]:
         raise KevscoreError(f"{path}: column name(s) {', '.join(repr(c) for c in twice)} appear more than once; "
                             "rename or drop the duplicates")
-    missing = [c for c in required if c not in names]
-    present = ", ".join(repr(c) for c in names) or "none"
-    if missing:
-        need = ", ".join(repr(c) for c in missing)
+    if missing := [c for c in required if c not in names]:
+        need, present = ", ".join(repr(c) for c in missing), ", ".join(repr(c) for c in names) or "none"
         hint = ("; its questions carry 'doc_id': give their documents with --documents FILE"
                 if missing == ["document"] and {"doc_id", "question"} <= set(names) else "")
         raise KevscoreError(f"{path}: missing required column(s) {need}; columns present: {present}{hint}")
@@ -156,8 +153,7 @@ def decoded(path: Path, data: pa.RecordBatch | pa.Table, columns: Sequence[str],
             out[c] = column.to_pylist()
         except UnicodeDecodeError:
             bad = next(j for j in range(len(column)) if not _decodes(column[j]))
-            raise KevscoreError(f"{path}: column {c!r} holds text that is not valid UTF-8 at row {row_of(bad)}"
-                                ) from None
+            raise KevscoreError(f"{path}: column {c!r} holds text that is not valid UTF-8 at row {row_of(bad)}") from None
     return out
 
 
@@ -204,8 +200,7 @@ class InputScan:
 
     def costs(self) -> dict[str, int]:
         """Document key -> text length plus its questions' lengths (kevscore.job.shard.document_costs)."""
-        total = self.doc_chars + self.question_chars
-        return {k: int(c) for k, c in zip(self.doc_keys, total)}
+        return {k: int(c) for k, c in zip(self.doc_keys, self.doc_chars + self.question_chars)}
 
 
 def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False,
@@ -266,8 +261,7 @@ def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
 
 def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
     file = open_parquet(path)
-    names = file.schema_arrow.names
-    check_names(path, names, ("question", "doc_id"), "document")
+    check_names(path, file.schema_arrow.names, ("question", "doc_id"), "document")
     n = file.metadata.num_rows
     _check_type(path, file, "doc_id")
     doc_of_row = np.full(n, -1, dtype=np.int32)
@@ -283,11 +277,9 @@ def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
     keys = list(index)
     found = _documents_file(documents)
     unknown = [d for d, k in enumerate(keys) if k not in found]
-    scan = InputScan(path, documents, n, doc_of_row, keys, np.zeros(len(keys), np.int64),
-                     np.zeros(len(keys), np.int64), np.full(len(keys), -1, np.int64), has_doc_id=True)
-    for d, k in enumerate(keys):
-        if k in found:
-            scan.doc_row[d], scan.doc_chars[d] = found[k]
+    doc_row, doc_chars = np.array([found.get(k, (-1, 0)) for k in keys], np.int64).reshape(-1, 2).T
+    scan = InputScan(path, documents, n, doc_of_row, keys, doc_chars, np.zeros(len(keys), np.int64), doc_row,
+                     has_doc_id=True)
     if unknown:
         rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(unknown, np.int32))).tolist()
         if not skip_invalid:
@@ -398,13 +390,6 @@ def _check_duplicates(path: Path, file: pq.ParquetFile, qhash: np.ndarray) -> No
         for j, v in enumerate(cols["question_id"]):
             if int(qhash[start + j]) in suspects:
                 seen.setdefault(v, []).append(start + j)
-    dups = {v: rows for v, rows in seen.items() if len(rows) > 1}
-    if dups:
+    if dups := {v: rows for v, rows in seen.items() if len(rows) > 1}:
         rows = sorted(r for rs in dups.values() for r in rs)
         raise KevscoreError(f"{path}: column 'question_id' has duplicate values {few(dups)} at {rows_phrase(rows)}")
-
-
-# ---------------------------------------------------------------- reading rows
-
-
-# ---------------------------------------------------------------- tokens

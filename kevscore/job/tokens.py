@@ -37,21 +37,19 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
         live = [j for j in range(len(docs)) if docs[j] >= 0]
         if scan.documents_path is None:
             new = list(dict.fromkeys(int(docs[j]) for j in live if doc_tokens[docs[j]] < 0))
-            first = {}
-            for j in live:
-                first.setdefault(int(docs[j]), j)
+            first = {int(docs[j]): j for j in reversed(live)}  # each document's first row in the batch
             texts = [template.prefix(cols["document"][first[d]]) for d in new]
             for d, ids in zip(new, tokenize(tokenizer, texts)):
                 doc_tokens[d] = len(ids)
         for j in live if scan.has_labels else ():
-            if (reason := check.labels(cols["labels"][j])) and not skip_invalid:
+            if (reason := check.labels(cols["labels"][j])[0]) and not skip_invalid:
                 raise check.label_error(start + j, reason)
             if reason:
                 scan.set_aside([start + j], reason)
         live = [j for j in live if scan.doc_of_row[start + j] >= 0]
         branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
         for j, ids in zip(live, branches):
-            row_tail = check.label_tail(cols["labels"][j]) if scan.has_labels else tail
+            row_tail = check.labels(cols["labels"][j])[1] if scan.has_labels else tail
             reason = check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids), row_tail)
             if reason and skip_invalid:
                 scan.set_aside([start + j], reason)

@@ -88,11 +88,10 @@ def part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table | None]:
     if not scores.failed:
         return part, None
     failed = sorted(scores.failed)
-    errors = pa.table({"row": [table.rows[i] for i in failed],
-                       "doc_id": [table.doc_ids[i] if table.doc_ids else None for i in failed],
-                       "question_id": [table.question_ids[i] if table.question_ids else None for i in failed],
-                       "reason": [scores.failed[i] for i in failed]}, schema=ERRORS_SCHEMA)
-    return part, errors
+    return part, pa.table({"row": [table.rows[i] for i in failed],
+                           "doc_id": [table.doc_ids[i] if table.doc_ids else None for i in failed],
+                           "question_id": [table.question_ids[i] if table.question_ids else None for i in failed],
+                           "reason": [scores.failed[i] for i in failed]}, schema=ERRORS_SCHEMA)
 
 
 def doc_ids(table, enc) -> list[list[str]]:
