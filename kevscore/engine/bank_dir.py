@@ -74,8 +74,7 @@ def _check_bank_contents(root: Path, create: bool) -> None:
             raise VersionError(f"{root}: kevscore bank format version {version}; this kevscore reads version "
                                f"{VERSION} only. Use another --bank directory (or delete this one)")
         return
-    others = sorted(p.name for p in root.iterdir() if p.name not in BANK_NAMES)
-    if others:
+    if others := sorted(p.name for p in root.iterdir() if p.name not in BANK_NAMES):
         raise KevscoreError(f"{root}: not a kevscore bank (no {MARKER}) and not empty "
                             f"(holds {', '.join(others[:3])}{', …' if len(others) > 3 else ''})")
     if not create and not (root / ENTRIES).is_dir():

@@ -45,10 +45,6 @@ class Fingerprint:
     digest: str
     about: dict  # name, dtype, backend, weights digest, config (for bank-inspect)
 
-    @property
-    def short(self) -> str:
-        return self.digest[:12]
-
 
 def model_fingerprint(ckpt, dtype: torch.dtype, backend: str) -> Fingerprint:
     """sha256 over the model config, a digest of the weights, the bank dtype and the ops backend
@@ -56,8 +52,7 @@ def model_fingerprint(ckpt, dtype: torch.dtype, backend: str) -> Fingerprint:
     config = dataclasses.asdict(ckpt.config)
     about = {"name": ckpt.name, "dtype": str(dtype).removeprefix("torch."), "backend": backend,
              "weights": weights_digest(ckpt), "config": config}
-    digest = hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest()
-    return Fingerprint(digest, about)
+    return Fingerprint(hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest(), about)
 
 
 def weights_digest(ckpt) -> str:
@@ -73,8 +68,7 @@ def weights_digest(ckpt) -> str:
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         flat = t.reshape(-1)
         if flat.numel() > 1 << 20:  # 65537 evenly spaced elements, the last one included
-            step = max(1, flat.numel() // 65536)
-            flat = torch.cat([flat[::step], flat[-1:]])
+            flat = torch.cat([flat[::max(1, flat.numel() // 65536)], flat[-1:]])
         digest.update(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return "mem:" + digest.hexdigest()
 

@@ -148,15 +148,13 @@ class BankStore:
         """The index (under the lock); rebuilt from the entry files when missing or unreadable. With
         `reconcile`, files the index lacks are adopted (a run killed between rename and index write)
         and records whose file is gone are dropped."""
-        files = bank_dir.entry_files(self.root)
+        files, index = bank_dir.entry_files(self.root), None
         try:
             index = bank_dir.read_index(self.root)
         except FileNotFoundError:
-            index = None
             if files:
                 self.warn(f"bank {self.root}: {bank_dir.INDEX} is missing; rebuilding it from {len(files)} entry files")
         except (OSError, ValueError, TypeError) as exc:  # a VersionError (a KevscoreError) stops the run
-            index = None
             self.warn(f"bank {self.root}: {bank_dir.INDEX} is unreadable ({first_line(exc)[:120]}); "
                       f"rebuilding it from {len(files)} entry files")
         if index is None:
@@ -164,8 +162,7 @@ class BankStore:
         if not reconcile:
             return index
         entries = index["entries"]
-        gone = [k for k in entries if k not in files]
-        if gone:
+        if gone := [k for k in entries if k not in files]:
             self.warn(f"bank {self.root}: {len(gone)} indexed entries have no file "
                       f"(e.g. {entries[gone[0]]['file']}); dropped from the index")
             for k in gone:
@@ -222,10 +219,8 @@ class BankStore:
                 final.parent.mkdir(exist_ok=True)
                 os.replace(tmp, final)
                 dirs.add(final.parent)
-            for d in dirs:
+            for d in [*dirs, self.root / bank_dir.ENTRIES] if dirs else []:  # the renames made durable
                 fsync_dir(d)
-            if dirs:
-                fsync_dir(self.root / bank_dir.ENTRIES)
             faults.point("bank-renamed")
             entries = index["entries"]
             for key, used in self._touched.items():
@@ -253,13 +248,12 @@ class BankStore:
             name = self.index["models"].get(fp, {}).get("name", "?")
             self.warn(f"bank {self.root}: {n} of this run's documents have entries made by another model "
                       f"({name}, fingerprint {fp[:12]}); they are not used: prefilling them for this model "
-                      f"({self.model.about['name']}, fingerprint {self.model.short})")
+                      f"({self.model.about['name']}, fingerprint {self.model.digest[:12]})")
 
     def load(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> set[int]:
         """Copy the entries the store has for `docs` into their bank slots; returns the documents loaded.
         Entries that fail a check are reported and left to be prefilled (and saved again)."""
         t0 = time.perf_counter()
-        device = bank.state.device
         wanted = [(d, key) for d, key in self._keys(prefixes, docs) if self._path(key).exists()]
         loaded: set[int] = set()
         for (d, key), result in zip(wanted, self._pipelined(
@@ -277,7 +271,7 @@ class BankStore:
             self._records[key] = bank_dir.entry_record(entry, self._path(key), self.root, time.time())
             self.stats.loaded += 1
             self.stats.read_bytes += entry.size
-        synchronize(device)
+        synchronize(bank.state.device)
         self.stats.load_s += time.perf_counter() - t0
         return loaded
 

@@ -59,9 +59,8 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
         return load_directory(path, device, tokenizer_ready)
     if HUB_ID.match(spec):
         return load_directory(hub_directory(spec), device, tokenizer_ready, spec)
-    names = ", ".join(MODEL_NAMES)
     raise KevscoreError(f"--model {spec}: not a checkpoint directory, a hub id (org/name[@revision]) or one of: "
-                        f"{names}")
+                        f"{', '.join(MODEL_NAMES)}")
 
 
 def hub_cache() -> Path:
@@ -164,10 +163,8 @@ def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else sorted(p.name for p in path.glob("*.safetensors")))
     if not files:
         raise KevscoreError(f"{path}: no *.safetensors weight files")
     weights: dict[str, torch.Tensor] = {}
@@ -192,8 +189,7 @@ def normalize_names(weights: dict[str, torch.Tensor], cfg: KevConfig, path: Path
             raise KevscoreError(f"{path}: untied embeddings but no lm_head.weight in the weights")
         if "model.embed_tokens.weight" in out:  # else reported as missing below
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    missing = sorted(set(weight_shapes(cfg)) - set(out))
-    if missing:
+    if missing := sorted(set(weight_shapes(cfg)) - set(out)):
         raise KevscoreError(f"{path}: weights missing {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
     return out
 

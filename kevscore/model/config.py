@@ -67,16 +67,14 @@ class KevConfig:
     def from_hf(cls, raw: dict[str, Any]) -> "KevConfig":
         """Read a Hugging Face `config.json` dict of model_type qwen3_5 (multimodal) or qwen3_5_text."""
         text = raw.get("text_config", raw) if raw.get("model_type") != "qwen3_5_text" else raw
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers") if k not in text]
-        if missing:
+        if missing := [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers") if k not in text]:
             raise KevscoreError(f"config.json: missing {', '.join(missing)} (is this a Qwen3.5 / Kev checkpoint?)")
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise KevscoreError(f"config.json: rope type {rope.get('rope_type')!r} is not supported (only 'default')")
         layers = text.get("num_hidden_layers")
-        types = text.get("layer_types") or [
-            FULL if (i + 1) % text.get("full_attention_interval", 4) == 0 else LINEAR for i in range(layers)
-        ]
+        types = text.get("layer_types") or [FULL if (i + 1) % text.get("full_attention_interval", 4) == 0 else LINEAR
+                                            for i in range(layers)]
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         given = {f.name: text[f.name] for f in dataclasses.fields(cls) if f.name in text}
         return cls(**{**HF_DEFAULTS, **given, **{k: v for k, v in rope.items() if k in HF_ROPE},
@@ -87,23 +85,18 @@ class KevConfig:
         d = dataclasses.asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["num_hidden_layers"] = self.num_layers
-        d["rope_parameters"] = {
-            "rope_type": "default",
-            "rope_theta": d.pop("rope_theta"),
-            "partial_rotary_factor": d.pop("partial_rotary_factor"),
-        }
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
+                                "partial_rotary_factor": d.pop("partial_rotary_factor")}
         d.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_act="silu")
         return d
 
 
 def _shape(hidden: int, mlp: int, layers: int, heads: tuple[int, int], lin: tuple[int, int], vocab: int) -> KevConfig:
     types = tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers))
-    return KevConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, layer_types=types,
-        num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=256,
-        linear_num_key_heads=lin[0], linear_num_value_heads=lin[1],
-        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=262144,
-    )
+    return KevConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, layer_types=types,
+                     num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=256,
+                     linear_num_key_heads=lin[0], linear_num_value_heads=lin[1],
+                     linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=262144)
 
 
 # Benchmark shapes (seeded random weights; see kevscore.model.checkpoint.random_weights).

@@ -21,13 +21,11 @@ TRAINED_DIR = Path(__file__).parent / "demo_model"  # the shipped files: weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # made by kevscore.demo.tokenizer
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
-DEMO_CONFIG = KevConfig(
-    vocab_size=1280, hidden_size=128, intermediate_size=256, layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-    linear_conv_kernel_dim=4, rope_theta=10_000.0, partial_rotary_factor=0.25,
-    max_position_embeddings=4096, tie_word_embeddings=True,
-)
+DEMO_CONFIG = KevConfig(vocab_size=1280, hidden_size=128, intermediate_size=256,
+                        layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                        linear_value_head_dim=64, linear_conv_kernel_dim=4, rope_theta=10_000.0,
+                        partial_rotary_factor=0.25, max_position_embeddings=4096, tie_word_embeddings=True)
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -58,11 +56,8 @@ def write_demo_files(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
         shutil.copyfile(TRAINED_DIR / name, dest / name)
     added = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
     ids = {t["content"]: t["id"] for t in added}
-    config = cfg.to_hf() | {
-        "bos_token_id": None, "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
-        "dtype": "float32",
-    }
-    _write_json(dest / "config.json", config)
+    _write_json(dest / "config.json", cfg.to_hf() | {"bos_token_id": None, "eos_token_id": ids["<|im_end|>"],
+                                                     "pad_token_id": ids["<|endoftext|>"], "dtype": "float32"})
 
 
 def build_demo_checkpoint(dest: Path) -> None:

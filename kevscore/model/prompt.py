@@ -138,15 +138,9 @@ class PromptCheck:
         self.tail = 0                 # the most label tokens counted in a prompt found too long
         self._labels: dict[tuple[str, ...], tuple[str | None, int]] = {}  # labels -> (why not, tokens added)
 
-    def labels(self, labels: Sequence[str]) -> str | None:
-        """Why a row's labels cannot be scored, or None (checked once per distinct list)."""
-        return self._label(labels)[0]
-
-    def label_tail(self, labels: Sequence[str]) -> int:
-        """Tokens a row's labels add to its prompt (`longest_tail`; 0 for labels that cannot be scored)."""
-        return self._label(labels)[1]
-
-    def _label(self, labels: Sequence[str]) -> tuple[str | None, int]:
+    def labels(self, labels: Sequence[str]) -> tuple[str | None, int]:
+        """Why a row's labels cannot be scored (or None), and the tokens they add to its prompt (`longest_tail`;
+        0 for labels that cannot be scored); checked once per distinct list."""
         key = tuple(labels)
         if key not in self._labels:
             ids, reason = tokenize_labels(self.tokenizer, key)
@@ -184,16 +178,14 @@ class PromptCheck:
 def encode(table, tokenizer, template: Template, default_labels: Sequence[str], max_positions: int) -> Encoded:
     """Tokenize an `InputTable`; documents are tokenized once per distinct text, then deduplicated by ids."""
     texts = list(dict.fromkeys(table.documents))
-    text_ids = dict(zip(texts, tokenize(tokenizer, [template.prefix(t) for t in texts])))
-    keys: dict[str, int] = {}
+    slots: dict[str, int] = {}  # prefix key -> its slot in `prefixes`: texts of the same ids share it
     prefixes: list[list[int]] = []
-    row_prefix = []
-    for doc in table.documents:
-        ids = text_ids[doc]
-        slot = keys.setdefault(prefix_key(ids), len(prefixes))
-        if slot == len(prefixes):
+    slot_of_text = {}
+    for text, ids in zip(texts, tokenize(tokenizer, [template.prefix(t) for t in texts])):
+        slot_of_text[text] = slots.setdefault(prefix_key(ids), len(prefixes))
+        if slot_of_text[text] == len(prefixes):
             prefixes.append(ids)
-        row_prefix.append(slot)
+    row_prefix = [slot_of_text[doc] for doc in table.documents]
     branches = tokenize(tokenizer, [template.branch(q) for q in table.questions])
     labels = table.labels or [list(default_labels)] * len(table)
     label_ids, label_tails = _label_ids(tokenizer, labels, table)
