@@ -7,8 +7,8 @@ import sys
 
 def main() -> None:
     try:
-        line = starting_line(sys.argv[1:], sys.stderr.isatty())
-        if line:  # the imports below take a second or more before the progress display can start
+        # the imports below take a second or more before the progress display can start
+        if line := starting_line(sys.argv[1:], sys.stderr.isatty()):
             sys.stderr.write(line)
             sys.stderr.flush()
         with _deferred_interrupt():

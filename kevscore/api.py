@@ -171,8 +171,7 @@ def _path(value: PathLike | None) -> Path | None:
 
 def _rename(columns: Mapping[str, str]) -> dict[str, str]:
     """kevscore's column name -> the input's, as RunOptions.rename holds it (the input's -> kevscore's)."""
-    unknown = [name for name in columns if name not in COLUMNS]
-    if unknown:
+    if unknown := [name for name in columns if name not in COLUMNS]:
         raise KevscoreError(f"columns: {unknown[0]!r} is not a column kevscore reads ({', '.join(COLUMNS)})")
     return {theirs: ours for ours, theirs in columns.items()}
 

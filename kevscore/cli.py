@@ -184,10 +184,9 @@ def run(
     with _failing():
         label_list = parse_labels(labels)
     opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device, dtype=dtype,
-                      state_read=state_read,
-                      labels=label_list, template=template, batch_rows=batch_rows, overwrite=overwrite,
-                      bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant, bank=bank,
-                      bank_max_gb=bank_max_gb, window=window, restart=restart, skip_invalid=skip_invalid,
+                      state_read=state_read, labels=label_list, template=template, batch_rows=batch_rows,
+                      overwrite=overwrite, bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant,
+                      bank=bank, bank_max_gb=bank_max_gb, window=window, restart=restart, skip_invalid=skip_invalid,
                       limit=limit, carry=carry, rename={question_column: "question", document_column: "document",
                                                         doc_id_column: "doc_id", question_id_column: "question_id",
                                                         labels_column: "labels"})
@@ -259,7 +258,13 @@ def _run_rank(opts, quiet: bool) -> None:
     and the launcher would then fail the job. Nothing is left for teardown to do."""
     code = 0
     try:
-        _rank_work(opts, quiet)
+        from kevscore.job.distributed import run_distributed, world_from_env
+
+        rank = world_from_env()[0]
+        with _failing("interrupted; no output was written", f"rank {rank}: " if rank else ""):
+            result = run_distributed(opts)
+        if rank == 0 and not quiet:
+            console.print(display.ranks_table(result))
     except typer.Exit as exc:
         code = exc.exit_code
     except SystemExit as exc:
@@ -272,16 +277,6 @@ def _run_rank(opts, quiet: bool) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _rank_work(opts, quiet: bool) -> None:
-    from kevscore.job.distributed import run_distributed, world_from_env
-
-    rank = world_from_env()[0]
-    with _failing("interrupted; no output was written", f"rank {rank}: " if rank else ""):
-        result = run_distributed(opts)
-    if rank == 0 and not quiet:
-        console.print(display.ranks_table(result))
 
 
 @app.command("bank-inspect", cls=Command)
@@ -301,8 +296,7 @@ def bank_inspect(
     if as_json:
         typer.echo(json.dumps(report, indent=1))
     else:
-        out = Console(width=None if Console().is_terminal else 80)
-        display.print_inspect(out, report, detail=entry is not None)
+        display.print_inspect(Console(width=None if Console().is_terminal else 80), report, detail=entry is not None)
     if verify and report["bad_entries"]:
         raise typer.Exit(1)
 

@@ -96,22 +96,16 @@ class CaseResult:
     def median(self, path: str) -> float:
         return statistics.median(self.latency_ms[path])
 
-    def rows_per_s(self, path: str) -> float:
-        return self.rows / statistics.median(self.wall_s[path])
-
-    @property
-    def ratio(self) -> float:
-        return self.median("indexed") / self.median("gathered")
-
     @property
     def parity(self) -> bool:
         return self.flips == 0 and self.max_abs_diff == 0.0 and self.bank_unchanged
 
     def summary(self) -> dict:
         out = {p: {"median_ms": self.median(p), "p10_ms": quantile(self.latency_ms[p], 0.1),
-                   "p90_ms": quantile(self.latency_ms[p], 0.9), "rows_per_s": self.rows_per_s(p)} for p in PATHS}
+                   "p90_ms": quantile(self.latency_ms[p], 0.9), "rows_per_s": self.rows / statistics.median(self.wall_s[p])}
+               for p in PATHS}
         g, i = out["gathered"], out["indexed"]
-        out |= {"indexed_over_gathered": self.ratio, "parity": self.parity,
+        out |= {"indexed_over_gathered": i["median_ms"] / g["median_ms"], "parity": self.parity,
                 "spread_overlap": i["p10_ms"] <= g["p90_ms"] and g["p10_ms"] <= i["p90_ms"]}
         for base in ("hf", "fp32"):
             if samples := getattr(self, f"{base}_ms"):
@@ -244,8 +238,7 @@ def _check(opts: CompareOptions) -> list[str]:
         raise KevscoreError(f"--inject-fault {opts.fault}: choose {', '.join(FAULTS)}")
     allowed = tuple(TEMPERATURES) if opts.data else CASES
     cases = opts.cases or list(allowed)
-    bad = [c for c in cases if c not in allowed]
-    if bad:
+    if bad := [c for c in cases if c not in allowed]:
         why = "with --data, the cases are the prefix temperatures" if opts.data else "choose among"
         raise KevscoreError(f"--cases {','.join(bad)}: {why} {', '.join(allowed)}")
     for path in (opts.json_path, opts.plot):
@@ -256,8 +249,7 @@ def _check(opts: CompareOptions) -> list[str]:
 
 def _one_token_labels(enc: Encoded, source: str) -> None:
     """The transformers baseline reads each row's label logits at its last token: labels of one token only."""
-    several = [r for r in range(len(enc)) if not enc.one_token_labels(r)]
-    if several:
+    if several := [r for r in range(len(enc)) if not enc.one_token_labels(r)]:
         raise KevscoreError(f"{source}: --baseline hf times labels of one token; labels of several tokens at "
                             f"{rows_phrase(several)}")
 
@@ -286,16 +278,13 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     fp32 = None if opts.baseline != "fp32" else Engine(  # the same weights in fp32, beside the bf16 model
         build_runner(ckpt, device, doc_tokens, dtype=torch.float32), max_rows=opts.batch_rows)
     load_s = time.perf_counter() - t0
-    hf = None
+    hf = None  # the transformers baseline's call on a case's rows
     if opts.baseline == "hf":
         from kevscore.reference import reference_model
 
         hf_model = reference_model(ckpt, device=str(device),
                                    dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-
-        def hf(enc: Encoded) -> Callable[[], torch.Tensor]:
-            return naive_call(hf_model, enc, device, batch=16)
-
+        hf = lambda enc: naive_call(hf_model, enc, device, batch=16)  # noqa: E731
     results = []
     with injected_fault(runner.model.ops, opts.fault):
         for k, c in enumerate(cases, start=1):
@@ -306,8 +295,7 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     report = {
         "kind": "kevscore compare", "timer": "cuda-events" if device.type == "cuda" else "cpu-wall-clock",
         "model": ckpt.name, "options": {"reps": opts.reps, "warmup": opts.warmup, "batch_rows": opts.batch_rows,
-                                        "baseline": opts.baseline, "small_cases": small,
-                                        "fault": opts.fault},
+                                        "baseline": opts.baseline, "small_cases": small, "fault": opts.fault},
         "environment": environment(device) | {"load_average": [load_before, os.getloadavg()[0]]}, "load_s": load_s,
         "cases": [asdict(r) | {"summary": r.summary()} for r in results],
         "parity": all(r.parity for r in results),

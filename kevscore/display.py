@@ -269,11 +269,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def provenance_table(record: dict) -> Table:
@@ -336,8 +332,7 @@ def print_inspect(out: Console, r: dict, detail: bool) -> None:
     out.print(f"format {r['format']} v{r['version']} · {tot['entries']:,} entries, {_size(tot['file_bytes'])} · "
               f"{_size(r['disk']['free_bytes'])} free on disk", highlight=False)
     for fp, m in r["models"].items():
-        about = m["about"]
-        name, dtype, backend = (escape(str(about.get(k, "?"))) for k in ("name", "dtype", "backend"))
+        name, dtype, backend = (escape(str(m["about"].get(k, "?"))) for k in ("name", "dtype", "backend"))
         out.print(f"model {escape(fp[:12])} · {name} · {dtype} {backend} · {m['entries']:,} entries, "
                   f"{_size(m['file_bytes'])}", highlight=False)
     for note in r["notes"]:

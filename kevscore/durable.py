@@ -8,6 +8,7 @@ kill the process or fill the disk there.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -36,16 +37,12 @@ def temp_path(path: Path, tmp_dir: Path | None = None) -> Path:
 
 def fsync_dir(directory: Path) -> None:
     """Make a rename in `directory` durable (best effort: some filesystems refuse a directory fsync)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def lock_file(path: Path, exclusive: bool = True, wait: bool = True) -> int | None:
@@ -140,10 +137,8 @@ def remembered(name: str, key: str, compute: Callable[[], str], keep: Callable[[
     if not isinstance(known.get(key), str):
         known = {k: v for k, v in known.items() if keep(k)}
         known[key] = compute()
-        try:
+        with contextlib.suppress(OSError, KevscoreFailure):
             cache.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(cache, bytes_filler(json.dumps(known).encode()))
-        except (OSError, KevscoreFailure):
-            pass
     _REMEMBERED[name, key] = known[key]
     return known[key]

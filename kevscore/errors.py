@@ -31,8 +31,7 @@ def rows_phrase(rows: Sequence[int], limit: int = 10) -> str:
     shown = ", ".join(str(r) for r in rows[:limit])
     if len(rows) == 1:
         return f"row {shown}"
-    more = f", … ({len(rows)} rows)" if len(rows) > limit else ""
-    return f"rows {shown}{more}"
+    return f"rows {shown}" + (f", … ({len(rows)} rows)" if len(rows) > limit else "")
 
 
 def reported(exc: BaseException) -> KevscoreError:
