@@ -74,12 +74,12 @@ def workload(cfg: KevConfig, docs: int, doc_len: int, questions: int, q_len: int
 
 
 KERNEL_GROUPS = [
-    ("state scan (ours)", ("_indexed_scan_kernel",)),
+    ("gated delta rule (ours)", ("_indexed_scan_kernel", "_branch_wy_kernel", "_prefill_wy_kernel")),
     ("state scan (FLA)", ("chunk_gated_delta_rule_fwd_kernel_h",)),
     ("FLA chunk pipeline", ("chunk_", "recompute_w_u", "l2norm", "cumsum")),
-    ("causal conv", ("causal_conv1d",)),
+    ("causal conv", ("causal_conv1d", "_branch_conv_kernel")),
     ("attention", ("_branch_attn_kernel", "fmha", "flash", "attention", "efficient")),
-    ("norms / swiglu", ("layer_norm", "swiglu", "norm_rope")),
+    ("norms / swiglu / gates", ("layer_norm", "rms_norm", "gated_norm", "swiglu", "norm_rope", "sigmoid_gate")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "Kernel2")),
     ("gather / copy", ("index", "gather", "cat", "copy", "Copy", "Memcpy", "Memset")),
 ]

@@ -150,7 +150,7 @@ def test_profile_summary_adds_kernels_whose_short_names_collide():
     assert out["launches_per_call"] == (72 + 72 + 93 + 72) / 3
     assert abs(out["kernel_ms_per_call"] - 39.9 / 3) < 1e-9
     assert out["top_kernel_launches"][prefix[:90]] == 48
-    assert abs(out["groups"]["matmul"] - 10.0) < 1e-9 and abs(out["groups"]["state scan (ours)"] - 3.0) < 1e-9
+    assert abs(out["groups"]["matmul"] - 10.0) < 1e-9 and abs(out["groups"]["gated delta rule (ours)"] - 3.0) < 1e-9
 
 
 def test_job_benchmark_arithmetic():
