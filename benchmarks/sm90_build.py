@@ -84,6 +84,13 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     for bv, stages in ((32, 1), (64, 3)):
         out.append((f"scan fp32 K 64 BV {bv} warps 2 stages {stages}", _indexed_scan_kernel, scan_f32,
                     dict(H=2, HV=4, K=64, V=64, BT=64, BV=bv, FINAL_UPDATE=False), 2, stages, scan_aligned))
+    from kevscore.kernels.branch_wy import _prefill_wy_kernel
+
+    # the fused prefill kernel at its bf16 default (4 warps, its chunk loop in 2 stages)
+    prefill_t = {n: "*bf16" for n in ("q", "k", "v", "beta", "a_inv", "o")} | {
+        "g": "*fp32", "final": "*fp32", "cu_seqlens": "*i64", "scale": "fp32"}
+    out.append(("prefill wy BV 64 warps 4 stages 2", _prefill_wy_kernel, prefill_t,
+                dict(H=16, HV=32, K=128, V=128, BV=64), 4, 2, ("q", "k", "v", "g", "beta", "a_inv", "o", "final")))
     attn_t = {n: "*bf16" for n in ("q", "k", "v", "o", "gate", "pool_k", "pool_v")}
     attn_t |= {"kv_start": "*i64", "kv_len": "*i64", "T": "i32", "qk_scale": "fp32"}
     strides = ("sq_r", "sq_t", "sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "sp_t",
@@ -128,11 +135,13 @@ def fp32_variants() -> list[tuple]:
     from kevscore.kernels.fla_ops import ATTN_FP32 as a32
     from kevscore.kernels.state_scan import _indexed_scan_kernel
 
-    attn, scan = (next(v for v in variants() if v[0].startswith(name)) for name in ("attention bm", "scan BV 32"))
+    attn, scan, prefill = (next(v for v in variants() if v[0].startswith(name))
+                           for name in ("attention bm", "scan BV 32", "prefill wy"))
     f32 = lambda types: {n: "*fp32" if t == "*bf16" else t for n, t in types.items()}  # noqa: E731
     return [("fp32 attention", _branch_attn_kernel, f32(attn[2]),
              attn[3] | {"BM": a32["block_m"], "BN": a32["block_n"]}, a32["num_warps"], a32["num_stages"], attn[6]),
             ("fp32 scan", _indexed_scan_kernel, f32(scan[2]), scan[3], *scan[4:]),
+            ("fp32 prefill wy, 1 stage", prefill[1], f32(prefill[2]), prefill[3], 4, 1, prefill[6]),
             *((f"fp32 fla {name}", *rest) for name, *rest in fla_variants("*fp32"))]
 
 
