@@ -217,44 +217,15 @@ def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
     file = open_parquet(path)
     names = file.schema_arrow.names
     check_names(path, names, ("document", "question"), None)
-    n = file.metadata.num_rows
     _check_type(path, file, "document")
-    has_id = "doc_id" in names
-    doc_of_row = np.full(n, -1, dtype=np.int32)
-    index: dict = {}  # document key -> its index; per document its text's digest, length and first row
-    digests, chars, first_rows = [], [], []
-    null_docs, null_ids = [], []
-    clash: dict[int, None] = {}
-    for start, cols in batches(path, file, ["document", "doc_id"] if _typed(file, "doc_id") else ["document"]):
-        ids = cols.get("doc_id")
-        for j, text in enumerate(cols["document"]):
-            i = start + j
-            if ids is not None and ids[j] is None:
-                null_ids.append(i)
-            if text is None:
-                null_docs.append(i)
-            if text is None or (ids is not None and ids[j] is None):
-                continue
-            digest = _digest(text)
-            d = index.setdefault(ids[j] if ids is not None else text if keep_texts else digest, len(index))
-            if d == len(digests):
-                digests.append(digest)
-                chars.append(len(text))
-                first_rows.append(i)
-            elif digests[d] != digest:
-                clash[d] = None
-            doc_of_row[i] = d
-    keys = [k if isinstance(k, str) else k.hex() for k in index]
-    scan = InputScan(path, None, n, doc_of_row, keys, np.asarray(chars, np.int64), np.zeros(0, np.int64),
-                     np.asarray(first_rows, np.int64), has_doc_id=has_id)
-    _nulls(path, "document", null_docs, scan if skip_invalid else None)
-    if has_id:
+    docs = _index_documents(path, file, keep_texts)
+    scan = InputScan(path, None, file.metadata.num_rows, docs.doc_of_row, docs.keys, np.asarray(docs.chars, np.int64),
+                     np.zeros(0, np.int64), np.asarray(docs.first_rows, np.int64), has_doc_id="doc_id" in names)
+    _nulls(path, "document", docs.null_texts, scan if skip_invalid else None)
+    if scan.has_doc_id:
         _check_type(path, file, "doc_id")
-        _nulls(path, "doc_id", null_ids)
-        if clash:
-            rows = np.flatnonzero(np.isin(doc_of_row, np.fromiter(clash, np.int32))).tolist()
-            raise KevscoreError(f"{path}: column 'doc_id' maps {few(keys[d] for d in clash)} to different "
-                                f"'document' texts at {rows_phrase(rows)}")
+        _nulls(path, "doc_id", docs.null_ids)
+        docs.check_clashes(path)
     _scan_questions(scan, file, skip_invalid)
     return scan
 
@@ -262,24 +233,15 @@ def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
 def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
     file = open_parquet(path)
     check_names(path, file.schema_arrow.names, ("question", "doc_id"), "document")
-    n = file.metadata.num_rows
     _check_type(path, file, "doc_id")
-    doc_of_row = np.full(n, -1, dtype=np.int32)
-    index: dict[str, int] = {}  # doc_id -> its index
-    null_ids = []
-    for start, cols in batches(path, file, ["doc_id"]):
-        for j, key in enumerate(cols["doc_id"]):
-            if key is None:
-                null_ids.append(start + j)
-            else:
-                doc_of_row[start + j] = index.setdefault(key, len(index))
-    _nulls(path, "doc_id", null_ids)
-    keys = list(index)
+    docs = _index_documents(path, file)  # by doc_id alone: the texts are in the documents file
+    _nulls(path, "doc_id", docs.null_ids)
+    doc_of_row, keys = docs.doc_of_row, docs.keys
     found = _documents_file(documents)
     unknown = [d for d, k in enumerate(keys) if k not in found]
     doc_row, doc_chars = np.array([found.get(k, (-1, 0)) for k in keys], np.int64).reshape(-1, 2).T
-    scan = InputScan(path, documents, n, doc_of_row, keys, doc_chars, np.zeros(len(keys), np.int64), doc_row,
-                     has_doc_id=True)
+    scan = InputScan(path, documents, len(doc_of_row), doc_of_row, keys, doc_chars, np.zeros(len(keys), np.int64),
+                     doc_row, has_doc_id=True)
     if unknown:
         rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(unknown, np.int32))).tolist()
         if not skip_invalid:
@@ -296,33 +258,63 @@ def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
     file = open_parquet(path)
     check_names(path, file.schema_arrow.names, ("doc_id", "document"), None)
     _check_type(path, file, "doc_id")
-    text_ok = _typed(file, "document")
-    found: dict[str, tuple[int, int]] = {}
-    digests: dict[str, bytes] = {}
-    null_ids, null_texts = [], []
-    clash: dict[str, None] = {}
-    for start, cols in batches(path, file, ["doc_id", "document"] if text_ok else ["doc_id"]):
-        texts = cols.get("document")
-        for j, key in enumerate(cols["doc_id"]):
-            text = texts[j] if texts is not None else ""
-            if key is None or text is None:
-                (null_ids if key is None else null_texts).append(start + j)
+    docs = _index_documents(path, file)
+    _nulls(path, "doc_id", docs.null_ids)
+    _check_type(path, file, "document")
+    _nulls(path, "document", docs.null_texts)
+    docs.check_clashes(path)
+    return {key: (row, chars) for key, row, chars in zip(docs.keys, docs.first_rows, docs.chars)}
+
+
+@dataclass(slots=True)
+class _Documents:
+    """The documents of one file's rows: per document its key, its text's length and its first row; the rows
+    whose doc_id or text is null, and the documents whose doc_id is given two different texts."""
+    doc_of_row: np.ndarray  # int32 per row: its document; -1 for a row whose doc_id or text is null
+    keys: list[str] = field(default_factory=list)
+    chars: list[int] = field(default_factory=list)
+    first_rows: list[int] = field(default_factory=list)
+    null_ids: list[int] = field(default_factory=list)
+    null_texts: list[int] = field(default_factory=list)
+    clashes: list[int] = field(default_factory=list)
+
+    def check_clashes(self, path: Path) -> None:
+        if self.clashes:
+            rows = np.flatnonzero(np.isin(self.doc_of_row, np.asarray(self.clashes, np.int32))).tolist()
+            raise KevscoreError(f"{path}: column 'doc_id' maps {few(self.keys[d] for d in self.clashes)} to "
+                                f"different 'document' texts at {rows_phrase(rows)}")
+
+
+def _index_documents(path: Path, file: pq.ParquetFile, keep_texts: bool = False) -> _Documents:
+    """Each row's document, from the file's `document` and `doc_id` columns of the right type: keyed by doc_id,
+    else by the text (`keep_texts`) or its digest. Without a `document` column every text is empty."""
+    columns = [c for c in ("document", "doc_id") if _typed(file, c)]
+    docs = _Documents(np.full(file.metadata.num_rows, -1, dtype=np.int32))
+    index: dict = {}  # document key -> its index
+    digests: list[bytes] = []
+    clashes: dict[int, None] = {}
+    for start, cols in batches(path, file, columns):
+        ids, texts = cols.get("doc_id"), cols.get("document")
+        for j in range(len(cols[columns[0]])):
+            i, text = start + j, texts[j] if texts is not None else ""
+            if ids is not None and ids[j] is None:
+                docs.null_ids.append(i)
+            if text is None:
+                docs.null_texts.append(i)
+            if text is None or (ids is not None and ids[j] is None):
                 continue
             digest = _digest(text)
-            if key not in found:
-                found[key] = (start + j, len(text))
-                digests[key] = digest
-            elif digests[key] != digest:
-                clash[key] = None
-    _nulls(path, "doc_id", null_ids)
-    _check_type(path, file, "document")
-    _nulls(path, "document", null_texts)
-    if clash:
-        rows = [start + j for start, cols in batches(path, file, ["doc_id"])
-                for j, key in enumerate(cols["doc_id"]) if key in clash]
-        raise KevscoreError(f"{path}: column 'doc_id' maps {few(clash)} to different 'document' texts at "
-                            f"{rows_phrase(rows)}")
-    return found
+            d = index.setdefault(ids[j] if ids is not None else text if keep_texts else digest, len(index))
+            if d == len(digests):
+                digests.append(digest)
+                docs.chars.append(len(text))
+                docs.first_rows.append(i)
+            elif digests[d] != digest:
+                clashes[d] = None
+            docs.doc_of_row[i] = d
+    docs.keys = [k if isinstance(k, str) else k.hex() for k in index]
+    docs.clashes = list(clashes)
+    return docs
 
 
 LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not v),
