@@ -47,18 +47,26 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
     meanwhile)."""
     from kevscore.model.demo import demo_checkpoint_dir
 
-    if spec == "demo":
-        return load_directory(demo_checkpoint_dir(), device, tokenizer_ready, "demo")
     if spec in SHAPES:
         tok, cfg = load_tokenizer(demo_checkpoint_dir()), SHAPES[spec]
         if tokenizer_ready is not None:
             tokenizer_ready(tok, cfg)
         return Checkpoint(spec, cfg, random_weights(cfg, seed, torch.bfloat16, device), tok)
-    path = Path(spec)
-    if path.is_dir():
-        return load_directory(path, device, tokenizer_ready)
+    directory = model_directory(spec)
+    return load_directory(directory, device, tokenizer_ready, None if directory == Path(spec) else spec)
+
+
+def model_directory(spec: str, download: bool = True) -> Path:
+    """The checkpoint directory `spec` names: the demo's (built on first use), a directory, or a hub id's
+    snapshot in Hugging Face's cache (`hub_directory`)."""
+    from kevscore.model.demo import demo_checkpoint_dir
+
+    if spec == "demo":
+        return demo_checkpoint_dir()
+    if Path(spec).is_dir():
+        return Path(spec)
     if HUB_ID.match(spec):
-        return load_directory(hub_directory(spec), device, tokenizer_ready, spec)
+        return hub_directory(spec, download)
     raise KevscoreError(f"--model {spec}: not a checkpoint directory, a hub id (org/name[@revision]) or one of: "
                         f"{', '.join(MODEL_NAMES)}")
 
@@ -97,15 +105,10 @@ def hub_directory(spec: str, download: bool = True) -> Path:
 
 def peek_config(spec: str) -> KevConfig | None:
     """The model config of `spec` without its weights, or None when it cannot be read (the load reports why)."""
-    from kevscore.model.demo import demo_checkpoint_dir
-
     if spec in SHAPES:
         return SHAPES[spec]
     try:
-        path = demo_checkpoint_dir() if spec == "demo" else Path(spec)
-        if not path.is_dir() and HUB_ID.match(spec):
-            path = hub_directory(spec, download=False)
-        return KevConfig.from_hf(json.loads((path / "config.json").read_text()))
+        return KevConfig.from_hf(json.loads((model_directory(spec, download=False) / "config.json").read_text()))
     except (OSError, ValueError, KevscoreError):
         return None
 
