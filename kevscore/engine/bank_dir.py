@@ -12,11 +12,12 @@ from pathlib import Path
 from kevscore import faults
 from kevscore.durable import lock_file
 from kevscore.engine.bank_entry import FORMAT, SUFFIX, VERSION, EntryFile
-from kevscore.errors import KevscoreError
+from kevscore.errors import KevscoreError, first_line
 
 MARKER, INDEX, LOCK, ENTRIES, TMP = "kevbank.json", "index.json", "lock", "entries", "tmp"
 BANK_NAMES = {MARKER, INDEX, LOCK, ENTRIES, TMP}
 MAX_DOC_IDS = 32  # document ids remembered per entry
+INDEX_MISSING = f"{INDEX} is missing"
 
 
 class VersionError(KevscoreError):
@@ -104,6 +105,17 @@ def read_index(root: Path) -> dict:
     for key, rec in entries.items():
         _check_record(key, rec)
     return data
+
+
+def index_or_why(root: Path) -> tuple[dict | None, str | None]:
+    """The index, or None and why it cannot be used (INDEX_MISSING, or unreadable); a bank of another
+    format version raises VersionError."""
+    try:
+        return read_index(root), None
+    except FileNotFoundError:
+        return None, INDEX_MISSING
+    except (OSError, ValueError, TypeError) as exc:
+        return None, f"{INDEX} is unreadable ({first_line(exc)[:120]})"
 
 
 @contextlib.contextmanager

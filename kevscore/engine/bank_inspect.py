@@ -5,9 +5,9 @@ import json
 import shutil
 from pathlib import Path
 
-from kevscore.engine.bank_dir import ENTRIES, INDEX, TMP, bank_lock, check_bank_dir, entry_files, read_index
+from kevscore.engine.bank_dir import ENTRIES, TMP, bank_lock, check_bank_dir, entry_files, index_or_why
 from kevscore.engine.bank_entry import COMPONENTS, FORMAT, SUFFIX, VERSION, EntryError, read_entry, read_header
-from kevscore.errors import KevscoreError, first_line
+from kevscore.errors import KevscoreError
 
 
 def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> dict:
@@ -16,7 +16,8 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
     check_bank_dir(root, create=False)
     with bank_lock(root, False, "inspect"):
         files = entry_files(root)
-        index, notes = _index_or_notes(root)
+        index, why = index_or_why(root)
+        notes = [f"{why}: entries listed from their files (the next run rebuilds it)"] if why else []
         records = dict(index["entries"]) if index else {}
         models = dict(index["models"]) if index else {}
         keys = sorted(set(records) | set(files))
@@ -43,17 +44,6 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
             "verified": verify, "bad_entries": bad, "notes": notes,
             "unindexed": [r["key"] for r in rows if not r["indexed"]],
             "temporary": [p.name for p in leftovers]}
-
-
-def _index_or_notes(root: Path) -> tuple[dict | None, list[str]]:
-    """The index, or None and a note saying why the entries are listed from their files."""
-    try:
-        return read_index(root), []
-    except FileNotFoundError:
-        return None, [f"{INDEX} is missing: entries listed from their files (the next run rebuilds it)"]
-    except (OSError, ValueError, TypeError) as exc:
-        return None, [f"{INDEX} is unreadable ({first_line(exc)[:120]}): entries listed from "
-                      "their files (the next run rebuilds it)"]
 
 
 def _chosen_entry(root: Path, keys: list[str], prefix: str | None) -> str | None:

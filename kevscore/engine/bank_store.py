@@ -38,7 +38,7 @@ from kevscore.durable import bytes_filler, fsync_dir, lock_file, write_atomic, w
 from kevscore.engine import bank_dir, bank_entry
 from kevscore.engine.backend import synchronize
 from kevscore.engine.bank_entry import EntryError, Fingerprint
-from kevscore.errors import KevscoreFailure, first_line
+from kevscore.errors import KevscoreFailure
 from kevscore.model.prompt import prefix_key
 
 MARKER_FIELDS = {"format": bank_entry.FORMAT, "version": bank_entry.VERSION}  # the marker file's, the index's
@@ -148,15 +148,10 @@ class BankStore:
         """The index (under the lock); rebuilt from the entry files when missing or unreadable. With
         `reconcile`, files the index lacks are adopted (a run killed between rename and index write)
         and records whose file is gone are dropped."""
-        files, index = bank_dir.entry_files(self.root), None
-        try:
-            index = bank_dir.read_index(self.root)
-        except FileNotFoundError:
-            if files:
-                self.warn(f"bank {self.root}: {bank_dir.INDEX} is missing; rebuilding it from {len(files)} entry files")
-        except (OSError, ValueError, TypeError) as exc:  # a VersionError (a KevscoreError) stops the run
-            self.warn(f"bank {self.root}: {bank_dir.INDEX} is unreadable ({first_line(exc)[:120]}); "
-                      f"rebuilding it from {len(files)} entry files")
+        files = bank_dir.entry_files(self.root)
+        index, why = bank_dir.index_or_why(self.root)
+        if why is not None and (files or why != bank_dir.INDEX_MISSING):  # no index, no entry: a new bank
+            self.warn(f"bank {self.root}: {why}; rebuilding it from {len(files)} entry files")
         if index is None:
             index, reconcile = {**MARKER_FIELDS, "entries": {}, "models": {}}, True
         if not reconcile:
