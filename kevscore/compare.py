@@ -10,7 +10,6 @@ call first prefills the documents not yet in the bank (into the same slots every
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kevscore.baselines import naive_call
-from kevscore.durable import bytes_filler, write_atomic
+from kevscore.durable import write_atomic, write_json
 from kevscore.engine.backend import synchronize
 from kevscore.engine.pipeline import Engine, Scores
 from kevscore.errors import KevscoreError, rows_phrase
@@ -302,7 +301,7 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     }
     report["warnings"] = spread_warnings(report)
     if opts.json_path:
-        write_atomic(Path(opts.json_path), bytes_filler(json.dumps(report, indent=1).encode()))
+        write_json(Path(opts.json_path), report, indent=1)
     if opts.plot:
         plot(report, Path(opts.plot))
     return report

@@ -104,6 +104,12 @@ def bytes_filler(data: bytes | memoryview, point: str | None = None) -> Filler:
     return fill
 
 
+def write_json(path: Path, data: dict, point: str | None = None, tmp_dir: Path | None = None,
+               indent: int | None = None) -> None:
+    """`write_atomic` of `data` as JSON; `point`: a fault point halfway through the write (`bytes_filler`)."""
+    write_atomic(path, bytes_filler(json.dumps(data, indent=indent).encode(), point), tmp_dir)
+
+
 def file_sha256(path: Path) -> str:
     """SHA-256 of a file's bytes, read 16 MiB at a time."""
     digest = hashlib.sha256()
@@ -111,6 +117,17 @@ def file_sha256(path: Path) -> str:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def read_json_object(path: Path) -> dict | None:
+    """The JSON object a file holds: None when there is no file, {} when it is unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def cached_sha256(path: Path) -> str:
@@ -129,16 +146,12 @@ def remembered(name: str, key: str, compute: Callable[[], str], keep: Callable[[
     if (name, key) in _REMEMBERED:
         return _REMEMBERED[name, key]
     cache = cache_root() / name
-    try:
-        known = json.loads(cache.read_text())
-        assert isinstance(known, dict)
-    except (OSError, ValueError, AssertionError):
-        known = {}
+    known = read_json_object(cache) or {}
     if not isinstance(known.get(key), str):
         known = {k: v for k, v in known.items() if keep(k)}
         known[key] = compute()
         with contextlib.suppress(OSError, KevscoreFailure):
             cache.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(cache, bytes_filler(json.dumps(known).encode()))
+            write_json(cache, known)
     _REMEMBERED[name, key] = known[key]
     return known[key]

@@ -13,7 +13,7 @@ from kevscore import faults
 from kevscore.errors import KevscoreError, KevscoreFailure
 from kevscore.job import parts
 from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table, read_input
-from kevscore.job.parts import write_parquet
+from kevscore.job.formats import write_parquet
 from kevscore.job.scan import InputTable
 
 
@@ -388,7 +388,7 @@ def test_output_table_rejects_mismatched_lengths(bad: str) -> None:
 
 
 def write(out: Path, hook: str | None = None) -> None:
-    """One output table written the way parts and outputs are (parts.write_parquet)."""
+    """One output table written the way parts and outputs are (formats.write_parquet)."""
     table = output_table(empty_rows(1), [["a", "b"]], [[0.3, 0.7]], [0.9])
     write_parquet(out, OUTPUT_SCHEMA, [table], out.parent, hook=hook)
 

@@ -20,7 +20,6 @@ check is reported on one line and recomputed (its file is replaced by the recomp
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 from kevscore import faults
-from kevscore.durable import bytes_filler, fsync_dir, lock_file, write_atomic, write_new
+from kevscore.durable import bytes_filler, fsync_dir, lock_file, write_json, write_new
 from kevscore.engine import bank_dir, bank_entry
 from kevscore.engine.backend import synchronize
 from kevscore.engine.bank_entry import EntryError, Fingerprint
@@ -79,7 +78,7 @@ class BankStore:
                 self._clean_tmp()
                 self._make_owner()
                 if not (self.root / bank_dir.MARKER).exists():
-                    write_atomic(self.root / bank_dir.MARKER, bytes_filler(json.dumps(MARKER_FIELDS).encode()), self.tmp)
+                    write_json(self.root / bank_dir.MARKER, MARKER_FIELDS, tmp_dir=self.tmp)
                 self._publish(self._load_index(reconcile=True), "bank-index-write-open")
         except BaseException:
             self._release()
@@ -181,7 +180,7 @@ class BankStore:
         then the evicted entries' files removed."""
         index["models"][self.model.digest] = self.model.about
         evicted = self._evict(index)
-        write_atomic(self.root / bank_dir.INDEX, bytes_filler(json.dumps(index, indent=0).encode(), hook), self.tmp)
+        write_json(self.root / bank_dir.INDEX, index, hook, self.tmp, indent=0)
         for path in evicted:
             path.unlink(missing_ok=True)
         self.index = index

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -15,6 +15,8 @@ import pyarrow.fs as pafs
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
+from kevscore import faults
+from kevscore.durable import Filler, write_atomic
 from kevscore.errors import KevscoreError, first_line
 from kevscore.job.rows import Cursor
 
@@ -57,6 +59,25 @@ class TableWriter:
     def __exit__(self, *exc) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dict[bytes, bytes] | None = None,
+                 hook: str | None = None) -> Filler:
+    """A `write_new` filler writing `tables` in `fmt` (Parquet, with `metadata` when given, CSV, JSON Lines);
+    `hook` is a fault point after each table."""
+    def fill(f: BinaryIO) -> None:
+        with TableWriter(f, fmt, metadata) as writer:
+            for table in tables:
+                writer.write(table)
+                if hook:
+                    faults.point(hook)
+    return fill
+
+
+def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], tmp_dir: Path,
+                  hook: str | None = None) -> None:
+    """Write `tables` atomically as one Parquet file of `schema` (the temporary file in tmp_dir)."""
+    write_atomic(path, table_filler((t.cast(schema) for t in tables), hook=hook), tmp_dir)
 
 
 def lists_as_json(table: pa.Table) -> pa.Table:

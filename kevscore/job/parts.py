@@ -22,17 +22,16 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kevscore import faults
-from kevscore.durable import Filler, bytes_filler, file_sha256, lock_file, replace_into, temp_path, write_atomic, write_new
+from kevscore.durable import file_sha256, lock_file, read_json_object, replace_into, temp_path, write_json, write_new
 from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
 from kevscore.job.data import OUTPUT_SCHEMA
-from kevscore.job.formats import TableWriter, file_format
+from kevscore.job.formats import file_format, table_filler, write_parquet
 from kevscore.job.provenance import JOB_KEY, PROVENANCE_KEY, differences, job_digest, provenance
 
 FORMAT, VERSION = "kevscore-parts", 1
@@ -64,43 +63,10 @@ def errors_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.errors.parquet")
 
 
-def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dict[bytes, bytes] | None = None,
-                 hook: str | None = None) -> Filler:
-    """A `write_new` filler writing `tables` in `fmt` (kevscore.job.formats: Parquet, with `metadata` when
-    given, CSV, JSON Lines); `hook` is a fault point after each table."""
-    def fill(f: BinaryIO) -> None:
-        with TableWriter(f, fmt, metadata) as writer:
-            for table in tables:
-                writer.write(table)
-                if hook:
-                    faults.point(hook)
-    return fill
-
-
-def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], tmp_dir: Path,
-                  hook: str | None = None) -> None:
-    """Write `tables` atomically as one Parquet file of `schema` (the temporary file in tmp_dir)."""
-    write_atomic(path, table_filler((t.cast(schema) for t in tables), hook=hook), tmp_dir)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    write_atomic(path, bytes_filler(json.dumps(data, indent=1).encode(), "manifest-write"))
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def merged_output(output: Path) -> bool:
     """True when OUT.parts records a merge whose result is the file at OUT: a run killed after renaming its
     output and before removing its parts (the rerun only cleans up)."""
-    merged = (_read_json(parts_dir(output) / MANIFEST) or {}).get("merged") or {}
+    merged = (read_json_object(parts_dir(output) / MANIFEST) or {}).get("merged") or {}
     name = (merged.get("tmp") or {}).get("output")
     return bool(name) and output.is_file() and file_sha256(output) == (merged.get("sha256") or {}).get(name)
 
@@ -123,7 +89,7 @@ class PartStore:
         self.member, self._lock = member, None
         self.created = not member and not self.dir.exists()
         if member:
-            self.manifest = _read_json(self.dir / MANIFEST) or {}
+            self.manifest = read_json_object(self.dir / MANIFEST) or {}
             if self.manifest.get("identity") != identity:
                 raise KevscoreFailure(f"{self.dir}: rank 0 did not open it for this job")
             self.done = self._completed(remove_others=False)
@@ -147,7 +113,7 @@ class PartStore:
     def _open(self, restart: bool) -> None:
         for p in self.dir.glob(".*.tmp"):
             p.unlink(missing_ok=True)  # writes of a run that was killed
-        manifest = _read_json(self.dir / MANIFEST)
+        manifest = read_json_object(self.dir / MANIFEST)
         self.manifest = None
         if manifest is not None:
             same = (manifest.get("format") == FORMAT and manifest.get("version") == VERSION
@@ -168,8 +134,11 @@ class PartStore:
         if self.manifest is None:
             self.manifest = {"format": FORMAT, "version": VERSION, "identity": self.identity, "job": self.job,
                              "created": time.time(), "done": []}
-            _write_json(self.dir / MANIFEST, self.manifest)
+            self._write_manifest()
         self.done = self._completed(remove_others=True)
+
+    def _write_manifest(self) -> None:
+        write_json(self.dir / MANIFEST, self.manifest, "manifest-write", indent=1)
 
     def _completed(self, remove_others: bool) -> dict[int, int]:
         """Window -> rows of each complete part of this job; other part files are removed (or ignored)."""
@@ -228,7 +197,7 @@ class PartStore:
         self.done[w] = table.num_rows
         if not self.member:  # rank 0's manifest; the parts on disk are what counts
             self.manifest["done"] = sorted(self.done)
-            _write_json(self.dir / MANIFEST, self.manifest)
+            self._write_manifest()
 
     def failed_rows(self) -> pa.Table:
         """Every window's rows that failed on their own, by row."""
@@ -274,7 +243,7 @@ class PartStore:
         write_new(self.dir / names["output"], fill, self.output)
         self.manifest["merged"] = {"tmp": names, "rows": expected,
                                    "sha256": {n: file_sha256(self.dir / n) for n in names.values()}}
-        _write_json(self.dir / MANIFEST, self.manifest)
+        self._write_manifest()
         if set_aside is not None:
             replace_into(self.dir / names["errors"], errors_path(self.output))
         replace_into(self.dir / names["output"], self.output)
