@@ -33,6 +33,7 @@ from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
 from kevscore.job.data import OUTPUT_SCHEMA
 from kevscore.job.formats import file_format, table_filler, write_parquet
 from kevscore.job.provenance import JOB_KEY, PROVENANCE_KEY, differences, job_digest, provenance
+from kevscore.job.rows import Cursor
 
 FORMAT, VERSION = "kevscore-parts", 1
 MANIFEST, LOCK = "manifest.json", "lock"
@@ -66,7 +67,11 @@ def errors_path(output: Path) -> Path:
 def merged_output(output: Path) -> bool:
     """True when OUT.parts records a merge whose result is the file at OUT: a run killed after renaming its
     output and before removing its parts (the rerun only cleans up)."""
-    merged = (read_json_object(parts_dir(output) / MANIFEST) or {}).get("merged") or {}
+    return _is_merge((read_json_object(parts_dir(output) / MANIFEST) or {}).get("merged") or {}, output)
+
+
+def _is_merge(merged: dict, output: Path) -> bool:
+    """Whether the file at `output` is the merge a manifest records (`merged`), renamed into place."""
     name = (merged.get("tmp") or {}).get("output")
     return bool(name) and output.is_file() and file_sha256(output) == (merged.get("sha256") or {}).get(name)
 
@@ -150,7 +155,7 @@ class PartStore:
             elif remove_others:
                 self.warn(f"{path}: not a complete part of this job; recomputing window {w}")
                 path.unlink(missing_ok=True)
-                self._errors_file(w).unlink(missing_ok=True)
+                self._file("errors", w).unlink(missing_ok=True)
         return done
 
     def _parts(self) -> dict[int, Path]:
@@ -171,28 +176,26 @@ class PartStore:
         try:
             meta = pq.read_metadata(path)
             schema = pq.read_schema(path)
-            failed = pq.read_metadata(self._errors_file(w)).num_rows if self._errors_file(w).exists() else 0
+            failed = pq.read_metadata(self._file("errors", w)).num_rows if self._file("errors", w).exists() else 0
         except (OSError, pa.ArrowException):
             return None
         if (schema.metadata or {}).get(JOB_KEY) != self.job.encode() or not schema.equals(OUTPUT_SCHEMA):
             return None
         return meta.num_rows if meta.num_rows + failed == int(self.planned[w]) else None
 
-    def _part_file(self, w: int) -> Path:
-        return self.dir / f"part-{w:06d}.parquet"
-
-    def _errors_file(self, w: int) -> Path:
-        return self.dir / f"errors-{w:06d}.parquet"
+    def _file(self, kind: str, w: int) -> Path:
+        """Window w's `part` (its scores) or `errors` (its rows that failed on their own) file."""
+        return self.dir / f"{kind}-{w:06d}.parquet"
 
     # ------------------------------------------------------------ writing
 
     def write(self, w: int, table: pa.Table, errors: pa.Table | None = None) -> None:
         """Window w's scores (rows ascending) and the rows that failed on their own, atomically."""
         if errors is not None and errors.num_rows:
-            write_parquet(self._errors_file(w), ERRORS_SCHEMA, [errors], self.dir)
+            write_parquet(self._file("errors", w), ERRORS_SCHEMA, [errors], self.dir)
         table = table.replace_schema_metadata({JOB_KEY: self.job.encode()})
         groups = [pa.Table.from_batches([b], table.schema) for b in table.to_batches(max_chunksize=PART_ROW_GROUP)]
-        write_parquet(self._part_file(w), table.schema, groups or [table], self.dir, hook="part-write")
+        write_parquet(self._file("part", w), table.schema, groups or [table], self.dir, hook="part-write")
         faults.point("part-done")
         self.done[w] = table.num_rows
         if not self.member:  # rank 0's manifest; the parts on disk are what counts
@@ -201,7 +204,7 @@ class PartStore:
 
     def failed_rows(self) -> pa.Table:
         """Every window's rows that failed on their own, by row."""
-        tables = [pq.read_table(self._errors_file(w)) for w in sorted(self.done) if self._errors_file(w).exists()]
+        tables = [pq.read_table(self._file("errors", w)) for w in sorted(self.done) if self._file("errors", w).exists()]
         return pa.concat_tables([ERRORS_SCHEMA.empty_table(), *tables]).sort_by("row")
 
     # ------------------------------------------------------------ finishing
@@ -216,7 +219,7 @@ class PartStore:
         for tmp, target in pending:  # killed between recording the merge and renaming it
             if tmp.exists() and file_sha256(tmp) == merged["sha256"][tmp.name]:
                 replace_into(tmp, target)
-        return self.output.exists() and file_sha256(self.output) == merged["sha256"].get(merged["tmp"]["output"])
+        return _is_merge(merged, self.output)
 
     def merge(self, of_row: np.ndarray, set_aside: pa.Table | None,
               finish: Callable[[Iterator[pa.Table]], Iterator[pa.Table]] | None = None) -> int:
@@ -253,7 +256,8 @@ class PartStore:
     def _merged(self, of_row: np.ndarray) -> Iterator[pa.Table]:
         """The output in input order, MERGE_ROWS input rows at a time: each chunk takes the next rows of
         every part with rows in it (a part's rows ascend) and orders them by row."""
-        readers: dict[int, _PartReader] = {}
+        readers: dict[int, Cursor] = {}
+        taken = np.zeros(len(self.planned), np.int64)  # rows of each part merged so far
         for a in range(0, len(of_row), MERGE_ROWS):
             wins = of_row[a:a + MERGE_ROWS]
             live = wins >= 0
@@ -263,9 +267,10 @@ class PartStore:
             pieces = []
             for w in np.flatnonzero(counts).tolist():
                 if w not in readers:
-                    readers[w] = _PartReader(self._part_file(w))
-                pieces.append(readers[w].take(int(counts[w])))
-                if readers[w].left <= 0:
+                    readers[w] = Cursor(self._file("part", w), OUTPUT_SCHEMA.names)
+                pieces.append(readers[w].table(np.arange(taken[w], taken[w] + counts[w])))
+                taken[w] += counts[w]
+                if taken[w] >= self.done[w]:
                     del readers[w]
             chunk = pa.concat_tables(pieces).replace_schema_metadata(None).sort_by("row")
             want = np.flatnonzero(live) + a
@@ -292,21 +297,3 @@ class PartStore:
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
-
-
-class _PartReader:
-    """The rows of one part file, taken in order a few at a time."""
-
-    def __init__(self, path: Path):
-        file = pq.ParquetFile(path)
-        self.batches = file.iter_batches(batch_size=PART_ROW_GROUP)
-        self.buffer = file.schema_arrow.empty_table()  # read, not yet taken
-        self.left = file.metadata.num_rows  # rows not yet taken
-
-    def take(self, n: int) -> pa.Table:
-        """The next `n` rows."""
-        while self.buffer.num_rows < n:
-            self.buffer = pa.concat_tables([self.buffer, pa.Table.from_batches([next(self.batches)])])
-        taken, self.buffer = self.buffer.slice(0, n), self.buffer.slice(n)
-        self.left -= n
-        return taken

@@ -49,6 +49,12 @@ class Cursor:
 
     def take(self, rows: np.ndarray) -> dict[str, list]:
         """The values of `rows` (ascending input rows) per column, in that order."""
+        if not len(rows):
+            return {c: [] for c in self.columns}
+        return decoded(self.path, self.table(rows), self.columns, lambda j: int(rows[j]))
+
+    def table(self, rows: np.ndarray) -> pa.Table:
+        """`rows` (ascending input rows, at least one) as a table of the columns, in that order."""
         pieces = []
         i = 0
         while i < len(rows):
@@ -63,9 +69,7 @@ class Cursor:
             j = int(np.searchsorted(rows, self.start + self.batch.num_rows, side="left"))
             pieces.append(self.batch.take(pa.array(rows[i:j] - self.start, pa.int64())))
             i = j
-        if not pieces:
-            return {c: [] for c in self.columns}
-        return decoded(self.path, pa.Table.from_batches(pieces), self.columns, lambda j: int(rows[j]))
+        return pa.Table.from_batches(pieces)
 
 
 class RowReader:
