@@ -26,6 +26,7 @@ from kevscore.durable import write_atomic, write_json
 from kevscore.engine.backend import synchronize
 from kevscore.engine.pipeline import Engine, Scores
 from kevscore.errors import KevscoreError, rows_phrase
+from kevscore.job.data import argmax
 from kevscore.measure import environment, events_ms, quantile, timed
 from kevscore.model.prompt import Encoded, first_and_tails
 
@@ -137,10 +138,6 @@ def injected_fault(ops, fault: str | None) -> Iterator[None]:
         ops.gdr_branch = real
 
 
-def _argmax(p: list[float]) -> int:
-    return max(range(len(p)), key=p.__getitem__)
-
-
 def case_call(engine: Engine, enc: Encoded, warm: float) -> tuple[Callable[[str], None], dict[str, Scores]]:
     """A case's timed call on `engine` (`path` -> its scores into the dict returned beside it): the bank is reset
     to hold the `warm` share of the documents; each call prefills the others (into the same slots every time),
@@ -166,7 +163,7 @@ def differences(a: list[list[float]], b: list[list[float]]) -> tuple[float, list
     diff = max((abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb)), default=0.0)
     if any(math.isnan(x) for pr in a + b for x in pr):  # a NaN is never parity
         diff = float("inf")
-    return diff, [r for r, (pa, pb) in enumerate(zip(a, b)) if _argmax(pa) != _argmax(pb)]
+    return diff, [r for r, (pa, pb) in enumerate(zip(a, b)) if argmax(pa) != argmax(pb)]
 
 
 def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: dict, reps: int, warmup: int,

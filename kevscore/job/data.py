@@ -86,7 +86,7 @@ def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[flo
         pa.array(rows.question_ids if rows.question_ids is not None else nulls, pa.string()),
         pa.array(labels, pa.list_(pa.string())),
         pa.array([[float(p) for p in ps] for ps in probs], pa.list_(pa.float64())),
-        pa.array([_argmax_label(ls, ps) for ls, ps in zip(labels, probs)], pa.string()),
+        pa.array([ls[argmax(ps)] if ls else None for ls, ps in zip(labels, probs)], pa.string()),  # prediction
         pa.array([float(m) for m in label_mass], pa.float64()),
     ]
     schema = OUTPUT_SCHEMA
@@ -96,6 +96,6 @@ def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[flo
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def _argmax_label(labels: Sequence[str], probs: Sequence[float]) -> str | None:
-    """The label with the highest probability, the first one on ties."""
-    return labels[max(range(len(probs)), key=probs.__getitem__)] if labels else None
+def argmax(values: Sequence[float]) -> int:
+    """The index of the largest value, the first one on ties (a row's prediction)."""
+    return max(range(len(values)), key=values.__getitem__)

@@ -171,11 +171,9 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     laps.lap("tokens")
     # a shard of a job: the rows of its documents only
     doc_of_row = shard_documents(scan, *opts.shard) if opts.shard is not None else scan.doc_of_row
-    if ranks > 1:  # each rank's documents cut into windows as its shard would be, rank 0's first
-        windows = join_windows([plan_windows(shard_documents(scan, r, ranks), doc_tokens, opts.window, WINDOW_ROWS,
-                                             WINDOW_TOKENS) for r in range(ranks)])
-    else:
-        windows = plan_windows(doc_of_row, doc_tokens, opts.window, WINDOW_ROWS, WINDOW_TOKENS)
+    # each rank's documents cut into windows as its shard would be, rank 0's first
+    windows = join_windows([plan_windows(shard_documents(scan, r, ranks) if ranks > 1 else doc_of_row, doc_tokens,
+                                         opts.window, WINDOW_ROWS, WINDOW_TOKENS) for r in range(ranks)])
     return Prepared(scan, device, dtype, ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
 
 
