@@ -92,27 +92,20 @@ class BankStore:
             self._warn_cb(message)
 
     def _clean_tmp(self) -> None:
-        """Remove the temporary files of processes that no longer run (their owner lock is free)."""
+        """Remove the temporary files of processes that no longer run (their owner lock is free or gone)."""
         base = self.root / bank_dir.TMP
-        if not base.is_dir():
-            return
-        for p in base.iterdir():
-            if p.name.endswith(".lock"):
-                continue
-            lock = p.with_name(p.name + ".lock")
+        for owner in {p.name.removesuffix(".lock") for p in base.iterdir()} if base.is_dir() else ():
+            lock, owned = base / f"{owner}.lock", base / owner
             if lock.exists():
                 fd = lock_file(lock, wait=False)
                 if fd is None:
                     continue  # its process is alive
                 os.close(fd)
-            if p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
+            if owned.is_dir():
+                shutil.rmtree(owned, ignore_errors=True)
             else:
-                p.unlink(missing_ok=True)
+                owned.unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
-        for lock in base.glob("*.lock"):
-            if not lock.with_suffix("").exists():
-                lock.unlink(missing_ok=True)
 
     def _make_owner(self) -> None:
         base = self.root / bank_dir.TMP
