@@ -136,15 +136,21 @@ class PromptCheck:
         self.long: list[int] = []     # input rows whose prompt exceeds the model's positions
         self.longest = 0
         self.tail = 0                 # the most label tokens counted in a prompt found too long
-        self._labels: dict[tuple[str, ...], tuple[str | None, int]] = {}  # labels -> (why not, tokens added)
+        self._labels: dict[tuple[str, ...], tuple[str | None, list[int], list[tuple[int, ...]]]] = {}
 
     def labels(self, labels: Sequence[str]) -> tuple[str | None, int]:
         """Why a row's labels cannot be scored (or None), and the tokens they add to its prompt (`longest_tail`;
-        0 for labels that cannot be scored); checked once per distinct list."""
+        0 for labels that cannot be scored)."""
+        reason, _, tails = self.label_tokens(labels)
+        return reason, max(map(len, tails), default=0)
+
+    def label_tokens(self, labels: Sequence[str]) -> tuple[str | None, list[int], list[tuple[int, ...]]]:
+        """Why a row's labels cannot be scored (or None), each label's first token and its tokens after the first
+        (`first_and_tails`); tokenized once per distinct list, whose rows then share these lists."""
         key = tuple(labels)
         if key not in self._labels:
             ids, reason = tokenize_labels(self.tokenizer, key)
-            self._labels[key] = reason, 0 if reason else longest_tail(ids)
+            self._labels[key] = (reason, [], []) if reason else (None, *first_and_tails(ids))
         return self._labels[key]
 
     def label_error(self, row: int, reason: str) -> KevscoreError:
@@ -188,26 +194,17 @@ def encode(table, tokenizer, template: Template, default_labels: Sequence[str], 
     row_prefix = [slot_of_text[doc] for doc in table.documents]
     branches = tokenize(tokenizer, [template.branch(q) for q in table.questions])
     labels = table.labels or [list(default_labels)] * len(table)
-    label_ids, label_tails = _label_ids(tokenizer, labels, table)
     check = PromptCheck(tokenizer, table.sources[0].name if table.sources else "input", max_positions)
+    label_ids, label_tails = [], []
+    for i, row in enumerate(labels):
+        reason, firsts, tails = check.label_tokens(row)
+        if reason:
+            raise check.label_error(i, reason) if table.labels else KevscoreError(f"--labels: {reason}")
+        label_ids.append(firsts)
+        label_tails.append(tails)
     for i, b in enumerate(branches):
         check.prompt(i, len(prefixes[row_prefix[i]]), len(b), max(map(len, label_tails[i])))
     if error := check.error():
         raise error
     return Encoded(prefixes, row_prefix, branches, [list(x) for x in labels], label_ids,
                    label_tails if any(any(tails) for tails in label_tails) else None)
-
-
-def _label_ids(tokenizer, labels: list[list[str]], table) -> tuple[list[list[int]], list[list[tuple[int, ...]]]]:
-    """Per row, each label's first token and its tokens after the first (one pair of lists per distinct row)."""
-    cache: dict[tuple[str, ...], tuple[list[int], list[tuple[int, ...]]]] = {}
-    source = f"{table.sources[0].name}: column 'labels'" if table.labels else "--labels"
-    firsts, tails = [], []
-    for i, row in enumerate(labels):
-        key = tuple(row)
-        if key not in cache:
-            where = f"{source} (row {i})" if table.labels else source
-            cache[key] = first_and_tails(label_token_ids(tokenizer, row, where))
-        firsts.append(cache[key][0])
-        tails.append(cache[key][1])
-    return firsts, tails
