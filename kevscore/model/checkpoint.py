@@ -24,6 +24,11 @@ TokenizerReady = Callable[[object, KevConfig], None]  # (tokenizer, config), cal
 
 MULTIMODAL_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "visual.")
+# random weights (benchmark shapes, tests): by name suffix (the first that matches), a uniform draw u in [0, 1) mapped
+# into the range such a weight takes
+UNIFORM_INITS = (("A_log", lambda u: torch.log(1 + 15 * u)), ("dt_bias", lambda u: 0.5 + u),
+                 ("linear_attn.norm.weight", lambda u: 0.9 + 0.2 * u), ("norm.weight", lambda u: 0.2 * u - 0.1),
+                 ("conv1d.weight", lambda u: (2 * u - 1) * 0.8))
 
 
 @dataclass(slots=True)
@@ -210,16 +215,8 @@ def random_weights(cfg: KevConfig, seed: int, dtype: torch.dtype, device) -> dic
 
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device) -> torch.Tensor:
     rand = lambda: torch.rand(shape, generator=gen, device=device)  # noqa: E731
-    if name.endswith("A_log"):
-        return torch.log(1 + 15 * rand())
-    if name.endswith("dt_bias"):
-        return 0.5 + rand()
-    if name.endswith("linear_attn.norm.weight"):
-        return 0.9 + 0.2 * rand()
-    if name.endswith("norm.weight"):
-        return 0.2 * rand() - 0.1
-    if name.endswith("conv1d.weight"):
-        return (2 * rand() - 1) * 0.8
+    if init := next((init for suffix, init in UNIFORM_INITS if name.endswith(suffix)), None):
+        return init(rand())
     if name == "model.embed_tokens.weight" or name == "lm_head.weight":
         return torch.randn(shape, generator=gen, device=device) * 0.5
     return (2 * rand() - 1) * (0.75 / shape[-1]) ** 0.5  # std 0.5 / sqrt(fan_in): well-conditioned in fp32
