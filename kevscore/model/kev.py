@@ -96,8 +96,6 @@ class KevModel(nn.Module):
                 param.data = param.data.float()
         model.rotary.inv_freq.copy_(Rotary(cfg.rotary_dim, cfg.rope_theta).inv_freq)
         model.load(weights)
-        if cfg.tie_word_embeddings:
-            model.lm_head = model.embed
         return model
 
     @torch.no_grad()
