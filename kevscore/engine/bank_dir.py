@@ -18,6 +18,8 @@ MARKER, INDEX, LOCK, ENTRIES, TMP = "kevbank.json", "index.json", "lock", "entri
 BANK_NAMES = {MARKER, INDEX, LOCK, ENTRIES, TMP}
 MAX_DOC_IDS = 32  # document ids remembered per entry
 INDEX_MISSING = f"{INDEX} is missing"
+RECORD_FIELDS = {"file": str, "model": str, "prefix_sha256": str, "tokens": int, "bytes": dict, "file_bytes": int,
+                 "last_used": (int, float), "doc_ids": list}  # an index record's fields and their types
 
 
 class VersionError(KevscoreError):
@@ -32,11 +34,8 @@ def entry_record(entry: EntryFile, path: Path, root: Path, last_used: float, doc
 
 
 def _check_record(key: str, rec) -> None:
-    ok = (isinstance(rec, dict) and isinstance(rec.get("file"), str) and isinstance(rec.get("model"), str)
-          and isinstance(rec.get("tokens"), int) and isinstance(rec.get("file_bytes"), int)
-          and isinstance(rec.get("bytes"), dict) and all(type(v) is int for v in rec["bytes"].values())
-          and isinstance(rec.get("last_used"), (int, float)) and isinstance(rec.get("doc_ids"), list)
-          and all(isinstance(i, str) for i in rec["doc_ids"]) and isinstance(rec.get("prefix_sha256"), str)
+    ok = (isinstance(rec, dict) and all(isinstance(rec.get(name), kind) for name, kind in RECORD_FIELDS.items())
+          and all(type(v) is int for v in rec["bytes"].values()) and all(isinstance(i, str) for i in rec["doc_ids"])
           and rec["file"] == f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}")
     if not ok:
         raise TypeError(f"malformed record for entry {key[:12]}")
