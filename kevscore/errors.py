@@ -28,10 +28,12 @@ def os_failure(what: str, e: OSError) -> KevscoreFailure:
 def rows_phrase(rows: Sequence[int], limit: int = 10) -> str:
     """'row 3', 'rows 3, 7, 12' or 'rows 3, 7, … (25 rows)': 0-based row numbers of the input file."""
     rows = sorted(rows)
-    shown = ", ".join(str(r) for r in rows[:limit])
-    if len(rows) == 1:
-        return f"row {shown}"
-    return f"rows {shown}" + (f", … ({len(rows)} rows)" if len(rows) > limit else "")
+    return f"row {rows[0]}" if len(rows) == 1 else "rows " + listed([str(r) for r in rows], limit, "rows")
+
+
+def listed(items: Sequence[str], limit: int, unit: str) -> str:
+    """'a, b' or 'a, b, … (12 values)': the first `limit` items, and how many there are when some are left out."""
+    return ", ".join(items[:limit]) + (f", … ({len(items)} {unit})" if len(items) > limit else "")
 
 
 def reported(exc: BaseException) -> KevscoreError:

@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.errors import KevscoreError, first_line, rows_phrase
+from kevscore.errors import KevscoreError, first_line, listed, rows_phrase
 
 BATCH_ROWS = 1024        # rows per record batch read
 READ_BUFFER = 1 << 20    # bytes: stream column chunks instead of loading a whole row group
@@ -55,9 +55,7 @@ class InputTable:
 
 def few(values: Iterable[str], limit: int = 5) -> str:
     """'a', 'b', … (12 values): distinct values in first-seen order."""
-    distinct = list(dict.fromkeys(values))
-    shown = ", ".join(repr(v) for v in distinct[:limit])
-    return shown + (f", … ({len(distinct)} values)" if len(distinct) > limit else "")
+    return listed([repr(v) for v in dict.fromkeys(values)], limit, "values")
 
 
 def is_string(t: pa.DataType) -> bool:
