@@ -214,12 +214,16 @@ class PartStore:
         merged = self.manifest.get("merged")
         if not merged:
             return False
-        pending = [(self.dir / merged["tmp"][name], target) for name, target in
-                   (("errors", errors_path(self.output)), ("output", self.output)) if merged["tmp"].get(name)]
-        for tmp, target in pending:  # killed between recording the merge and renaming it
-            if tmp.exists() and file_sha256(tmp) == merged["sha256"][tmp.name]:
-                replace_into(tmp, target)
+        self._put_in_place(merged["tmp"], merged["sha256"])  # killed between recording the merge and renaming it
         return _is_merge(merged, self.output)
+
+    def _put_in_place(self, names: dict[str, str], sha256: dict[str, str] | None = None) -> None:
+        """Rename a merge's temporary files (`names`: its errors file, its output) over their targets; with the
+        merge's recorded `sha256`, only those still there with those contents."""
+        for name, target in (("errors", errors_path(self.output)), ("output", self.output)):
+            tmp = self.dir / names.get(name, "")
+            if name in names and (sha256 is None or tmp.exists() and file_sha256(tmp) == sha256[tmp.name]):
+                replace_into(tmp, target)
 
     def merge(self, of_row: np.ndarray, set_aside: pa.Table | None,
               finish: Callable[[Iterator[pa.Table]], Iterator[pa.Table]] | None = None) -> int:
@@ -247,9 +251,7 @@ class PartStore:
         self.manifest["merged"] = {"tmp": names, "rows": expected,
                                    "sha256": {n: file_sha256(self.dir / n) for n in names.values()}}
         self._write_manifest()
-        if set_aside is not None:
-            replace_into(self.dir / names["errors"], errors_path(self.output))
-        replace_into(self.dir / names["output"], self.output)
+        self._put_in_place(names)
         faults.point("merged")
         return expected
 
