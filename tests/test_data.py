@@ -12,8 +12,10 @@ import pytest
 from kevscore import faults
 from kevscore.errors import KevscoreError, KevscoreFailure
 from kevscore.job import parts
-from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, default_output_path, output_table, read_input
+from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, output_table, read_input
 from kevscore.job.formats import write_parquet
+from kevscore.job.inputs import output_path
+from kevscore.job.options import RunOptions
 from kevscore.job.scan import InputTable
 
 
@@ -267,8 +269,8 @@ def test_duplicate_question_ids_two_file_form(tmp_path: Path, docs: Path) -> Non
 # ---------------------------------------------------------------- output paths
 
 def test_default_output_path() -> None:
-    assert default_output_path(Path("some/dir/run.parquet")) == Path("some/dir/run.scores.parquet")
-    assert default_output_path(Path("x.pq")) == Path("x.scores.parquet")
+    assert output_path(RunOptions(input=Path("some/dir/run.parquet"))) == Path("some/dir/run.scores.parquet")
+    assert output_path(RunOptions(input=Path("x.pq"))) == Path("x.scores.parquet")
 
 
 def test_check_output_path_ok(tmp_path: Path, one: Path) -> None:

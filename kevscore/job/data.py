@@ -36,12 +36,6 @@ def read_input(path: Path, documents: Path | None = None) -> InputTable:
 
 # ---------------------------------------------------------------- writing
 
-def default_output_path(input_path: Path) -> Path:
-    """<dir>/<stem>.scores.parquet next to the input."""
-    input_path = Path(input_path)
-    return input_path.with_name(f"{input_path.stem}.scores.parquet")
-
-
 def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, within: Sequence[Path] = ()) -> None:
     """Refuse an output that is an input (a file of `inputs`, or anything inside a directory of `within`:
     the model's, the bank's), that is not a regular file, that exists (unless overwrite) or has no directory."""

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kevscore.errors import KevscoreError
-from kevscore.job.data import default_output_path
 from kevscore.job.formats import Source, open_source
 from kevscore.job.options import RunOptions
 
@@ -64,7 +63,7 @@ def output_path(opts: RunOptions) -> Path:
         return Path(opts.output)
     if any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
         raise KevscoreError(f"{opts.input}: a glob or URI input needs -o/--output")
-    return default_output_path(Path(opts.input))
+    return Path(opts.input).with_name(f"{Path(opts.input).stem}.scores.parquet")
 
 
 def to_stdout(path: Path) -> None:
