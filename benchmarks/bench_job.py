@@ -320,9 +320,9 @@ def main() -> None:
     ap.add_argument("--question-words", type=int, default=40)
     ap.add_argument("--batch-rows", type=int, default=64, help="the job's --batch-rows (scoring batch size)")
     ap.add_argument("--starts", default="cold,warm", help="which jobs to run: cold, warm, both or none ('')")
-    ap.add_argument("--baseline-docs", type=int, default=8, help="documents whose rows the baselines score; 0: none")
+    ap.add_argument("--baseline-docs", type=int, default=16, help="documents whose rows the baselines score; 0: none")
     ap.add_argument("--baseline-batch", type=int, default=16)
-    ap.add_argument("--baseline-reps", type=int, default=3)
+    ap.add_argument("--baseline-reps", type=int, default=5)
     ap.add_argument("--budgets", default="32x4096,64x8192,96x12288,128x16384,192x24576",
                     help="scoring batch budgets (max rows x max padded tokens) to time alone; '' skips them")
     ap.add_argument("--budget-docs", type=int, default=128, help="documents whose rows the budgets score")
