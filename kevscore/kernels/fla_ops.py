@@ -4,11 +4,12 @@ The GPU backend of the layer ops: flash-linear-attention's Triton kernels (pinne
 our kernels (fused conv front end, indexed state scan, branch attention, norms), and flash attention over
 packed documents for prefill. Same functions as `kevscore.kernels.torch_ops`.
 
-The gated delta rule runs FLA's forward stage by stage (gate cumsum, WY representation, state scan,
-output). For branches, the two paths differ only in the state scan: `gathered` copies the rows' states
-out of the bank and runs FLA's scan on that buffer; `indexed` runs our scan, which reads the bank in
-place. Prefill passes FLA the chunk indices computed on the host (`runner.prefill_inputs`), so no stage
-synchronizes with the GPU to derive them.
+The gated delta rule runs our gate cumsum and FLA's kkt + solve kernel, then, by default, one kernel of ours
+for the rest (`kernels/branch_wy.py`: branches of up to 128 tokens, and packed prefill). Longer branches and
+the A/B switches below run FLA's forward stage by stage (WY representation, state scan, output); there the
+two paths differ only in the state scan: `gathered` copies the rows' states out of the bank and runs FLA's
+scan on that buffer, `indexed` runs our scan, which reads the bank in place. Prefill passes the chunk
+indices computed on the host (`runner.prefill_inputs`), so no stage synchronizes with the GPU to derive them.
 """
 from __future__ import annotations
 
