@@ -18,7 +18,7 @@ from triton.testing import do_bench
 from kevscore.measure import environment
 
 DEV = "cuda"
-KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "scan", "fused wy", "prefill wy"]
+KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "fused wy", "prefill wy"]
 # the fused WY kernel's launches (kernels/branch_wy.py's keywords), its defaults first (BV 128 or 64 by tiles)
 WY_LAUNCHES = ({}, dict(block_v=64), dict(block_v=64, tiles=(16, 64)), dict(block_v=128, tiles=(16, 64)),
                dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8), dict(block_v=32, num_warps=8))
@@ -189,29 +189,6 @@ def main() -> None:
             a.contiguous(), g_args[1], chunk_size=64, scale=RCP_LN2, dt_bias=g_args[2])), delta_layers)
         record("decay", "ours, in place (kernels/gate.py)", timed(lambda: fla_ops.gate_cumsum(g_args)), delta_layers)
 
-    if "scan" in args.only:
-        # the state scan of a branch: ours reading the bank in place, FLA's on gathered states
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-        from fla.ops.utils import chunk_local_cumsum
-        from fla.ops.utils.constant import RCP_LN2
-
-        from kevscore.kernels.state_scan import state_scan_indexed
-
-        qs, ks = rand(r, t, hk, dk), rand(r, t, hk, dk)
-        g = -torch.nn.functional.softplus(torch.randn(r, t, hv, device=DEV, generator=gen))
-        beta = torch.rand(r, t, hv, device=DEV, generator=gen).to(torch.bfloat16)
-        gc = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2)
-        _, ks, w, u, gc = fla_ops.gdr_parts(qs, ks, rand(r, t, hv, dv), gc, beta)
-        bank = torch.randn(16, hv, dk, dv, device=DEV, generator=gen)
-        slots = torch.arange(r, device=DEV) % 16
-        nt = triton.cdiv(t, 64)
-        floor = copy_ms(r * hv * dk * dv * (4 + 2 * nt) + n * (hk * dk + hv * (dk + 2 * dv)) * 2)
-        record("scan", "fla (gather + scan)", timed(lambda: chunk_gated_delta_rule_fwd_h(
-            k=ks, w=w, u=u, g=gc, initial_state=bank.index_select(0, slots), chunk_size=64)), delta_layers, floor)
-        for final in sweep((False, True)):  # the default first
-            record("scan", "ours, last update run" if final else "ours, last update skipped", timed(
-                lambda: state_scan_indexed(ks, w, u, gc, bank, slots, final_update=final)), delta_layers, floor)
-
     if "fused wy" in args.only:
         bench_fused_wy(record, sweep, cfg, r, (t, 85), gen)
 
@@ -246,10 +223,10 @@ def branch_case(cfg, r: int, t: int, gen: torch.Generator) -> tuple:
 
 def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: torch.Generator) -> None:
     """FLA's solve, then one kernel for w/u, the state read by index and the output (kernels/branch_wy.py),
-    against the stages they replace (gate cumsum, FLA's kkt + solve and w/u, our indexed scan, FLA's output),
-    per DeltaNet layer: "fused wy T" the whole branch path (gate + solve + kernel) at each launch, "wy parts T"
-    each kernel alone; the floor is the fused kernel's HBM traffic (each bank entry read once). FLA's kernels
-    run with the launch configurations a job pins on this GPU (`kernels/tuning.py`)."""
+    against the stages they replace (gate cumsum, FLA's kkt + solve and w/u, FLA's scan on the gathered states,
+    FLA's output), per DeltaNet layer: "fused wy T" the whole branch path (gate + solve + kernel) at each
+    launch, "wy parts T" each kernel alone; the floor is the fused kernel's HBM traffic (each bank entry read
+    once). FLA's kernels run with the launch configurations a job pins on this GPU (`kernels/tuning.py`)."""
     from kevscore.kernels import fla_ops, tuning
     from kevscore.kernels.branch_wy import branch_wy
     from kevscore.model.config import LINEAR

@@ -74,7 +74,7 @@ def workload(cfg: KevConfig, docs: int, doc_len: int, questions: int, q_len: int
 
 
 KERNEL_GROUPS = [
-    ("gated delta rule (ours)", ("_indexed_scan_kernel", "_branch_wy_kernel", "_prefill_wy_kernel")),
+    ("gated delta rule (ours)", ("_branch_wy_kernel", "_chunks_wy_kernel")),
     ("state scan (FLA)", ("chunk_gated_delta_rule_fwd_kernel_h",)),
     ("FLA chunk pipeline", ("chunk_", "recompute_w_u", "l2norm", "cumsum")),
     ("causal conv", ("causal_conv1d", "_branch_conv_kernel")),

@@ -5,7 +5,7 @@
 # BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with KEVSCORE_FUSED_CONV=0, FLA's conv),
 # KERNELS=1|name (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
-# NCU=1 (Nsight Compute, --clock-control none, on the branch conv, attention and indexed scan; report in $OUT),
+# NCU=1 (Nsight Compute, --clock-control none, on the branch conv and attention; report in $OUT),
 # JOB=1 (benchmarks/bench_job.py: issue 17's whole job cold and warm, baselines, scoring budgets, prefill alone; JOB_ARGS='...'),
 # START=1 (benchmarks/bench_start.py: a job's start step by step in fresh processes, cold and warm).
 # Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
@@ -32,10 +32,10 @@ if [ "${AB_FUSED_CONV:-0}" = 1 ]; then  # the same benchmark with FLA's branch c
   KEVSCORE_FUSED_CONV=0 python3 benchmarks/bench_score.py --model kev-4b --profile --hf-reps 0 \
     --json "$OUT/score-kev-4b-fla-conv.json" 2>&1 | tee "$OUT/bench-fla-conv.log" | tail -30
 fi
-if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on our three costliest kernels at the benchmark's shapes: the first
+if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on two of our kernels at the benchmark's shapes: the first
   # launch of each in bench_kernels.py --defaults
   NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -1)
-  for pair in _branch_conv_kernel:conv _branch_attn_kernel:attention _indexed_scan_kernel:scan; do
+  for pair in _branch_conv_kernel:conv _branch_attn_kernel:attention; do
     kern=${pair%%:*}
     timeout 240 "$NCU_BIN" --clock-control none --set detailed -k "regex:$kern" -c 1 -f -o "$OUT/$kern" \
       python3 benchmarks/bench_kernels.py --defaults --only "${pair#*:}" > "$OUT/ncu$kern.log" 2>&1

@@ -69,28 +69,17 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     variants under study."""
     from kevscore.kernels.branch_attn import _branch_attn_kernel
     from kevscore.kernels.branch_conv import L2_EPS, _branch_conv_kernel
-    from kevscore.kernels.state_scan import _indexed_scan_kernel
+    from kevscore.kernels.branch_wy import _chunks_wy_kernel
 
     out = []
-    scan_aligned = ("k", "v", "w", "v_new", "h", "bank", "index", "g")
-    scan_t = {n: "*bf16" for n in ("k", "v", "w", "v_new", "h")} | {"g": "*fp32", "bank": "*fp32", "index": "*i64",
-                                                                     "index_stride": "i32", "bank_stride": "i64", "T": "i32"}
-    for final in (False, True):
-        out.append((f"scan BV 32 final_update {final}", _indexed_scan_kernel, scan_t,
-                    dict(H=16, HV=32, K=128, V=128, BT=64, BV=32, FINAL_UPDATE=final), 4, 2, scan_aligned))
-    # fp32 inputs on 2 warps (the cuda tests' demo shape): the mma path where a branch around the dots broke
-    # Triton 3.6 (NOTES.md 12)
-    scan_f32 = scan_t | {n: "*fp32" for n in ("k", "v", "w", "v_new", "h")}
-    for bv, stages in ((32, 1), (64, 3)):
-        out.append((f"scan fp32 K 64 BV {bv} warps 2 stages {stages}", _indexed_scan_kernel, scan_f32,
-                    dict(H=2, HV=4, K=64, V=64, BT=64, BV=bv, FINAL_UPDATE=False), 2, stages, scan_aligned))
-    from kevscore.kernels.branch_wy import _prefill_wy_kernel
-
-    # the fused prefill kernel at its bf16 default (4 warps, its chunk loop in 2 stages)
-    prefill_t = {n: "*bf16" for n in ("q", "k", "v", "beta", "a_inv", "o")} | {
-        "g": "*fp32", "final": "*fp32", "cu_seqlens": "*i64", "scale": "fp32"}
-    out.append(("prefill wy BV 64 warps 4 stages 2", _prefill_wy_kernel, prefill_t,
-                dict(H=16, HV=32, K=128, V=128, BV=64), 4, 2, ("q", "k", "v", "g", "beta", "a_inv", "o", "final")))
+    # the chunk-loop kernel of prefill and long branches: both modes at the default launch, and BV 128
+    chunks_t = {n: "*bf16" for n in ("q", "k", "v", "beta", "a_inv", "o")} | {
+        "g": "*fp32", "bank": "*fp32", "final": "*fp32", "index": "*i64", "cu_seqlens": "*i64", "index_stride": "i32",
+        "bank_stride": "i64", "T": "i32", "scale": "fp32"}
+    chunks_aligned = ("q", "k", "v", "g", "beta", "a_inv", "bank", "final", "index", "o")
+    for packed, bv in ((True, 64), (False, 64), (True, 128)):
+        out.append((f"chunks packed {packed} BV {bv} warps 4 stages 2", _chunks_wy_kernel, chunks_t,
+                    dict(H=16, HV=32, K=128, V=128, BV=bv, PACKED=packed), 4, 2, chunks_aligned))
     attn_t = {n: "*bf16" for n in ("q", "k", "v", "o", "gate", "pool_k", "pool_v")}
     attn_t |= {"kv_start": "*i64", "kv_len": "*i64", "T": "i32", "qk_scale": "fp32"}
     strides = ("sq_r", "sq_t", "sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "sp_t",
@@ -130,18 +119,14 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
 
 def fp32_variants() -> list[tuple]:
     """What an fp32 model (--dtype fp32) launches at the Kev-4B shape, compiled with its dots in 3xTF32 (main):
-    our branch attention at its fp32 tiles and indexed scan at FLA's pin, FLA's kernels as `fla_variants`."""
+    our branch attention at its fp32 tiles and the chunk loop at 1 stage, FLA's kernels as `fla_variants`."""
     from kevscore.kernels.branch_attn import _branch_attn_kernel
     from kevscore.kernels.fla_ops import ATTN_FP32 as a32
-    from kevscore.kernels.state_scan import _indexed_scan_kernel
-
-    attn, scan, prefill = (next(v for v in variants() if v[0].startswith(name))
-                           for name in ("attention bm", "scan BV 32", "prefill wy"))
+    attn, chunks = (next(v for v in variants() if v[0].startswith(name)) for name in ("attention bm", "chunks packed"))
     f32 = lambda types: {n: "*fp32" if t == "*bf16" else t for n, t in types.items()}  # noqa: E731
     return [("fp32 attention", _branch_attn_kernel, f32(attn[2]),
              attn[3] | {"BM": a32["block_m"], "BN": a32["block_n"]}, a32["num_warps"], a32["num_stages"], attn[6]),
-            ("fp32 scan", _indexed_scan_kernel, f32(scan[2]), scan[3], *scan[4:]),
-            ("fp32 prefill wy, 1 stage", prefill[1], f32(prefill[2]), prefill[3], 4, 1, prefill[6]),
+            ("fp32 chunks packed, 1 stage", chunks[1], f32(chunks[2]), chunks[3], 4, 1, chunks[6]),
             *((f"fp32 fla {name}", *rest) for name, *rest in fla_variants("*fp32"))]
 
 

@@ -1,9 +1,8 @@
-"""GPU tests (marked `cuda`): the indexed scan kernel against FLA's, graphs against eager, model parity."""
-import random
+"""GPU tests (marked `cuda`): long branches read from the bank by index, graphs against eager, model parity."""
 
 import pytest
 import torch
-from conftest import both_paths, gpu_engine, reference_scores, synthetic, with_switch
+from conftest import both_paths, branch_inputs, gpu_engine, reference_scores, relative, synthetic, with_switch
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -11,54 +10,42 @@ pytestmark = [pytest.mark.cuda,
 DEV = "cuda"
 
 
-def scan_inputs(rows, t, h, hv, dk, dv, dtype, seed):
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
-
-    from kevscore.kernels import fla_ops
-
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    q, k = (torch.randn(rows, t, h, dk, generator=gen, device=DEV).to(dtype) for _ in range(2))
-    v = torch.randn(rows, t, hv, dv, generator=gen, device=DEV).to(dtype)
-    g = -torch.nn.functional.softplus(torch.randn(rows, t, hv, generator=gen, device=DEV)) * 2
-    beta = torch.rand(rows, t, hv, generator=gen, device=DEV).to(dtype)
-    return fla_ops.gdr_parts(q, k, v, chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2), beta)
-
-
-def upload_column(rows, entries, seed):
-    """Bank indices as column 3 of an int64 upload buffer [rows, 9], with repeated entries."""
-    rng = random.Random(seed)
-    buf = torch.randint(0, 1000, (rows, 9), device=DEV)
-    buf[:, 3] = torch.tensor([rng.randrange(entries) if r % 3 else 1 for r in range(rows)], device=DEV)
-    return buf[:, 3]
-
-
-def fla_scan(k, w, u, gc, h0):
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-
-    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0, chunk_size=64)
-    return h, v_new
+LONG_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 1e-2}  # as tests/test_cuda_branch_wy.py's, and why
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t", [1, 17, 64, 129])
-@pytest.mark.parametrize("rows", [1, 3, 8, 17])
-@pytest.mark.parametrize("dims", [  # one xdist worker per shape (--dist loadgroup): FLA's autotuner compiles once
-    pytest.param((16, 32, 128, 128), id="kev4b", marks=pytest.mark.xdist_group("scan-kev4b")),
-    pytest.param((2, 4, 64, 64), id="demo", marks=pytest.mark.xdist_group("scan-demo"))])
-def test_indexed_scan_bitwise_equals_fla(dims, rows, t, dtype):
-    from kevscore.kernels.state_scan import state_scan_indexed
+@pytest.mark.parametrize("t", [129, 200])
+@pytest.mark.parametrize("dims", [(16, 32, 128, 128), (2, 4, 64, 64)], ids=["kev4b", "demo"])
+def test_long_branches_read_the_bank_by_index(dims, t, dtype, monkeypatch):
+    """Branches past the two-chunk kernel (`branch_wy.rows_wy`): indexed equals gathered to the bit, the bank
+    is never written, and both are close to FLA's stages on the gathered states."""
+    from kevscore.kernels import fla_ops
 
-    h, hv, dk, dv = dims
-    q, k, w, u, gc = scan_inputs(rows, t, h, hv, dk, dv, dtype, seed=rows * 1000 + t)
-    bank = torch.randn(6, hv, dk, dv, device=DEV)
+    q, k, v, gate, beta, bank, slots = branch_inputs(8, t, *dims, dtype, seed=t)
+    assert slots.stride(0) == 9  # a column of the upload buffer, not a contiguous index tensor
     snapshot = bank.clone()
-    index = upload_column(rows, 6, seed=t)
-    assert index.stride(0) == 9  # a column of the upload buffer, not a contiguous index tensor
-    ours_h, ours_v = state_scan_indexed(k, w, u, gc, bank, index, index.stride(0))
-    ref_h, ref_v = fla_scan(k, w, u, gc, bank.index_select(0, index))
-    assert torch.equal(ours_h, ref_h) and torch.equal(ours_v, ref_v)
-    assert torch.equal(bank, snapshot)
+    out = {p: fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, p, qk_normed=True) for p in ("indexed", "gathered")}
+    assert torch.equal(out["indexed"], out["gathered"]) and torch.equal(bank, snapshot)
+    monkeypatch.setattr(fla_ops, "FUSED_WY", False)
+    stages = fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, "indexed", qk_normed=True)
+    assert relative(out["indexed"], stages) < LONG_TOLERANCE[dtype], relative(out["indexed"], stages)
+
+
+def test_long_branches_follow_new_slots_between_graph_replays():
+    from kevscore.kernels import fla_ops
+
+    q, k, v, gate, beta, bank, slots = branch_inputs(8, 150, 16, 32, 128, 128, torch.bfloat16, seed=3)
+    upload = torch.zeros(8, 5, dtype=torch.long, device=DEV)
+    index = upload[:, 2]
+    fla_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed", qk_normed=True)  # compiles the kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fla_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed", qk_normed=True)
+    for new in ([0, 1, 2, 3, 4, 5, 6, 0], [6, 6, 6, 2, 2, 0, 5, 6], [3] * 8):
+        upload[:, 2] = torch.tensor(new, device=DEV)
+        graph.replay()
+        ref = fla_ops.gdr_branch(q, k, v, gate, beta, bank, index.clone(), "gathered", qk_normed=True)
+        assert torch.equal(out, ref), new
 
 
 @pytest.mark.parametrize("dims", [(16, 32, 128, 128), (2, 4, 64, 64)], ids=["kev4b", "demo"])
@@ -82,40 +69,6 @@ def test_wy_repr_with_a_reused_buffer_equals_fla(dims):
         w, u = fla_ops.wy_repr(k, v, gc, beta)
         w_ref, u_ref, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=64)
         assert torch.equal(w, w_ref) and torch.equal(u, u_ref), (rows, t)
-
-
-def test_indexed_scan_matches_torch_reference():
-    from kevscore.kernels import gdr_ref
-    from kevscore.kernels.state_scan import state_scan_indexed
-
-    q, k, w, u, gc = scan_inputs(5, 129, 2, 4, 64, 64, torch.float32, seed=7)
-    bank = torch.randn(4, 4, 64, 64, device=DEV)
-    index = upload_column(5, 4, seed=1)
-    ours_h, ours_v = state_scan_indexed(k, w, u, gc, bank, index)
-    ref_h, ref_v = gdr_ref.state_scan_indexed(k.cpu(), w.cpu(), u.cpu(), gc.cpu(), bank.cpu(), index.cpu())
-    rel = lambda a, b: ((a.cpu().float() - b).norm() / b.norm()).item()  # noqa: E731
-    assert rel(ours_h, ref_h) < 5e-3 and rel(ours_v, ref_v) < 5e-3  # tf32 dots against fp32
-
-
-def test_indices_changed_between_graph_replays():
-    from kevscore.kernels.state_scan import state_scan_indexed
-
-    q, k, w, u, gc = scan_inputs(8, 64, 16, 32, 128, 128, torch.bfloat16, seed=3)
-    bank = torch.randn(10, 32, 128, 128, device=DEV)
-    snapshot = bank.clone()
-    upload = torch.zeros(8, 5, dtype=torch.long, device=DEV)
-    upload[:, 2] = torch.arange(8, device=DEV)
-    index = upload[:, 2]
-    state_scan_indexed(k, w, u, gc, bank, index)  # warm up (tunes FLA's config for this key)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_h, out_v = state_scan_indexed(k, w, u, gc, bank, index)
-    for slots in ([0, 1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 2, 2, 0, 5, 9], [3] * 8):
-        upload[:, 2] = torch.tensor(slots, device=DEV)
-        graph.replay()
-        ref_h, ref_v = fla_scan(k, w, u, gc, bank.index_select(0, index))
-        assert torch.equal(out_h, ref_h) and torch.equal(out_v, ref_v)
-    assert torch.equal(bank, snapshot)
 
 
 CASES = {

@@ -111,7 +111,7 @@ def prefill_stages_and_fused(monkeypatch, dims, dtype, launch: dict | None = Non
     monkeypatch.setattr(fla_ops, "FUSED_PREFILL", False)
     ref = fla_ops.gdr_prefill(q, k, v, gate, beta, ctx, qk_normed=True)
     monkeypatch.setattr(fla_ops, "FUSED_PREFILL", True)
-    monkeypatch.setattr(fla_ops, "PREFILL_WY_LAUNCH", launch or {})
+    monkeypatch.setattr(fla_ops, "CHUNKS_WY_LAUNCH", launch or {})
     return ref, fla_ops.gdr_prefill(q, k, v, gate, beta, ctx, qk_normed=True)
 
 

@@ -148,7 +148,7 @@ def test_fused_prefill_launch_fits_the_h200(monkeypatch, dtype, stages):
     from kevscore.kernels import branch_wy
 
     launches = []
-    monkeypatch.setattr(branch_wy, "_prefill_wy_kernel", type("Launcher", (), {
+    monkeypatch.setattr(branch_wy, "_chunks_wy_kernel", type("Launcher", (), {
         "__getitem__": lambda self, grid: lambda *args, **kw: launches.append((grid, kw))})())
     n, h, hv, d = 100, 2, 4, 32
     q = torch.zeros(1, n, h, d, dtype=dtype)
@@ -156,7 +156,7 @@ def test_fused_prefill_launch_fits_the_h200(monkeypatch, dtype, stages):
     g, beta, a_inv = torch.zeros(1, n, hv), torch.zeros(1, n, hv, dtype=dtype), torch.zeros(1, n, hv, 64, dtype=dtype)
     o, final = branch_wy.prefill_wy(q, q, v, g, beta, a_inv, torch.tensor([0, 30, 100]))
     (grid, kw), = launches
-    assert kw["num_stages"] == stages and kw["BV"] == 64 and grid == (1, 2 * hv)
+    assert kw["num_stages"] == stages and kw["BV"] == 64 and kw["PACKED"] and grid == (1, 2 * hv)
     assert o.shape == v.shape and final.shape == (2, hv, d, d) and final.dtype == torch.float32
     with pytest.raises(AssertionError):
         branch_wy.prefill_wy(q, q, v, g, beta, a_inv, torch.tensor([0, 100]), block_v=32)

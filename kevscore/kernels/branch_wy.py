@@ -22,10 +22,12 @@ the input dtype (where FLA's pipeline stores them between kernels), and beta v -
 rounds w and u: with bf16 inputs the two differ by rounding, with fp32 by tf32 dots only.
 Torch reference with the same interface: `kevscore.kernels.gdr_ref.branch_wy`.
 
-Prefill (`prefill_wy`, unless KEVSCORE_FUSED_PREFILL=0) runs the same chunk over packed documents: one program per
-(document, value head, block of value columns) walks the document's chunks from a zero state, the state in fp32
-registers from chunk to chunk, and writes each document's final state, in place of FLA's w/u kernel, state scan
-and output kernel (and the h and v_new they pass between them through memory).
+Sequences of any length run the same chunk step in a loop (`_chunks_wy_kernel`): one program per (sequence,
+value head, block of value columns) walks the sequence's 64-token chunks, the state in fp32 registers from
+chunk to chunk. Prefill (`prefill_wy`, unless KEVSCORE_FUSED_PREFILL=0) walks packed documents from a zero
+state and writes each one's final state, in place of FLA's w/u kernel, state scan and output kernel (and the h
+and v_new they pass between them through memory); branches of more than 128 tokens (`rows_wy`) start from
+their bank entries read by index, as `branch_wy`'s rows do.
 """
 from __future__ import annotations
 
@@ -98,13 +100,26 @@ def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_s
         _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), BT1, T, o_v, m_v, scale, H, HV, K, V, BT2)
 
 
-@triton.jit
-def _prefill_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, o, final, scale, H: tl.constexpr, HV: tl.constexpr,
-                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+@triton.jit(do_not_specialize=["T"])
+def _chunks_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, T, bank, index, index_stride, bank_stride, o, final, scale,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                      PACKED: tl.constexpr):
+    """Every 64-token chunk of a sequence, the state in fp32 registers between them. PACKED: documents from
+    cu_seqlens, from a zero state, the final state written to `final`; else rows of T tokens, row r from
+    `bank[index[r * index_stride]]`, nothing but the output written."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    T = (eos - bos).to(tl.int32)
+    o_v, o_k = i_v * BV + tl.arange(0, BV), tl.arange(0, K)
+    m_v = o_v < V
+    if PACKED:
+        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T = (eos - bos).to(tl.int32)
+        b_h = tl.zeros([K, BV], dtype=tl.float32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        slot = tl.load(index + i_n * index_stride).to(tl.int64)
+        b_h = tl.load(bank + slot * bank_stride + i_h * K * V + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :],
+                      other=0.0)
     q += (bos * H + i_h // (HV // H)) * K
     k += (bos * H + i_h // (HV // H)) * K
     v += (bos * HV + i_h) * V
@@ -113,16 +128,13 @@ def _prefill_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, o, final, scale, H: 
     beta += bos * HV + i_h
     a_inv += (bos * HV + i_h) * BC
 
-    o_v, o_k = i_v * BV + tl.arange(0, BV), tl.arange(0, K)
-    m_v = o_v < V
     dt = k.dtype.element_ty
-    b_h = tl.zeros([K, BV], dtype=tl.float32)
     for t0 in range(0, T, BC):
         b_vn, b_k, b_g = _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), t0, T, o_v, m_v, scale, H, HV, K, V, BC)
         g_last = tl.load(g + (tl.minimum(t0 + BC, T) - 1) * HV)
         b_h = b_h * exp2(g_last) + tl.dot(tl.trans(b_k), (b_vn * exp2(g_last - b_g)[:, None]).to(dt))
-    p_f = final + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
-    tl.store(p_f, b_h, mask=m_v[None, :])
+    if PACKED:
+        tl.store(final + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_h, mask=m_v[None, :])
 
 
 def token_tiles(t: int, tiles: tuple[int, ...] = (16, 32, 64)) -> tuple[int, int]:
@@ -171,28 +183,48 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
 
 def prefill_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               a_inv: torch.Tensor, cu_seqlens: torch.Tensor, block_v: int = 64, num_warps: int = 4,
-               num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               a_inv: torch.Tensor, cu_seqlens: torch.Tensor, **launch) -> tuple[torch.Tensor, torch.Tensor]:
     """(o [1, N, HV, V] in v's dtype, final states [D, HV, K, V] fp32) of D documents packed into N tokens,
     each from a zero state; cu_seqlens [D + 1] their bounds. Tensors as `branch_wy` takes them with R = 1 and
-    T = N; g and a_inv chunked per document (FLA's varlen gate cumsum and solve). Launch: the loop over chunks
-    pipelined in `num_stages` (the next chunk's loads under this one's dots; default 2, and 1 in fp32, whose
-    two stages take 247 KB of shared memory at 128-column heads, over the H200's 227 KB); bench_kernels.py
-    --only "prefill wy" sweeps the launches."""
-    _, n, h, kd = k.shape
+    T = N; g and a_inv chunked per document (FLA's varlen gate cumsum and solve). Launch: `chunks_launch`."""
+    _, _, hv, vd = v.shape
+    final = torch.empty(cu_seqlens.shape[0] - 1, hv, k.shape[3], vd, device=v.device, dtype=torch.float32)
+    return _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, None, None, final, **launch), final
+
+
+def rows_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
+            **launch) -> torch.Tensor:
+    """`branch_wy` for rows of any length: o [R, T, HV, V], chunk after chunk in one program, row r from
+    `bank[index[r * index_stride]]` (never written). Launch: `chunks_launch`."""
+    assert bank.shape[1:] == v.shape[2:3] + k.shape[3:] + v.shape[3:] and bank.dtype == torch.float32
+    assert bank.stride()[1:] == (k.shape[3] * v.shape[3], v.shape[3], 1)
+    stride = index.stride(0) if index_stride is None else index_stride
+    return _chunks_wy(q, k, v, g, beta, a_inv, None, bank, (index, stride), None, **launch)
+
+
+def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, final, block_v: int = 64, num_warps: int = 4,
+               num_stages: int | None = None) -> torch.Tensor:
+    """Launches `_chunks_wy_kernel` (packed documents when cu_seqlens is given, else rows read from the bank).
+    The loop over chunks is pipelined in `num_stages` (the next chunk's loads under this one's dots; default 2,
+    and 1 in fp32, whose two stages take 247 KB of shared memory at 128-column heads, over the H200's 227 KB);
+    bench_kernels.py --only "prefill wy" sweeps the launches."""
+    r, t, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
-    assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape and k.shape[0] == 1
+    assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape
     assert all(x.is_contiguous() for x in (q, k, v, g, beta, a_inv))
-    assert g.shape == beta.shape == (1, n, hv) and g.dtype == torch.float32 and a_inv.shape == (1, n, hv, CHUNK)
-    docs = cu_seqlens.shape[0] - 1
+    assert g.shape == beta.shape == (r, t, hv) and g.dtype == torch.float32 and a_inv.shape == (r, t, hv, CHUNK)
     # Triton 3.6 (the H200's) computes this kernel wrong in bf16 at 32 value columns, on 4 warps or 8: narrow
     # value heads take a block of 64, masked
-    assert block_v >= 64, "prefill_wy takes blocks of at least 64 value columns"
+    assert block_v >= 64, "the chunk loop takes blocks of at least 64 value columns"
     bv = min(block_v, max(64, triton.next_power_of_2(vd)))
-    num_stages = num_stages or (1 if v.dtype == torch.float32 else 2)
+    packed = cu_seqlens is not None
+    assert not packed or r == 1
+    sequences = cu_seqlens.shape[0] - 1 if packed else r
+    index, stride = index or (None, 0)
     o = torch.empty_like(v)
-    final = torch.empty(docs, hv, kd, vd, device=v.device, dtype=torch.float32)
-    _prefill_wy_kernel[(triton.cdiv(vd, bv), docs * hv)](
-        q, k, v, g, beta, a_inv, cu_seqlens, o, final, kd ** -0.5, H=h, HV=hv, K=kd, V=vd, BV=bv,
-        num_warps=num_warps, num_stages=num_stages)
-    return o, final
+    _chunks_wy_kernel[(triton.cdiv(vd, bv), sequences * hv)](
+        q, k, v, g, beta, a_inv, cu_seqlens, t, bank, index, stride, bank.stride(0) if bank is not None else 0, o,
+        final, kd ** -0.5, H=h, HV=hv, K=kd, V=vd, BV=bv, PACKED=packed, num_warps=num_warps,
+        num_stages=num_stages or (1 if v.dtype == torch.float32 else 2))
+    return o

@@ -1,15 +1,15 @@
 """The GPU backend of the layer ops: flash-linear-attention's Triton kernels and ours.
 
 The GPU backend of the layer ops: flash-linear-attention's Triton kernels (pinned fla-core 0.5.2),
-our kernels (fused conv front end, indexed state scan, branch attention, norms), and flash attention over
-packed documents for prefill. Same functions as `kevscore.kernels.torch_ops`.
+our kernels (fused conv front end, the gated delta rule after FLA's solve, branch attention, norms), and
+flash attention over packed documents for prefill. Same functions as `kevscore.kernels.torch_ops`.
 
-The gated delta rule runs our gate cumsum and FLA's kkt + solve kernel, then, by default, one kernel of ours
-for the rest (`kernels/branch_wy.py`: branches of up to 128 tokens, and packed prefill). Longer branches and
-the A/B switches below run FLA's forward stage by stage (WY representation, state scan, output); there the
-two paths differ only in the state scan: `gathered` copies the rows' states out of the bank and runs FLA's
-scan on that buffer, `indexed` runs our scan, which reads the bank in place. Prefill passes the chunk
-indices computed on the host (`runner.prefill_inputs`), so no stage synchronizes with the GPU to derive them.
+The gated delta rule runs our gate cumsum and FLA's kkt + solve kernel, then one kernel of ours
+(`kernels/branch_wy.py`) for the WY representation, the state scan and the output. For branches the two
+paths differ only in where that kernel reads each row's initial state: `indexed` from the bank by slot,
+`gathered` from the rows' states copied out of it. Prefill passes the chunk indices computed on the host
+(`runner.prefill_inputs`), so no stage synchronizes with the GPU to derive them. FLA's own stages (its w/u,
+scan and output kernels) remain as the A/B of the switches below.
 """
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
-from kevscore.kernels.branch_wy import MAX_T, branch_wy, prefill_wy  # noqa: E402
+from kevscore.kernels.branch_wy import MAX_T, branch_wy, prefill_wy, rows_wy  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, sigmoid_gate, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
-from kevscore.kernels.state_scan import CHUNK, state_scan_indexed  # noqa: E402
+from kevscore.kernels.gdr_ref import CHUNK  # noqa: E402
 from kevscore.kernels.torch_ops import split_front  # noqa: E402
 
 NAME = "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
@@ -44,15 +44,15 @@ FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch
 # prefill through FLA's whole ops (its conv, `chunk_gated_delta_rule`, padded SDPA) instead: A/B and oracle
 FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"
 PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
-# kernels/branch_wy.py for branches of <= 128 tokens: FLA's solve, then one kernel for w/u, scan and output;
-# 0: FLA's stages and our scan (A/B). Launched with FUSED_WY_LAUNCH (branch_wy's keywords: bench_kernels.py
-# --only 'fused wy')
+# kernels/branch_wy.py for branches: FLA's solve, then one kernel for w/u, scan and output; 0: FLA's stages on
+# the gathered states (A/B). Branches of up to 128 tokens launch with FUSED_WY_LAUNCH (branch_wy's keywords:
+# bench_kernels.py --only 'fused wy'), longer ones and prefill with CHUNKS_WY_LAUNCH ('prefill wy')
 FUSED_WY = os.environ.get("KEVSCORE_FUSED_WY", "1") == "1"
 FUSED_WY_LAUNCH: dict = {}
-# prefill's gated delta rule after FLA's solve in one kernel (`branch_wy.prefill_wy`, launched with
-# PREFILL_WY_LAUNCH); 0: FLA's w/u, state scan and output kernels (A/B)
+# prefill's gated delta rule after FLA's solve in one kernel (`branch_wy.prefill_wy`); 0: FLA's w/u, state scan
+# and output kernels (A/B)
 FUSED_PREFILL = os.environ.get("KEVSCORE_FUSED_PREFILL", "1") == "1"
-PREFILL_WY_LAUNCH: dict = {}
+CHUNKS_WY_LAUNCH: dict = {}
 # An fp32 model's Triton dots run in 3xTF32, fp32's precision on tensor cores (TRITON_F32_DEFAULT, set by
 # cuda_runner.fp32_dots). Its branch attention's tiles: the bf16 defaults' would take 512 KB of shared memory at
 # head dim 256, over the H200's 227 KB; these take 192 KB (benchmarks/sm90_build.py)
@@ -157,7 +157,7 @@ def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torc
                                       use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
     gc = decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2, cu, chunks)
     if FUSED_PREFILL:
-        return prefill_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), cu, **PREFILL_WY_LAUNCH)
+        return prefill_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), cu, **CHUNKS_WY_LAUNCH)
     w, u = wy_repr(k, v, gc, beta, cu, chunks)  # FLA's chunk_gated_delta_rule_fwd_intra, its launches as they are
     h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
                                                    cu_seqlens=cu, chunk_indices=chunks)
@@ -244,21 +244,21 @@ def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
                qk_normed: bool = False) -> torch.Tensor:
-    """gate = (a, A_log, dt_bias). The two paths differ only in the state scan. Unless KEVSCORE_FUSED_WY=0,
-    branches of up to 128 tokens run the gate cumsum, FLA's solve and `branch_wy`, which `gathered` gives the
-    rows' states copied out and an identity index, so both paths compute alike to the bit."""
-    if FUSED_WY and qk_normed and q.shape[1] <= MAX_T:
+    """gate = (a, A_log, dt_bias). Unless KEVSCORE_FUSED_WY=0: the gate cumsum, FLA's solve, then one kernel
+    that reads each row's state from the bank by slot (`branch_wy` for branches of up to 128 tokens, `rows_wy`
+    beyond); `gathered` gives it the rows' states copied out and an identity index, so both paths compute
+    alike to the bit. KEVSCORE_FUSED_WY=0 (or q and k not yet normalized: FLA's conv): FLA's stages on the
+    gathered states, for either path."""
+    if FUSED_WY and qk_normed:
         if path == "gathered":
             bank, slots = bank.index_select(0, slots), torch.arange(slots.shape[0], device=slots.device)
         gc = gate_cumsum(gate)
-        return branch_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots, slots.stride(0),
-                         **FUSED_WY_LAUNCH)
+        short = q.shape[1] <= MAX_T
+        return (branch_wy if short else rows_wy)(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots,
+                                                 slots.stride(0), **(FUSED_WY_LAUNCH if short else CHUNKS_WY_LAUNCH))
     q, k, w, u, gc = gdr_parts(q, k, v, gate_cumsum(gate), beta, qk_normed)
-    if path == "gathered":
-        h0 = bank.index_select(0, slots)
-        h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=h0, chunk_size=CHUNK)
-    else:
-        h, v_new = state_scan_indexed(k, w, u, gc, bank, slots, slots.stride(0))
+    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=bank.index_select(0, slots),
+                                               chunk_size=CHUNK)
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
 
 

@@ -1,9 +1,12 @@
-"""Run under TRITON_INTERPRET=1: the fused prefill kernel (`branch_wy.prefill_wy`: every chunk of each packed
-document from a zero state, its final state out) after our varlen gate cumsum and FLA's varlen kkt + solve kernel,
-on the CPU in fp32, against `gdr_ref.chunk_gated_delta_rule` run on each document alone: outputs and final
-states. Documents of 1 to 200 tokens (one partial chunk, exact chunks, a partial last chunk), value heads
-narrower than the 64-column block (masked) and two blocks of them. fp32 only: Triton 3.8's interpreter
-multiplies bf16 dot operands as their raw bits."""
+"""Run under TRITON_INTERPRET=1: the chunk-loop kernel of `branch_wy` in both its modes, on the CPU in fp32
+(Triton 3.8's interpreter multiplies bf16 dot operands as their raw bits).
+
+Prefill (`prefill_wy`: every chunk of each packed document from a zero state, its final state out), after our
+varlen gate cumsum and FLA's varlen kkt + solve kernel, against `gdr_ref.chunk_gated_delta_rule` run on each
+document alone: outputs and final states. Documents of 1 to 200 tokens (one partial chunk, exact chunks, a
+partial last chunk), value heads narrower than the 64-column block (masked) and two blocks of them.
+Rows (`rows_wy`: branches longer than `branch_wy`'s two chunks, each from a bank entry read by index) against
+`gdr_ref.branch_wy`, the bank never written."""
 import time
 
 import torch
@@ -11,7 +14,7 @@ import triton
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
 
 from kevscore.kernels import gdr_ref
-from kevscore.kernels.branch_wy import prefill_wy
+from kevscore.kernels.branch_wy import prefill_wy, rows_wy
 from kevscore.kernels.gate import gate_cumsum
 
 SOLVE = chunk_gated_delta_rule_fwd_kkt_solve_kernel.fn.fn  # under FLA's heuristics and autotuner: no driver here
@@ -51,5 +54,24 @@ for (h, hv, dk, dv, launch), lengths in [((2, 4, 32, 32, {}), (1, 17, 64, 130)),
                    ((final[d] - ref_final[0]).norm() / ref_final[0].norm()).item()]
     print(f"K {dk} V {dv} {launch} documents {lengths}: relative error {max(errors):.3g}")
     worst = max(worst, *errors)
+for rows, t, hv, d in [(3, 129, 2, 32), (2, 200, 4, 64)]:
+    gen = torch.Generator().manual_seed(t)
+    q, k = (gdr_ref.l2norm(torch.randn(rows, t, 1, d, generator=gen)) for _ in range(2))
+    v = torch.randn(rows, t, hv, d, generator=gen)
+    beta = torch.rand(rows, t, hv, generator=gen)
+    gc = gate_cumsum(torch.randn(rows, t, hv, generator=gen), torch.randn(hv, generator=gen) * 0.5,
+                     torch.randn(hv, generator=gen), 64, gdr_ref.RCP_LN2)
+    a_inv = torch.full((rows, t, hv, 64), float("nan"))
+    SOLVE[(triton.cdiv(t, 64), rows * hv)](k=k, g=gc, beta=beta, A=a_inv, cu_seqlens=None, chunk_indices=None, T=t,
+                                           H=1, HV=hv, K=d, BT=64, BC=16, BK=32, USE_G=True, IS_VARLEN=False)
+    bank = torch.randn(5, hv, d, d, generator=gen) * 0.3
+    snapshot = bank.clone()
+    upload = torch.randint(0, 5, (rows, 3), generator=gen)
+    out = rows_wy(q, k, v, gc, beta, a_inv, bank, upload[:, 1], upload.stride(0))
+    ref = gdr_ref.branch_wy(q, k, v, gc, beta, gdr_ref.chunk_inverse(k, gc, beta), bank, upload[:, 1], upload.stride(0))
+    assert torch.equal(bank, snapshot)
+    error = ((out - ref).norm() / ref.norm()).item()
+    print(f"rows {rows} x {t} tokens, V {d}: relative error {error:.3g}")
+    worst = max(worst, error)
 print(f"max relative error {worst:.3g} in {time.perf_counter() - start:.1f} s")
 assert worst < 1e-4, worst
