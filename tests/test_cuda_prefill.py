@@ -130,7 +130,7 @@ print(json.dumps({"precompile": steps["precompile"], "own_compiles": own.count(F
 
 def test_a_cold_start_compiles_every_kernel_in_the_workers(tmp_path):
     """A fresh process with an empty Triton cache: the forked workers compile every kernel the warm-up model
-    meets (on a pinned GPU), so its real pass compiles none itself."""
+    meets (on a pinned GPU), so its real pass compiles none itself; a second process skips the workers."""
     import json
     import os
     import subprocess
@@ -142,6 +142,12 @@ def test_a_cold_start_compiles_every_kernel_in_the_workers(tmp_path):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     pre = report["precompile"]
     assert pre["skipped"] is None and pre["kernels"] >= 10 and pre["compiled"] == pre["kernels"], pre
+    assert report["own_compiles"] == 0, report
+    # the next process finds the first one's marker: no dry pass, no workers, and still nothing to compile
+    again = subprocess.run([sys.executable, "-c", COLD_START], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    report = json.loads(again.stdout.strip().splitlines()[-1])
+    assert report["precompile"]["skipped"] == "every kernel is in Triton's cache", report
     assert report["own_compiles"] == 0, report
 
 

@@ -160,3 +160,31 @@ def test_fused_prefill_launch_fits_the_h200(monkeypatch, dtype, stages):
     assert o.shape == v.shape and final.shape == (2, hv, d, d) and final.dtype == torch.float32
     with pytest.raises(AssertionError):
         branch_wy.prefill_wy(q, q, v, g, beta, a_inv, torch.tensor([0, 100]), block_v=32)
+
+
+def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatch, tmp_path):
+    """The warm-up's finished marker lives in Triton's cache and changes with the shapes, the state path, the
+    dtype, a kernel switch and kevscore's sources; the same inputs give the same file."""
+    import dataclasses
+
+    import triton
+
+    from kevscore import measure
+    from kevscore.engine.warmup import finished_marker, small_model
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    small, gpu = small_model(demo.config), torch.device("cuda")
+    first = finished_marker(small, gpu, "indexed", torch.bfloat16)
+    assert first.parent == tmp_path and first == finished_marker(small, gpu, "indexed", torch.bfloat16)
+    others = {finished_marker(dataclasses.replace(small, hidden_size=small.hidden_size * 2), gpu, "indexed",
+                              torch.bfloat16),
+              finished_marker(small, gpu, "gathered", torch.bfloat16),
+              finished_marker(small, gpu, "indexed", torch.float32)}
+    monkeypatch.setenv("KEVSCORE_FUSED_WY", "0")
+    others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))
+    monkeypatch.delenv("KEVSCORE_FUSED_WY")
+    digests = measure.source_digests()
+    monkeypatch.setattr(measure, "source_digests", lambda: {**digests, "kevscore/kernels/gate.py": "changed"})
+    others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))
+    assert len(others) == 5 and first not in others

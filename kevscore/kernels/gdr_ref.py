@@ -5,8 +5,9 @@ gate cumsum (log2 space) -> WY representation (w, u) -> state scan (h, v_new) ->
 Shapes: q, k [R, T, H, K]; v, u [R, T, HV, V]; w [R, T, HV, K]; g, beta [R, T, HV];
 h [R, NT, HV, K, V] (the state entering each chunk); states [N, HV, K, V] in fp32.
 Every function computes in fp32. `state_scan_indexed` reads row r's initial state from
-`bank[index[r * index_stride]]`, as the fused kernels do; `branch_gdr` composes the four stages for branches; `branch_wy`, the stages after the solve (`chunk_inverse`),
-has the interface of the fused kernel in `kevscore.kernels.branch_wy`.
+`bank[index[r * index_stride]]`, as the fused kernels do; `branch_gdr` composes the four stages for
+branches; `branch_wy`, the stages after the solve (`chunk_inverse`), has the interface of the fused kernel
+in `kevscore.kernels.branch_wy`.
 """
 from __future__ import annotations
 
