@@ -282,16 +282,18 @@ def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:
     hv = v.shape[2]
     floor = copy_ms(2 * (2 * hv // q.shape[2] * q.numel() + 2 * v.numel() + m * hv * 65) + 4 * m * hv
                     + 4 * len(lens) * hv * q.shape[3] * v.shape[3])
-    ctx = types.SimpleNamespace(cu_seqlens_long=cu, chunk_indices=chunks)
+    slots = torch.arange(len(lens), device=DEV)
+    bank = torch.empty(len(lens), hv, q.shape[3], v.shape[3], device=DEV)
+    ctx = types.SimpleNamespace(cu_seqlens_long=cu, chunk_indices=chunks, slots=slots)
     fla_ops.FUSED_PREFILL = False
     record("prefill wy", "FLA stages (gate, solve, w/u, scan, output)", timed(lambda: fla_ops.gdr_prefill(
-        q, k, v, gate, beta, ctx, qk_normed=True)), layers)
+        q, k, v, gate, beta, ctx, bank, qk_normed=True)), layers)
     record("prefill wy", "gate + solve", timed(lambda: fla_ops.solve_chunks(
         k, fla_ops.decay_cumsum(*gate, 64, fla_ops.RCP_LN2, cu, chunks), beta, None, cu, chunks)), layers)
     for launch in sweep(PREFILL_WY_LAUNCHES):
         name = str(launch)[1:-1].replace("'", "") or "default"
-        record("prefill wy", f"fused {name}", timed(lambda: prefill_wy(q, k, v, gc, beta, a_inv, cu, **launch)),
-               layers, floor)
+        record("prefill wy", f"fused {name}", timed(
+            lambda: prefill_wy(q, k, v, gc, beta, a_inv, cu, bank, slots, **launch)), layers, floor)
 
 
 def _torch_rotary(x, cos, sin):

@@ -97,7 +97,8 @@ PREFILL_LAUNCHES = [dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8
 
 
 def prefill_stages_and_fused(monkeypatch, dims, dtype, launch: dict | None = None):
-    """(FLA's stages, the fused prefill kernel) on packed documents: each (output, final states)."""
+    """(FLA's stages, the fused prefill kernel) on packed documents: each (output, final states), the states
+    read from the bank entries the op wrote."""
     import types
 
     from kevscore.kernels import fla_ops
@@ -107,12 +108,18 @@ def prefill_stages_and_fused(monkeypatch, dims, dtype, launch: dict | None = Non
     q, k, v, gate, beta, _, _ = branch_inputs(1, n, h, hv, dk, dv, dtype, seed=n)
     cu = torch.tensor([0, *torch.tensor(PREFILL_DOCS).cumsum(0).tolist()], device=DEV)
     chunks = [(d, c) for d, t in enumerate(PREFILL_DOCS) for c in range(-(-t // 64))]
-    ctx = types.SimpleNamespace(cu_seqlens_long=cu, chunk_indices=torch.tensor(chunks, device=DEV))
-    monkeypatch.setattr(fla_ops, "FUSED_PREFILL", False)
-    ref = fla_ops.gdr_prefill(q, k, v, gate, beta, ctx, qk_normed=True)
-    monkeypatch.setattr(fla_ops, "FUSED_PREFILL", True)
+    slots = torch.randperm(len(PREFILL_DOCS) + 3, device=DEV)[:len(PREFILL_DOCS)]
+    ctx = types.SimpleNamespace(cu_seqlens_long=cu, chunk_indices=torch.tensor(chunks, device=DEV), slots=slots)
+
+    def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(fla_ops, "FUSED_PREFILL", fused)
+        bank = torch.full((len(PREFILL_DOCS) + 3, hv, dk, dv), float("nan"), device=DEV)
+        o = fla_ops.gdr_prefill(q, k, v, gate, beta, ctx, bank, qk_normed=True)
+        assert bank.isnan().sum() == 3 * hv * dk * dv  # the documents' entries written, no other
+        return o, bank[slots]
+
     monkeypatch.setattr(fla_ops, "CHUNKS_WY_LAUNCH", launch or {})
-    return ref, fla_ops.gdr_prefill(q, k, v, gate, beta, ctx, qk_normed=True)
+    return run(False), run(True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -101,25 +101,25 @@ def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_s
 
 
 @triton.jit(do_not_specialize=["T"])
-def _chunks_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, T, bank, index, index_stride, bank_stride, o, final, scale,
+def _chunks_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, T, bank, index, index_stride, bank_stride, o, scale,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                       PACKED: tl.constexpr):
     """Every 64-token chunk of a sequence, the state in fp32 registers between them. PACKED: documents from
-    cu_seqlens, from a zero state, the final state written to `final`; else rows of T tokens, row r from
-    `bank[index[r * index_stride]]`, nothing but the output written."""
+    cu_seqlens, from a zero state, document d's final state written to `bank[index[d * index_stride]]`; else
+    rows of T tokens, row r from `bank[index[r * index_stride]]`, nothing but the output written."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     o_v, o_k = i_v * BV + tl.arange(0, BV), tl.arange(0, K)
     m_v = o_v < V
+    slot = tl.load(index + i_n * index_stride).to(tl.int64)
+    p_h = bank + slot * bank_stride + i_h * K * V + o_k[:, None] * V + o_v[None, :]
     if PACKED:
         bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
         T = (eos - bos).to(tl.int32)
         b_h = tl.zeros([K, BV], dtype=tl.float32)
     else:
         bos = i_n.to(tl.int64) * T
-        slot = tl.load(index + i_n * index_stride).to(tl.int64)
-        b_h = tl.load(bank + slot * bank_stride + i_h * K * V + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :],
-                      other=0.0)
+        b_h = tl.load(p_h, mask=m_v[None, :], other=0.0)
     q += (bos * H + i_h // (HV // H)) * K
     k += (bos * H + i_h // (HV // H)) * K
     v += (bos * HV + i_h) * V
@@ -134,7 +134,7 @@ def _chunks_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, T, bank, index, index
         g_last = tl.load(g + (tl.minimum(t0 + BC, T) - 1) * HV)
         b_h = b_h * exp2(g_last) + tl.dot(tl.trans(b_k), (b_vn * exp2(g_last - b_g)[:, None]).to(dt))
     if PACKED:
-        tl.store(final + i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], b_h, mask=m_v[None, :])
+        tl.store(p_h, b_h, mask=m_v[None, :])
 
 
 def token_tiles(t: int, tiles: tuple[int, ...] = (16, 32, 64)) -> tuple[int, int]:
@@ -183,37 +183,38 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
 
 def prefill_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               a_inv: torch.Tensor, cu_seqlens: torch.Tensor, **launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [1, N, HV, V] in v's dtype, final states [D, HV, K, V] fp32) of D documents packed into N tokens,
-    each from a zero state; cu_seqlens [D + 1] their bounds. Tensors as `branch_wy` takes them with R = 1 and
-    T = N; g and a_inv chunked per document (FLA's varlen gate cumsum and solve). Launch: `chunks_launch`."""
-    _, _, hv, vd = v.shape
-    final = torch.empty(cu_seqlens.shape[0] - 1, hv, k.shape[3], vd, device=v.device, dtype=torch.float32)
-    return _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, None, None, final, **launch), final
+               a_inv: torch.Tensor, cu_seqlens: torch.Tensor, bank: torch.Tensor, slots: torch.Tensor,
+               **launch) -> torch.Tensor:
+    """o [1, N, HV, V] (v's dtype) of D documents packed into N tokens, each from a zero state, whose final
+    states [HV, K, V] go straight into their bank entries `bank[slots[d]]` (fp32, any entry stride);
+    cu_seqlens [D + 1] their bounds. Tensors as `branch_wy` takes them with R = 1 and T = N; g and a_inv chunked
+    per document (FLA's varlen gate cumsum and solve). Launch: `_chunks_wy`."""
+    assert slots.shape == (cu_seqlens.shape[0] - 1,)
+    return _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, (slots, slots.stride(0)), **launch)
 
 
 def rows_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
             **launch) -> torch.Tensor:
     """`branch_wy` for rows of any length: o [R, T, HV, V], chunk after chunk in one program, row r from
-    `bank[index[r * index_stride]]` (never written). Launch: `chunks_launch`."""
-    assert bank.shape[1:] == v.shape[2:3] + k.shape[3:] + v.shape[3:] and bank.dtype == torch.float32
-    assert bank.stride()[1:] == (k.shape[3] * v.shape[3], v.shape[3], 1)
+    `bank[index[r * index_stride]]` (never written). Launch: `_chunks_wy`."""
     stride = index.stride(0) if index_stride is None else index_stride
-    return _chunks_wy(q, k, v, g, beta, a_inv, None, bank, (index, stride), None, **launch)
+    return _chunks_wy(q, k, v, g, beta, a_inv, None, bank, (index, stride), **launch)
 
 
-def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, final, block_v: int = 64, num_warps: int = 4,
+def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, block_v: int = 64, num_warps: int = 4,
                num_stages: int | None = None) -> torch.Tensor:
-    """Launches `_chunks_wy_kernel` (packed documents when cu_seqlens is given, else rows read from the bank).
-    The loop over chunks is pipelined in `num_stages` (the next chunk's loads under this one's dots; default 2,
-    and 1 in fp32, whose two stages take 247 KB of shared memory at 128-column heads, over the H200's 227 KB);
-    bench_kernels.py --only "prefill wy" sweeps the launches."""
+    """Launches `_chunks_wy_kernel`: packed documents when cu_seqlens is given (their final states written to
+    the bank), else rows (their states read from it). The loop over chunks is pipelined in `num_stages` (the
+    next chunk's loads under this one's dots; default 2, and 1 in fp32, whose two stages take 247 KB of shared
+    memory at 128-column heads, over the H200's 227 KB); bench_kernels.py --only "prefill wy" sweeps the
+    launches."""
     r, t, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape
     assert all(x.is_contiguous() for x in (q, k, v, g, beta, a_inv))
     assert g.shape == beta.shape == (r, t, hv) and g.dtype == torch.float32 and a_inv.shape == (r, t, hv, CHUNK)
+    assert bank.shape[1:] == (hv, kd, vd) and bank.stride()[1:] == (kd * vd, vd, 1) and bank.dtype == torch.float32
     # Triton 3.6 (the H200's) computes this kernel wrong in bf16 at 32 value columns, on 4 warps or 8: narrow
     # value heads take a block of 64, masked
     assert block_v >= 64, "the chunk loop takes blocks of at least 64 value columns"
@@ -221,10 +222,10 @@ def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, final, block_v:
     packed = cu_seqlens is not None
     assert not packed or r == 1
     sequences = cu_seqlens.shape[0] - 1 if packed else r
-    index, stride = index or (None, 0)
+    index, stride = index
     o = torch.empty_like(v)
     _chunks_wy_kernel[(triton.cdiv(vd, bv), sequences * hv)](
-        q, k, v, g, beta, a_inv, cu_seqlens, t, bank, index, stride, bank.stride(0) if bank is not None else 0, o,
-        final, kd ** -0.5, H=h, HV=hv, K=kd, V=vd, BV=bv, PACKED=packed, num_warps=num_warps,
+        q, k, v, g, beta, a_inv, cu_seqlens, t, bank, index, stride, bank.stride(0), o, kd ** -0.5, H=h, HV=hv,
+        K=kd, V=vd, BV=bv, PACKED=packed, num_warps=num_warps,
         num_stages=num_stages or (1 if v.dtype == torch.float32 else 2))
     return o

@@ -144,26 +144,30 @@ def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, 
     return (*packed_conv(x, weight, ctx.positions, hk, dk, hv, dv, b=b, **PREFILL_CONV), True)
 
 
-def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed documents from zero states: (output, final states [D, HV, K, V] fp32). gate = (a, A_log,
-    dt_bias): FLA computes the decay -exp(A_log) * softplus(a + dt_bias) in its gate kernel."""
+def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor, qk_normed: bool = False) -> torch.Tensor:
+    """Packed documents from zero states: the output; each document's final state goes into its bank entry
+    `bank[ctx.slots[d]]` (the fused kernel writes it there; FLA's ops return it, then it is copied). gate =
+    (a, A_log, dt_bias): FLA computes the decay -exp(A_log) * softplus(a + dt_bias) in its gate kernel."""
     a, A_log, dt_bias = gate
     cu, chunks = ctx.cu_seqlens_long, ctx.chunk_indices
     if not qk_normed:  # FLA's whole op (FLA_PREFILL)
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        return chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
-                                      beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                      use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
+        o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
+                                          beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
+        bank.index_copy_(0, ctx.slots, final)
+        return o
     gc = decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2, cu, chunks)
     if FUSED_PREFILL:
-        return prefill_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), cu, **CHUNKS_WY_LAUNCH)
+        return prefill_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), cu, bank, ctx.slots,
+                          **CHUNKS_WY_LAUNCH)
     w, u = wy_repr(k, v, gc, beta, cu, chunks)  # FLA's chunk_gated_delta_rule_fwd_intra, its launches as they are
     h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
                                                    cu_seqlens=cu, chunk_indices=chunks)
-    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_size=CHUNK,
-                    chunk_indices=chunks)
-    return o, final
+    bank.index_copy_(0, ctx.slots, final)
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_size=CHUNK,
+                       chunk_indices=chunks)
 
 
 def gate_cumsum(gate) -> torch.Tensor:

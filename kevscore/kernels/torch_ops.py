@@ -126,10 +126,11 @@ def _gdr_parts(q, k, v, g, beta, chunk: int):
     return q, k, w, u, gc
 
 
-def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor, qk_normed: bool = False) -> torch.Tensor:
     """The pack's documents from a zero state, as padded batches of documents with as many 64-token chunks
     (the engine sorts a pack by length, so these are runs): padding has k = 0 and a decay of 1 (g = 0), so
-    it leaves each document's final state as it was. (output [1, N, hv, dv], final states [D, ...] fp32)."""
+    it leaves each document's final state as it was. Returns the output [1, N, hv, dv]; document d's final
+    state goes into `bank[ctx.slots[d]]`."""
     assert not qk_normed
     q, k = (gdr_ref.repeat_heads(gdr_ref.l2norm(x), v.shape[2]) for x in (q, k))  # once, not in every stage
     g = gdn_decay(gate)
@@ -141,7 +142,8 @@ def gdr_prefill(q, k, v, gate, beta, ctx, qk_normed: bool = False) -> tuple[torc
                                                   chunk=gdr_ref.chunk_size(docs.t))
         outs.append(docs.pack(o))
         finals.append(final)
-    return torch.cat(outs, 1).to(v.dtype), torch.cat(finals, 0)
+    bank.index_copy_(0, ctx.slots, torch.cat(finals, 0).to(bank.dtype))
+    return torch.cat(outs, 1).to(v.dtype)
 
 
 def _runs(cu_seqlens: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:

@@ -67,9 +67,7 @@ class DeltaNet(nn.Module):
         self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx).to(self.bank_conv.dtype))
         q, k, v, beta, normed = self.ops.prefill_front(mixed, self.conv_weight, ctx, self.hk, self.dk, self.hv,
                                                        self.dv, b)
-        o, final = self.ops.gdr_prefill(q, k, v, gate, beta, ctx, normed)
-        self.bank_state.index_copy_(0, ctx.slots, final.to(self.bank_state.dtype))
-        return o
+        return self.ops.gdr_prefill(q, k, v, gate, beta, ctx, self.bank_state, normed)
 
     def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")

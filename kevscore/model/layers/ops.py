@@ -53,8 +53,9 @@ class Ops(Protocol):
         """The same for branch rows, their conv continuing from the bank entries `slots`."""
 
     def gdr_prefill(self, q: Tensor, k: Tensor, v: Tensor, gate: tuple[Tensor, Tensor, Tensor], beta: Tensor, ctx,
-                    qk_normed: bool = False) -> tuple[Tensor, Tensor]:
-        """Packed documents from zero states: (output, final states [D, HV, K, V] fp32)."""
+                    bank: Tensor, qk_normed: bool = False) -> Tensor:
+        """Packed documents from zero states: the output; document d's final state [HV, K, V] goes into the
+        bank's states at entry `ctx.slots[d]`."""
 
     def gdr_branch(self, q: Tensor, k: Tensor, v: Tensor, gate: tuple[Tensor, Tensor, Tensor], beta: Tensor,
                    bank: Tensor, slots: Tensor, path: str, qk_normed: bool = False) -> Tensor:
