@@ -74,9 +74,9 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     out = []
     # the chunk-loop kernel of prefill and long branches: both modes at the default launch, and BV 128
     chunks_t = {n: "*bf16" for n in ("q", "k", "v", "beta", "a_inv", "o")} | {
-        "g": "*fp32", "bank": "*fp32", "final": "*fp32", "index": "*i64", "cu_seqlens": "*i64", "index_stride": "i32",
+        "g": "*fp32", "bank": "*fp32", "index": "*i64", "cu_seqlens": "*i64", "index_stride": "i32",
         "bank_stride": "i64", "T": "i32", "scale": "fp32"}
-    chunks_aligned = ("q", "k", "v", "g", "beta", "a_inv", "bank", "final", "index", "o")
+    chunks_aligned = ("q", "k", "v", "g", "beta", "a_inv", "bank", "index", "o")
     for packed, bv in ((True, 64), (False, 64), (True, 128)):
         out.append((f"chunks packed {packed} BV {bv} warps 4 stages 2", _chunks_wy_kernel, chunks_t,
                     dict(H=16, HV=32, K=128, V=128, BV=bv, PACKED=packed), 4, 2, chunks_aligned))
