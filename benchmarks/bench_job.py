@@ -88,10 +88,16 @@ def child(args) -> None:
     import_s = time.perf_counter() - t0
 
     class Timeline(Reporter):
-        """CUDA events around each phase, read after the job: no synchronization while it runs."""
+        """CUDA events around each phase and after each prefill group and scoring batch's launches, read after
+        the job: no synchronization while it runs."""
 
         def __init__(self):
             self.marks: list[tuple[str, object, object]] = []
+            self.steps: list[tuple[str, object]] = []
+
+        def advance(self, phase: str, n: int) -> None:
+            self.steps.append((phase, torch.cuda.Event(enable_timing=True)))
+            self.steps[-1][1].record()
 
         @contextmanager
         def phase(self, name: str):
@@ -114,17 +120,18 @@ def child(args) -> None:
     opts = RunOptions(input=Path(args.input), output=Path(args.output), model=args.model, device=args.device,
                       overwrite=True, batch_rows=args.batch_rows)
     result = run_job(opts, timeline)
-    phases = []
+    phases, steps = [], []
     if cuda:
         torch.cuda.synchronize()  # events of the job's phases, on the clock of `origin`
         phases = [(name, origin.elapsed_time(a) / 1000, origin.elapsed_time(b) / 1000) for name, a, b in timeline.marks]
+        steps = [(name, round(origin.elapsed_time(e) / 1000, 4)) for name, e in timeline.steps]
     s = result.stats
     out = {"import_s": import_s, "process_s": time.perf_counter() - t0, "wall_s": result.wall_s,
            "load_s": result.load_s, "load_phases": result.load_phases, "warm_up": result.warm_up,
            "read_s": s.read_s, "prefill_s": s.prefill_s, "score_s": s.score_s,
            "write_s": s.write_s, "rows": s.rows, "documents": result.documents, "prefix_tokens": s.prefix_tokens,
            "branch_tokens": s.branch_tokens, "batches": s.batches, "waves": s.waves,
-           "gpu_idle_between_phases_s": idle_between(phases), "phases": len(phases),
+           "gpu_idle_between_phases_s": idle_between(phases), "phases": phases, "steps": steps,
            "peak_gpu_bytes": result.peak_gpu, "compiles": compiles}
     Path(args.child).write_text(json.dumps(out))
 
@@ -386,6 +393,21 @@ def run(args) -> dict:
     return report
 
 
+def group_times(phases: list, steps: list) -> str:
+    """The first five prefill groups' GPU times and the median of the rest, each from the end of the one before
+    (or its phase's start)."""
+    ms = []
+    for name, start, end in phases if isinstance(phases, list) else ():
+        if name == "prefill":
+            ends = [t for n, t in steps if n == "prefill" and start <= t <= end]
+            ms += [1000 * (b - a) for a, b in zip([start, *ends], ends)]
+    if not ms:
+        return "not recorded"
+    rest = sorted(ms[5:])
+    return (" ".join(f"{x:.0f}" for x in ms[:5]) + (f", then median {rest[len(rest) // 2]:.0f}" if rest else "")
+            + f" ({len(ms)} groups)")
+
+
 def print_table(r: dict) -> None:
     env = r.get("environment", {})
     w = r["workload"]
@@ -403,6 +425,8 @@ def print_table(r: dict) -> None:
     jobs = r.get("jobs", {})
     if "cold" in jobs and "warm" in jobs:
         print(f"first run's extra (JIT, tuning): {jobs['cold']['wall_s'] - jobs['warm']['wall_s']:.1f} s")
+    for name, j in jobs.items():  # the GPU time of each prefill group: a slow start, or slow throughout
+        print(f"{name} job, prefill GPU ms per group: " + group_times(j.get("phases", []), j.get("steps", [])))
     for name, j in jobs.items():  # Triton compiles and cache loads in the job's process, by thread
         by_thread: dict[str, list] = {}
         for _, sec, kernel, thread in j.get("compiles", []):

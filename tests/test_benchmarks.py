@@ -164,6 +164,12 @@ def test_job_benchmark_arithmetic():
     assert floor["score"] == pytest.approx(score.matmul_flops(cfg, 510_000, 6000) / 760e12)
     assert floor["job"] == pytest.approx(floor["prefill"] + floor["score"])
     assert 18 < floor["job"] < 23  # issue 17's job: ~21 s at 760 TFLOP/s
+    # each prefill group's GPU time runs from the end of the one before (or its phase's start); scoring's
+    # steps and steps outside a prefill phase are not groups
+    phases = [("prefill", 1.0, 1.5), ("score", 1.5, 2.0), ("prefill", 2.0, 3.0)]
+    steps = [("prefill", 1.2), ("prefill", 1.5), ("score", 1.9), ("prefill", 2.4), ("prefill", 3.0), ("prefill", 9.0)]
+    assert job.group_times(phases, steps) == "200 300 400 600 (4 groups)"
+    assert job.group_times(8, []) == "not recorded"  # a report from before the groups were timed
 
 
 def test_job_benchmark_runs_a_job_on_the_cpu(tmp_path):
