@@ -85,7 +85,6 @@ def replace_into(tmp: Path, path: Path) -> None:
 def write_atomic(path: Path, fill: Filler, tmp_dir: Path | None = None) -> None:
     """Write `path` whole or not at all: `fill` into a temporary file in tmp_dir (default: path's
     directory; it must be on path's filesystem), fsync, rename over `path`, fsync the directory."""
-    path = Path(path)
     tmp = temp_path(path, tmp_dir)
     write_new(tmp, fill, path)
     replace_into(tmp, path)

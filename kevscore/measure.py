@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 PACKAGES = ("torch", "triton", "transformers", "fla-core", "flash-linear-attention", "pyarrow")
@@ -44,11 +45,7 @@ def events_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.de
 
 def quantile(samples: list[float], q: float) -> float:
     """Linear-interpolation quantile (q in [0, 1]) of a non-empty sample."""
-    xs = sorted(samples)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return float(np.quantile(samples, q))
 
 
 def source_digests() -> dict[str, str]:
