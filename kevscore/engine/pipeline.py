@@ -100,7 +100,9 @@ class Engine:
             slot_of = self.prefill_wave(enc, wave, stats, progress)
             self.score_rows(enc, [r for d in wave for r in rows_of[d]], slot_of, path, scores, progress)
 
-    def _between(self) -> None:
+    def _between(self, point: str) -> None:
+        """After a prefill group or a batch: the fault point a test may name, then a requested stop."""
+        faults.point(point)
         if self.stop is not None:
             self.stop.check()
 
@@ -133,8 +135,7 @@ class Engine:
                 for group in self._prefill_groups(enc, docs):
                     self._prefill_group(enc, group, slot_of, stats, progress)
                     progress.advance("prefill", len(group))
-                    faults.point("prefill")
-                    self._between()
+                    self._between("prefill")
         finally:
             synchronize(self.runner.device)
             stats.prefill_s += time.perf_counter() - t0
@@ -183,8 +184,7 @@ class Engine:
                     lengths, docs, scored = scoring.sizes(scoring.units, prefix_len)
                     for batch in plan_batches(scoring.units, lengths, docs, self.max_rows, self.max_tokens, scored):
                         self._score_batch(enc, scoring, batch, slot_of, prefix_len, path, scores, progress)
-                        faults.point("score")
-                        self._between()
+                        self._between("score")
         finally:
             synchronize(self.runner.device)
             scores.stats.score_s += time.perf_counter() - t0
