@@ -65,8 +65,7 @@ class BankStore:
         self._warn_cb = warn
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         self.stats = BankStats()
-        self._touched: dict[str, float] = {}         # key -> last use, for the next commit
-        self._records: dict[str, dict] = {}          # key -> record of entries used or written by this run
+        self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
         self._doc_ids: dict[str, list[str]] = {}     # prefix sha256 -> document ids of this run
         self._owner_fd: int | None = None
         bank_dir.check_bank_dir(self.root, create=True)
@@ -210,11 +209,11 @@ class BankStore:
                 fsync_dir(d)
             faults.point("bank-renamed")
             entries = index["entries"]
-            for key, used in self._touched.items():
+            for key, rec in self._touched.items():
                 if not self._path(key).exists():
                     continue  # evicted by another run meanwhile
                 old = entries.get(key, {})
-                rec = dict(self._records[key], last_used=max(used, old.get("last_used", 0.0)))
+                rec = dict(rec, last_used=max(rec["last_used"], old.get("last_used", 0.0)))
                 rec["doc_ids"] = bank_dir.merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
                 entries[key] = rec
             self._publish(index, "bank-index-write")
@@ -254,8 +253,7 @@ class BankStore:
             entry, tensors = result
             self._copy_in(bank, slot_of[d], tensors)
             loaded.add(d)
-            self._touched[key] = time.time()
-            self._records[key] = bank_dir.entry_record(entry, self._path(key), self.root, time.time())
+            self._touched[key] = bank_dir.entry_record(entry, self._path(key), self.root, time.time())
             self.stats.loaded += 1
             self.stats.read_bytes += entry.size
         synchronize(bank.state.device)
@@ -334,8 +332,7 @@ class BankStore:
                 self.warn(f"bank {self.root}: cannot write entry {key[:12]} ({result}); not saved")
                 continue
             written.append(result)
-            self._records[key] = result[2]
-            self._touched[key] = result[2]["last_used"]
+            self._touched[key] = result[2]
             self.stats.saved += 1
             self.stats.written_bytes += result[2]["file_bytes"]
         if written or self._touched:
