@@ -180,13 +180,13 @@ def progress_bars(out: Console, disable: bool = False) -> Progress:
                     console=out, disable=disable, transient=False)
 
 
-def key_value_table(title: str, rows: list[tuple[str, str]] | None = None) -> Table:
+def key_value_table(title: str | None, rows: list[tuple[str, str]] = (), name_style: str = "", **options) -> Table:
     """Two columns, names and values (`rows` first); a long value (a path, a list) folds onto the next line,
-    never cut."""
-    table = Table(title=escape(title), show_header=False)
-    table.add_column("name", no_wrap=True)
+    never cut. `options`: rich's Table options (box=None: no lines)."""
+    table = Table(title=escape(title) if title else None, show_header=False, **options)
+    table.add_column("name", style=name_style, no_wrap=True)
     table.add_column("value", overflow="fold")
-    for name, value in rows or ():
+    for name, value in rows:
         table.add_row(name, value)
     return table
 
@@ -274,9 +274,6 @@ def _duration(seconds: float) -> str:
 
 def provenance_table(record: dict) -> Table:
     """The record in two columns, the figures a reader checks first."""
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(overflow="fold")
     opts = record.get("options", {})
 
     def file(entry) -> str:
@@ -294,9 +291,8 @@ def provenance_table(record: dict) -> Table:
             ("options", ", ".join(f"{k} {v}" for k, v in opts.items()
                                   if k not in ("device", "dtype", "state_read", "path", "labels"))),
             ("job", str(record.get("job")))]
-    for name, value in rows:
-        table.add_row(name, markup_escape(value))
-    return table
+    return key_value_table(None, [(name, markup_escape(value)) for name, value in rows], "bold", box=None,
+                           pad_edge=False)
 
 
 def _when(t: float | None, short: bool = False) -> str:
