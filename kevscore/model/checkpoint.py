@@ -185,13 +185,8 @@ def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str
 
 def normalize_names(weights: dict[str, torch.Tensor], cfg: KevConfig, path: Path) -> dict[str, torch.Tensor]:
     """Map multimodal (`model.language_model.`) names to text-model names, drop vision/MTP, tie lm_head."""
-    out = {}
-    for name, tensor in weights.items():
-        if name.startswith(MULTIMODAL_PREFIX):
-            name = "model." + name[len(MULTIMODAL_PREFIX):]
-        elif name.startswith(SKIPPED_PREFIXES):
-            continue
-        out[name] = tensor
+    out = {"model." + name.removeprefix(MULTIMODAL_PREFIX) if name.startswith(MULTIMODAL_PREFIX) else name: tensor
+           for name, tensor in weights.items() if not name.startswith(SKIPPED_PREFIXES)}
     if "lm_head.weight" not in out or cfg.tie_word_embeddings:
         if not cfg.tie_word_embeddings:
             raise KevscoreError(f"{path}: untied embeddings but no lm_head.weight in the weights")
