@@ -62,10 +62,7 @@ class Block(nn.Module):
     def write_bank(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: PrefillContext, cos, sin) -> None:
         """The last layer of a prefill: its mixer's bank entry only; nothing reads its output."""
         h, _ = self._input_norm(x, residual)
-        if self.kind == LINEAR:
-            self.mixer.write_bank(h, ctx)
-        else:
-            self.mixer.write_bank(h, ctx, cos, sin)
+        self.mixer.write_bank(h, ctx, *(() if self.kind == LINEAR else (cos, sin)))
 
     def _input_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the mixer's input, the residual stream): the previous block's output added first, if any."""
