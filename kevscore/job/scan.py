@@ -72,10 +72,6 @@ def _is_labels(t: pa.DataType) -> bool:
 TYPES = {"labels": (_is_labels, "list<string>")}  # a column's expected type; any other column: a string
 
 
-def _digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-
 # ---------------------------------------------------------------- files
 
 def open_parquet(path: Path) -> pq.ParquetFile:
@@ -197,7 +193,7 @@ class InputScan:
                 self.doc_of_row[r] = -1
 
     def costs(self) -> dict[str, int]:
-        """Document key -> text length plus its questions' lengths (kevscore.job.shard.document_costs)."""
+        """Document key -> text length plus its questions' lengths: the costs kevscore.job.shard balances."""
         return {k: int(c) for k, c in zip(self.doc_keys, self.doc_chars + self.question_chars)}
 
 
@@ -301,7 +297,7 @@ def _index_documents(path: Path, file: pq.ParquetFile, keep_texts: bool = False)
                 docs.null_texts.append(i)
             if text is None or (ids is not None and ids[j] is None):
                 continue
-            digest = _digest(text)
+            digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
             d = index.setdefault(ids[j] if ids is not None else text if keep_texts else digest, len(index))
             if d == len(digests):
                 digests.append(digest)
