@@ -202,11 +202,6 @@ class PartStore:
             self.manifest["done"] = sorted(self.done)
             self._write_manifest()
 
-    def failed_rows(self) -> pa.Table:
-        """Every window's rows that failed on their own, by row."""
-        tables = [pq.read_table(self._file("errors", w)) for w in sorted(self.done) if self._file("errors", w).exists()]
-        return pa.concat_tables([ERRORS_SCHEMA.empty_table(), *tables]).sort_by("row")
-
     # ------------------------------------------------------------ finishing
 
     def finished(self) -> bool:
@@ -232,7 +227,9 @@ class PartStore:
         turns the merged chunks into the output's (columns added, rows observed); the output's format
         follows its extension (kevscore.job.formats)."""
         self.done = self._completed(remove_others=False)  # the other ranks' parts too
-        failed = self.failed_rows()
+        # every window's rows that failed on their own, by row
+        failed = pa.concat_tables([ERRORS_SCHEMA.empty_table(), *(pq.read_table(self._file("errors", w))
+                                   for w in sorted(self.done) if self._file("errors", w).exists())]).sort_by("row")
         of_row = of_row.copy()
         of_row[np.asarray(failed.column("row").to_pylist(), dtype=np.int64)] = -1
         expected = int((of_row >= 0).sum())
