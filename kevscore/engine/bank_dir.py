@@ -22,10 +22,6 @@ RECORD_FIELDS = {"file": str, "model": str, "prefix_sha256": str, "tokens": int,
                  "last_used": (int, float), "doc_ids": list}  # an index record's fields and their types
 
 
-class VersionError(KevscoreError):
-    pass
-
-
 def entry_record(entry: EntryFile, path: Path, root: Path, last_used: float, doc_ids: Sequence[str] = ()) -> dict:
     return {"file": path.relative_to(root).as_posix(), "model": entry.meta["model"],
             "prefix_sha256": entry.meta["prefix_sha256"], "tokens": entry.tokens,
@@ -71,7 +67,7 @@ def _check_bank_contents(root: Path, create: bool) -> None:
         if fmt != FORMAT:
             raise KevscoreError(f"{marker}: format {fmt!r} is not a kevscore bank")
         if version != VERSION:
-            raise VersionError(f"{root}: kevscore bank format version {version}; this kevscore reads version "
+            raise KevscoreError(f"{root}: kevscore bank format version {version}; this kevscore reads version "
                                f"{VERSION} only. Use another --bank directory (or delete this one)")
         return
     if others := sorted(p.name for p in root.iterdir() if p.name not in BANK_NAMES):
@@ -86,7 +82,7 @@ def entry_files(root: Path) -> dict[str, Path]:
 
 
 def read_index(root: Path) -> dict:
-    """The parsed index; ValueError when missing-but-expected or malformed, VersionError when foreign."""
+    """The parsed index; ValueError when missing-but-expected or malformed, KevscoreError for another version."""
     try:
         data = json.loads((root / INDEX).read_bytes())
     except RecursionError:
@@ -94,7 +90,7 @@ def read_index(root: Path) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError("not a kevscore bank index")
     if data.get("version") != VERSION:
-        raise VersionError(f"{root / INDEX}: kevscore bank format version {data.get('version')}; this kevscore "
+        raise KevscoreError(f"{root / INDEX}: kevscore bank format version {data.get('version')}; this kevscore "
                            f"reads version {VERSION} only. Use another --bank directory (or delete this one)")
     entries, models = data.get("entries"), data.get("models")
     if not isinstance(entries, dict) or not isinstance(models, dict):
@@ -108,7 +104,7 @@ def read_index(root: Path) -> dict:
 
 def index_or_why(root: Path) -> tuple[dict | None, str | None]:
     """The index, or None and why it cannot be used (INDEX_MISSING, or unreadable); a bank of another
-    format version raises VersionError."""
+    format version raises KevscoreError."""
     try:
         return read_index(root), None
     except FileNotFoundError:
