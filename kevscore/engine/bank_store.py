@@ -21,8 +21,8 @@ check is reported on one line and recomputed (its file is replaced by the recomp
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
+import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -74,8 +74,11 @@ class BankStore:
             with bank_dir.bank_lock(self.root, True, "open"):
                 bank_dir.check_bank_dir(self.root, create=True)  # again, under the lock
                 (self.root / bank_dir.ENTRIES).mkdir(exist_ok=True)
+                (self.root / bank_dir.TMP).mkdir(exist_ok=True)
                 self._clean_tmp()
-                self._make_owner()
+                # this process's temporary directory, owned while its lock is held
+                self.tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self.root / bank_dir.TMP))
+                self._owner_fd = lock_file(self.tmp.with_name(self.tmp.name + ".lock"))
                 if not (self.root / bank_dir.MARKER).exists():
                     write_json(self.root / bank_dir.MARKER, MARKER_FIELDS, tmp_dir=self.tmp)
                 self._publish(self._load_index(reconcile=True), "bank-index-write-open")
@@ -105,14 +108,6 @@ class BankStore:
             else:
                 owned.unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
-
-    def _make_owner(self) -> None:
-        base = self.root / bank_dir.TMP
-        base.mkdir(exist_ok=True)
-        owner = f"{os.getpid()}-{secrets.token_hex(4)}"
-        self._owner_fd = lock_file(base / f"{owner}.lock")
-        self.tmp = base / owner
-        self.tmp.mkdir()
 
     def close(self) -> None:
         """Commit the last uses of loaded entries, remove this process's temporary directory."""
