@@ -96,6 +96,7 @@ INTERRUPTED_RUN = ("interrupted; no output was written (completed windows are ke
                    "same command to resume)")
 IO, COLUMNS, MODEL, LONG, SPEED, SHOW = ("Input and output", "Column names", "Model and labels", "Long jobs",
                                         "Speed", "Display")
+MODEL_HELP = "A checkpoint directory, a hub id (ORG/NAME, ORG/NAME@REV), demo, kev-0.8b or kev-4b."  # run's, compare's
 
 
 def option(default, *flags: str, panel: str | None = None, metavar: str | None = None, help: str = ""):
@@ -131,8 +132,7 @@ def run(
     doc_id_column: str = column_option("doc_id", "The column holding document ids (either file)."),
     question_id_column: str = column_option("question_id", "The column holding question ids."),
     labels_column: str = column_option("labels", "The column holding each row's labels (a list)."),
-    model: str = option("demo", "--model", panel=MODEL, metavar="MODEL",
-                        help="A checkpoint directory, a hub id (ORG/NAME, ORG/NAME@REV), demo, kev-0.8b or kev-4b."),
+    model: str = option("demo", "--model", panel=MODEL, metavar="MODEL", help=MODEL_HELP),
     device: str = option("auto", "--device", panel=MODEL, metavar="[cpu|cuda|auto]",
                          help="auto: the GPU if there is one."),
     dtype: str = option("auto", "--dtype", panel=MODEL, metavar="[auto|bf16|fp32]", help="The model's dtype: auto "
@@ -322,8 +322,7 @@ def info(
 
 @app.command(cls=Command)
 def compare(
-    model: str = option("demo", "--model", metavar="MODEL", help="A checkpoint directory, a hub id (ORG/NAME, "
-                        "ORG/NAME@REV), demo, kev-0.8b or kev-4b."),
+    model: str = option("demo", "--model", metavar="MODEL", help=MODEL_HELP),
     data: Optional[Path] = option(None, "--data", metavar="FILE", help="Rows from this Parquet instead of synthetic "
                                   "cases."),
     documents: Optional[Path] = option(None, "--documents", metavar="FILE", help="With --data: its documents Parquet."),
