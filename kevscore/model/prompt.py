@@ -12,6 +12,7 @@ from kevscore.errors import KevscoreError, rows_phrase
 
 DOC, QUESTION = "{document}", "{question}"
 PLAIN_TEMPLATE = "Document:\n{document}\n\nQuestion: {question}\nAnswer:"
+CHAT_OPTIONS = {"tokenize": False, "add_generation_prompt": True, "enable_thinking": False}  # for `chat_turn`
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,10 +40,13 @@ class Template:
 def chat_template(tokenizer) -> Template:
     """The checkpoint's chat template: a user turn holding document then question, generation prompt,
     thinking disabled; split at the document's end."""
-    messages = [{"role": "user", "content": f"{DOC}\n\n{QUESTION}"}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False)
+    text = tokenizer.apply_chat_template(chat_turn(), **CHAT_OPTIONS)
     return Template.parse(text, "the checkpoint's chat template")
+
+
+def chat_turn() -> list[dict[str, str]]:
+    """The conversation `chat_template` renders: one user turn, the document then the question."""
+    return [{"role": "user", "content": f"{DOC}\n\n{QUESTION}"}]
 
 
 def load_template(path: Path | None, tokenizer) -> Template:
