@@ -1,18 +1,27 @@
-"""The checkpoint's tokenizer: the class AutoTokenizer picks, remembered so that later loads skip it."""
+"""The checkpoint's tokenizer: the class AutoTokenizer picks, remembered so that later loads skip it, and the snapshot
+of a fast tokenizer that later loads encode with, without transformers."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import transformers
 
 from kevscore import durable
+from kevscore.model import tokenizer_snapshot
 from kevscore.model.checkpoint import load_tokenizer, tokenizer_key
-from kevscore.model.demo import demo_checkpoint_dir
+from kevscore.model.demo import TRAINED_DIR, demo_checkpoint_dir
+from kevscore.model.prompt import chat_template, load_template, tokenize, tokenize_labels
+from kevscore.model.tokenizer_snapshot import LightTokenizer
 
 TEXTS = ["Document: the grid failed at noon.", "Ünïcode — and <|im_end|> inside", " leading space", ""]
+MORE_TEXTS = [*TEXTS, "<|im_start|>user\nHi<|im_end|>\n", "  two  spaces\tand a tab\n", "ﬁ ligature, 𝔘 and 🙂",
+              "a <sep> b<sep>c", "<|endoftext|>", " " + "the long document goes on. " * 400]
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +57,56 @@ def count_auto_loads(monkeypatch) -> list[str]:
     return calls
 
 
+def built_dir(path: Path, demo: Path) -> Path:
+    """A tokenizer unlike the demo's, made with `tokenizers`: NFKC, Metaspace, a BPE with an unknown token, an added
+    token that strips spaces, a post-processor adding <s> and </s>, and truncation to 5 tokens and padding to 16 in
+    tokenizer.json (transformers' calls without truncation or padding ignore them); split_special_tokens set."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizers.NFKC(), pre_tokenizers.Metaspace(), decoders.Metaspace()
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator((TRAINED_DIR / "corpus.txt").read_text().splitlines(),
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    tok.add_tokens([AddedToken("<sep>", lstrip=True, rstrip=True)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)])
+    tok.enable_truncation(max_length=5)
+    tok.enable_padding(length=16, pad_id=3, pad_token="<pad>")
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant:{% endif %}")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "split_special_tokens": True, "bos_token": "<s>",
+              "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": template}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    shutil.copy(demo / "config.json", path / "config.json")
+    return path
+
+
+@pytest.fixture(params=["demo", "built"])
+def checkpoint(request, tmp_path: Path, demo: Path) -> Path:
+    """A directory of the demo's tokenizer files, or of `built_dir`'s."""
+    if request.param == "demo":
+        return tokenizer_dir(tmp_path / "demo", demo, "PreTrainedTokenizerFast")
+    return built_dir(tmp_path / "built", demo)
+
+
+def light(path: Path) -> LightTokenizer:
+    """The tokenizer of a later load (a first load kept the snapshot)."""
+    load_tokenizer(path)
+    tok = load_tokenizer(path)
+    assert isinstance(tok, LightTokenizer)
+    return tok
+
+
+def answers(tok) -> dict:
+    """What kevscore asks of a tokenizer, as prompt.py and checkpoint.py ask it."""
+    return {"batch": tokenize(tok, MORE_TEXTS), "one": [tok(t, add_special_tokens=False)["input_ids"] for t in MORE_TEXTS],
+            "encode": tokenize_labels(tok, MORE_TEXTS), "template": load_template(None, tok),
+            "chat": chat_template(tok), "has_chat": bool(getattr(tok, "chat_template", None)),
+            "ids": (tok.pad_token_id, tok.eos_token_id, tok.split_special_tokens)}
+
+
 def ids(tokenizer) -> list[list[int]]:
     return tokenizer(TEXTS, add_special_tokens=False)["input_ids"]
 
@@ -61,13 +120,17 @@ def test_the_class_autotokenizer_picks_is_remembered(tmp_path: Path, demo: Path,
     first = load_tokenizer(path)
     assert type(first) is type(auto) and calls == [str(path)]
     assert json.loads(cache.read_text()) == {
-        tokenizer_key(path, transformers.__version__): f"{type(auto).__module__}:{type(auto).__qualname__}"}
+        tokenizer_key(path): f"{type(auto).__module__}:{type(auto).__qualname__}"}
     monkeypatch.setattr(durable, "_REMEMBERED", {})  # a later process: the class from the cache file
+    tokenizer_snapshot.snapshot_file(path).unlink()   # and no snapshot
     again = load_tokenizer(path)
     assert calls == [str(path)], "AutoTokenizer was asked again"
     assert type(again) is type(auto)
     assert ids(again) == ids(auto) == ids(first)
     assert again.chat_template == auto.chat_template and again.eos_token_id == auto.eos_token_id
+    monkeypatch.setattr(durable, "_REMEMBERED", {})
+    fallback = light(path).transformers_tokenizer()  # a snapshot's light tokenizer falls back to the class too
+    assert type(fallback) is type(auto) and calls == [str(path)]
 
 
 def test_changed_tokenizer_files_ask_autotokenizer_again(tmp_path: Path, demo: Path, cache: Path, monkeypatch) -> None:
@@ -87,10 +150,93 @@ def test_a_bad_cache_falls_back_to_autotokenizer(tmp_path: Path, demo: Path, cac
                                                  stored: str) -> None:
     path = tokenizer_dir(tmp_path / "ckpt", demo, "PreTrainedTokenizerFast")
     if stored.startswith("{KEY"):
-        stored = json.dumps({tokenizer_key(path, transformers.__version__): stored.split("'")[1]})
+        stored = json.dumps({tokenizer_key(path): stored.split("'")[1]})
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(stored)
     calls = count_auto_loads(monkeypatch)
     tok = load_tokenizer(path)
     assert calls == [str(path)]
     assert ids(tok) == ids(transformers.AutoTokenizer.from_pretrained(str(path)))
+
+
+def test_the_snapshot_answers_as_transformers(checkpoint: Path, cache: Path) -> None:
+    auto = transformers.AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+    tok = light(checkpoint)
+    assert answers(tok) == answers(auto)
+    assert tok._real is None, "a call fell back to transformers"
+    assert (tokenize(tok, ["<|im_end|>"]) == [[1260]]) == (checkpoint.name == "demo")  # split only by the built one
+    assert max(map(len, tokenize(tok, MORE_TEXTS))) > 16 and 3 not in tokenize(tok, ["x"])[0]  # no truncation, padding
+
+
+def test_a_warm_load_imports_no_transformers(checkpoint: Path, cache: Path) -> None:
+    load_tokenizer(checkpoint)
+    code = ("import json, sys; from pathlib import Path; from kevscore.model.checkpoint import load_tokenizer; "
+            "from kevscore.model.prompt import load_template, tokenize; "
+            f"tok = load_tokenizer(Path({str(checkpoint)!r})); t = load_template(None, tok); "
+            f"print(json.dumps([type(tok).__name__, tokenize(tok, [t.prefix(d) for d in {MORE_TEXTS!r}]), "
+            "[m for m in sys.modules if m.split('.')[0] == 'transformers']]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    name, ids, imported = json.loads(out.stdout)
+    auto = transformers.AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+    assert (name, imported) == ("LightTokenizer", [])
+    assert ids == tokenize(auto, [load_template(None, auto).prefix(d) for d in MORE_TEXTS])
+
+
+def test_a_changed_tokenizer_json_changes_the_key_and_the_ids(tmp_path: Path, demo: Path, cache: Path) -> None:
+    from tokenizers import Tokenizer
+
+    path = tokenizer_dir(tmp_path / "ckpt", demo, "PreTrainedTokenizerFast")
+    key, before = tokenizer_key(path), tokenize(light(path), TEXTS)
+    backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+    backend.add_tokens(["grid failed"])
+    backend.save(str(path / "tokenizer.json"))
+    assert tokenizer_key(path) != key
+    first = load_tokenizer(path)
+    assert not isinstance(first, LightTokenizer), "the old snapshot answered for new files"
+    auto = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert tokenize(first, TEXTS) == tokenize(light(path), TEXTS) == tokenize(auto, TEXTS) != before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a value changed", "empty", "not a snapshot", "another format"])
+def test_a_corrupt_snapshot_loads_through_transformers(checkpoint: Path, cache: Path, damage: str) -> None:
+    load_tokenizer(checkpoint)
+    file = tokenizer_snapshot.snapshot_file(checkpoint)
+    data = file.read_bytes()
+    digest, _, body = data.partition(b"\n")
+    meta, _, pipeline = body.partition(b"\n")
+    meta = json.loads(meta)
+    other = json.dumps({**meta, "format": -1}).encode() + b"\n" + pipeline
+    changed = json.dumps({**meta, "eos_token_id": meta["eos_token_id"] + 1}).encode() + b"\n" + pipeline
+    file.write_bytes({"truncated": data[: len(data) // 2], "a value changed": digest + b"\n" + changed,
+                      "empty": b"", "not a snapshot": b"{}\n",
+                      "another format": hashlib.sha256(other).hexdigest().encode() + b"\n" + other}[damage])
+    tok = load_tokenizer(checkpoint)
+    assert not isinstance(tok, LightTokenizer)
+    auto = transformers.AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+    assert answers(tok) == answers(auto)
+    assert file.read_bytes() == data, "the load did not keep a new snapshot"
+
+
+def test_other_calls_fall_back_to_transformers(checkpoint: Path, cache: Path) -> None:
+    auto = transformers.AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+    tok = light(checkpoint)
+    assert tok(TEXTS[0]) == auto(TEXTS[0])  # special tokens added, attention mask: transformers' answer
+    assert isinstance(tok._real, type(auto))
+    tok = light(checkpoint)
+    ids = tokenize(tok, MORE_TEXTS)
+    assert tok._real is None
+    assert [tok.decode(i) for i in ids] == [auto.decode(i) for i in ids]
+    assert isinstance(tok._real, type(auto)) and len(tok) == len(auto)
+    tok.split_special_tokens = not auto.split_special_tokens  # set on transformers' tokenizer, which answers now
+    assert tok.split_special_tokens is tok._real.split_special_tokens is not auto.split_special_tokens
+    assert tokenize(tok, ["<|im_end|>"]) != tokenize(auto, ["<|im_end|>"])
+    tok.chat_template = "X{{ messages[0]['content'] }}"
+    assert chat_template(tok).head == "X"
+
+
+def test_a_class_with_its_own_encode_path_keeps_no_snapshot(tmp_path: Path, demo: Path, cache: Path) -> None:
+    path = tokenizer_dir(tmp_path / "ckpt", demo, "PreTrainedTokenizerFast")
+    tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tok.__class__ = type("OwnEncode", (type(tok),), {"_encode_plus": lambda self, *a, **k: None})
+    tokenizer_snapshot.save(path, tokenizer_key(path), tok)
+    assert not tokenizer_snapshot.snapshot_file(path).exists()

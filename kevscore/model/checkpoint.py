@@ -8,12 +8,15 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fnmatch import fnmatch
+from importlib import metadata
 from pathlib import Path
 
 import torch
 
 from kevscore.durable import remembered
 from kevscore.errors import KevscoreError, first_line
+from kevscore.model import tokenizer_snapshot
 from kevscore.model.config import SHAPES, KevConfig, weight_shapes
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # org/name or org/name@revision
@@ -36,7 +39,7 @@ class Checkpoint:
     name: str
     config: KevConfig
     weights: dict[str, torch.Tensor]  # text-model names: model.embed_tokens.weight, model.layers.N..., lm_head.weight
-    tokenizer: object                  # a transformers PreTrainedTokenizerBase
+    tokenizer: object                  # a transformers PreTrainedTokenizerBase, or a LightTokenizer of one
     path: Path | None = None
 
     @property
@@ -136,9 +139,22 @@ def load_directory(path: Path, device: str | torch.device = "cpu", tokenizer_rea
 
 
 def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer. Its first load (per `tokenizer_key`) is transformers' (`transformers_tokenizer`)
+    and keeps a snapshot of a fast tokenizer; later loads make a `LightTokenizer` of that snapshot, which encodes
+    with `tokenizers` alone: transformers' import takes seconds (benchmarks/NOTES.md 21)."""
+    key = tokenizer_key(path)
+    light = tokenizer_snapshot.load(path, key, lambda: transformers_tokenizer(path, key))
+    if light is not None:
+        return light
+    tokenizer = transformers_tokenizer(path, key)
+    tokenizer_snapshot.save(path, key, tokenizer)
+    return tokenizer
+
+
+def transformers_tokenizer(path: Path, key: str):
     """The checkpoint's tokenizer, of the class transformers' AutoTokenizer picks for it. The class is
-    remembered per transformers version and tokenizer files, and later loads import only it: AutoTokenizer's
-    import brings in transformers' model and generation code (seconds, on some versions)."""
+    remembered under `key`, and later loads import only it: AutoTokenizer's import brings in transformers'
+    model and generation code (seconds, on some versions)."""
     import transformers
 
     def pick() -> str:  # the class AutoTokenizer picks, by its name
@@ -146,7 +162,7 @@ def load_tokenizer(path: Path):
         return f"{cls.__module__}:{cls.__qualname__}"
 
     try:
-        name = remembered("tokenizer-classes.json", tokenizer_key(path, transformers.__version__), pick,
+        name = remembered("tokenizer-classes.json", key, pick,
                           lambda key: os.path.isdir(key.partition(":")[2].rpartition(":")[0]))
         module, _, qualname = name.partition(":")
         try:
@@ -158,12 +174,23 @@ def load_tokenizer(path: Path):
         raise KevscoreError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
 
 
-def tokenizer_key(path: Path, version: str) -> str:
-    """What AutoTokenizer's choice of class depends on: transformers' version, the directory (it matches some
-    hub names) and the contents of its config files."""
-    files = [name.encode() + b"\0" + ((path / name).read_bytes() if (path / name).is_file() else b"")
-             for name in ("config.json", "tokenizer_config.json")]
-    return f"{version}:{path.resolve()}:{hashlib.sha256(b''.join(files)).hexdigest()}"
+def tokenizer_key(path: Path) -> str:
+    """What a loaded tokenizer depends on: transformers' and tokenizers' versions, the directory (AutoTokenizer
+    matches some hub names) and the contents of the files a tokenizer reads (`tokenizer_files`)."""
+    versions = "+".join(metadata.version(package) for package in ("transformers", "tokenizers"))
+    digest = hashlib.sha256()
+    for file in tokenizer_files(path):
+        data = file.read_bytes()
+        digest.update(f"{file.relative_to(path)}\0{len(data)}\0".encode() + data)
+    return f"{versions}:{path.resolve()}:{digest.hexdigest()}"
+
+
+def tokenizer_files(path: Path) -> list[Path]:
+    """The files of `path` a tokenizer may read: what a hub id's download fetches (HUB_FILES) but the weights,
+    and the extra chat templates."""
+    files = [p for p in path.iterdir() if p.is_file() and not p.name.endswith(".safetensors")
+             and any(fnmatch(p.name, pattern) for pattern in HUB_FILES)]
+    return sorted(files + [p for p in path.glob("additional_chat_templates/*") if p.is_file()])
 
 
 def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
