@@ -234,9 +234,20 @@ def test_other_calls_fall_back_to_transformers(checkpoint: Path, cache: Path) ->
     assert chat_template(tok).head == "X"
 
 
-def test_a_class_with_its_own_encode_path_keeps_no_snapshot(tmp_path: Path, demo: Path, cache: Path) -> None:
+@pytest.mark.parametrize("unlike", ["its own encode path", "a custom pre-tokenizer"])
+def test_no_snapshot_of_a_tokenizer_unlike_transformers_fast_ones(tmp_path: Path, demo: Path, cache: Path,
+                                                                   unlike: str) -> None:
+    from tokenizers.pre_tokenizers import PreTokenizer
+
+    class Whole:  # a pre-tokenizer in Python: tokenizers cannot serialize it
+        def pre_tokenize(self, pretok) -> None:
+            pretok.split(lambda i, s: [s])
+
     path = tokenizer_dir(tmp_path / "ckpt", demo, "PreTrainedTokenizerFast")
     tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    tok.__class__ = type("OwnEncode", (type(tok),), {"_encode_plus": lambda self, *a, **k: None})
+    if unlike == "its own encode path":
+        tok.__class__ = type("OwnEncode", (type(tok),), {"_encode_plus": lambda self, *a, **k: None})
+    else:
+        tok.backend_tokenizer.pre_tokenizer = PreTokenizer.custom(Whole())
     tokenizer_snapshot.save(path, tokenizer_key(path), tok)
     assert not tokenizer_snapshot.snapshot_file(path).exists()

@@ -46,8 +46,11 @@ def save(path: Path, key: str, tokenizer) -> None:
         return
     meta = {"format": FORMAT, "key": key, "chat": chat_call(tokenizer), **{name: getattr(tokenizer, name) for name in KEPT}}
     file = snapshot_file(path)
-    with contextlib.suppress(OSError, KevscoreFailure, TypeError, ValueError):  # TypeError: a value JSON cannot hold
+    try:  # JSON cannot hold a value, a custom pipeline component cannot be serialized: no snapshot
         body = json.dumps(meta).encode() + b"\n" + tokenizer.backend_tokenizer.to_str().encode()
+    except Exception:  # noqa: BLE001 - tokenizers raises plain Exceptions
+        return
+    with contextlib.suppress(OSError, KevscoreFailure):
         file.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(file, bytes_filler(hashlib.sha256(body).hexdigest().encode() + b"\n" + body))
 
