@@ -64,8 +64,9 @@ def child(model: str) -> dict:
     tokenizer_dir = demo_checkpoint_dir()
     t = time.perf_counter()
     load_tokenizer(tokenizer_dir)
-    lap("load the tokenizer as a job does")  # the class AutoTokenizer picked in an earlier process
+    lap("load the tokenizer as a job does")  # the snapshot an earlier process kept: no transformers import
     steps["it imported dynamo, AutoTokenizer"] = [m in sys.modules for m in ("torch._dynamo", HEAVY)]
+    steps["it imported transformers"] = "transformers" in sys.modules
     from transformers import AutoTokenizer
     AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     lap("AutoTokenizer's import and load")
