@@ -77,6 +77,36 @@ def compile_log(t0: float) -> list[list]:
     return events
 
 
+def sample_stacks(t0: float, seconds: float, every: float = 0.02):
+    """A sampling profiler of this process's threads for its first `seconds`: returns a function that stops it
+    and gives the samples, each [seconds since t0, thread name, its innermost frames as file:line function]."""
+    import threading
+    import traceback
+
+    samples, stop = [], threading.Event()
+
+    def run() -> None:
+        while not stop.is_set() and time.perf_counter() - t0 < seconds:
+            names = {t.ident: t.name for t in threading.enumerate()}
+            now = round(time.perf_counter() - t0, 3)
+            for ident, frame in sys._current_frames().items():
+                if ident != threading.get_ident():
+                    stack = traceback.extract_stack(frame)[-8:]
+                    samples.append([now, names.get(ident, str(ident)),
+                                    [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack)]])
+            time.sleep(every)
+
+    sampler = threading.Thread(target=run, name="stack-sampler", daemon=True)
+    sampler.start()
+
+    def finish() -> list:
+        stop.set()
+        sampler.join()
+        return samples
+
+    return finish
+
+
 def child(args) -> None:
     t0 = time.perf_counter()
     import torch
@@ -113,6 +143,7 @@ def child(args) -> None:
     cuda = args.device == "cuda"
     timeline = Timeline() if cuda else Reporter()
     compiles = compile_log(t0) if cuda else []
+    sampling = sample_stacks(t0, args.sample_stacks) if args.sample_stacks else None
     if cuda:
         torch.cuda.init()
         origin = torch.cuda.Event(enable_timing=True)
@@ -134,6 +165,8 @@ def child(args) -> None:
            "gpu_idle_between_phases_s": idle_between(phases), "phases": phases, "steps": steps,
            "peak_gpu_bytes": result.peak_gpu, "compiles": compiles}
     Path(args.child).write_text(json.dumps(out))
+    if sampling is not None and args.logs:
+        args.logs.write_text("".join(json.dumps(s) + "\n" for s in sampling()))
 
 
 # ---- the parent ----------------------------------------------------------------------------------------
@@ -158,7 +191,10 @@ def run_start(args, start: str, data: Path, folder: Path, cache: Path) -> dict:
     report = folder / f"{start}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(report), "--input", str(data),
            "--output", str(folder / f"{start}.scores.parquet"), "--model", args.model, "--device", args.device,
-           "--batch-rows", str(args.batch_rows)]
+           "--batch-rows", str(args.batch_rows), "--sample-stacks", str(args.sample_stacks)]
+    if args.sample_stacks and args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        cmd += ["--logs", str(args.logs / f"stacks-{start}.jsonl")]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if args.logs:
@@ -338,6 +374,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile the prefill-alone runs by kernel group")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--logs", type=Path, help="keep each job's output here (e.g. with TRITON_PRINT_AUTOTUNING=1)")
+    ap.add_argument("--sample-stacks", type=float, default=0.0,
+                    help="sample every thread's stack each 20 ms for a job's first SECONDS, into --logs")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--input", help=argparse.SUPPRESS)
     ap.add_argument("--output", help=argparse.SUPPRESS)
