@@ -53,6 +53,9 @@ FUSED_WY_LAUNCH: dict = {}
 # and output kernels (A/B)
 FUSED_PREFILL = os.environ.get("KEVSCORE_FUSED_PREFILL", "1") == "1"
 CHUNKS_WY_LAUNCH: dict = {}
+# prefill attention over documents of similar lengths through SDPA (cuDNN) as a padded batch; 0: flash attention
+# over the packed tokens for every bf16 group (A/B: cuDNN builds its kernels at a process's first shapes)
+PREFILL_SDPA = os.environ.get("KEVSCORE_PREFILL_SDPA", "1") == "1"
 # An fp32 model's Triton dots run in 3xTF32, fp32's precision on tensor cores (TRITON_F32_DEFAULT, set by
 # cuda_runner.fp32_dots). Its branch attention's tiles: the bf16 defaults' would take 512 KB of shared memory at
 # head dim 256, over the H200's 227 KB; these take 192 KB (benchmarks/sm90_build.py)
@@ -287,7 +290,7 @@ def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     if ctx.pad_index is None and q.dtype == torch.float32:
         bounds = ctx.cu_seqlens.tolist()
         out = torch.cat([_sdpa_causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], 1)
-    elif ctx.pad_index is None:
+    elif q.dtype != torch.float32 and (ctx.pad_index is None or not PREFILL_SDPA):
         out = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], ctx.cu_seqlens, ctx.cu_seqlens,
                                                       ctx.max_len, ctx.max_len, 0.0, True, False)[0][None]
     elif ctx.pad_index.numel() == q.shape[1]:  # equal lengths: the packed tokens are the batch
