@@ -73,26 +73,12 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
                                                  if marker.is_file() else precompile(run_each_shape))
     t0 = time.perf_counter()
     run_each_shape()
-    if device.type == "cuda" and dtype != torch.float32:
-        long_attention(cfg, device)
     steps["run_s"] = time.perf_counter() - t0
     if marker is not None:
         with contextlib.suppress(OSError):
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
     return steps
-
-
-def long_attention(cfg: KevConfig, device: torch.device) -> None:
-    """Prefill's attention (SDPA, through cuDNN) at long padded shapes: cuDNN builds its kernels for a class of
-    shapes at a process's first call of it, which the job's first prefill groups would otherwise wait for."""
-    from kevscore.kernels.fla_ops import _sdpa_causal
-
-    for docs, length in ((8, 2048), (2, 8192)):
-        q = torch.zeros(docs, length, cfg.num_attention_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
-        kv = torch.zeros(docs, length, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
-        _sdpa_causal(q, kv, kv)
-    torch.cuda.synchronize(device)
 
 
 def finished_marker(small: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Path:
