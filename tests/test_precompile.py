@@ -77,3 +77,23 @@ def test_a_failing_dry_pass_or_an_autotuner_to_time_ends_it_with_a_reason(cache)
 def test_a_kernel_the_workers_cannot_compile_is_left_to_the_run(cache):
     report = pc.precompile(lambda: (launch_miss(64, _broken), launch_miss(64)))
     assert (report.kernels, report.compiled, report.skipped) == (2, 1, None)
+
+
+def test_before_fork_runs_between_the_dry_pass_and_the_workers(cache):
+    order = []
+    report = pc.precompile(lambda: (order.append("dry"), launch_miss(128)), lambda: order.append("before fork"))
+    assert order == ["dry", "before fork"] and report.compiled == 1
+    order.clear()
+    pc.precompile(lambda: order.append("dry"), lambda: order.append("before fork"))
+    assert order == ["dry"]  # nothing to compile: no workers, nothing to prepare for them
+
+
+def test_triton_hashes_its_files_on_a_thread():
+    """The warm-up's thread fills Triton's once-per-process cache key, which every compile then reads."""
+    from triton.runtime.cache import triton_key
+
+    from kevscore.engine.warmup import hash_triton
+
+    triton_key.cache_clear()
+    hash_triton()()  # start, then wait
+    assert triton_key.cache_info().currsize == 1

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -38,10 +39,11 @@ def small_model(cfg: KevConfig) -> KevConfig:
     return dataclasses.replace(cfg, layer_types=(LINEAR, FULL), vocab_size=min(cfg.vocab_size, 1024))
 
 
-def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None = None) -> dict:
+def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None = None,
+                    triton_hashed: Callable[[], None] = lambda: None) -> dict:
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` in the model's `dtype` (on a CPU:
     the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile).
-    Returns seconds by step."""
+    `triton_hashed` waits for `hash_triton` before the first compile or cache lookup. Returns seconds by step."""
     from kevscore.engine.backend import build_runner, synchronize
     from kevscore.engine.pipeline import Engine
     from kevscore.model.checkpoint import Checkpoint, random_weights
@@ -70,7 +72,8 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
     if marker is not None and PARALLEL_COMPILE:
         from kevscore.kernels.precompile import Precompiled, precompile
         steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache")
-                                                 if marker.is_file() else precompile(run_each_shape))
+                                                 if marker.is_file() else precompile(run_each_shape, triton_hashed))
+    triton_hashed()
     t0 = time.perf_counter()
     run_each_shape()
     steps["run_s"] = time.perf_counter() - t0
@@ -79,6 +82,20 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
     return steps
+
+
+def hash_triton() -> Callable[[], None]:
+    """Triton keys its cache by a hash of its own files (libtriton alone is ~500 MB), computed once per process
+    at its first compile or cache lookup: 0.5-1.5 s. Hashing releases the GIL, so a thread does it while the
+    job reads its input and the warm-up builds its model and records its kernels, and the forked compile
+    workers inherit it. Returns what waits for it."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton layout: the first compile hashes, as it would anyway
+        return lambda: None
+    thread = threading.Thread(target=triton_key, name="kevscore-triton-key", daemon=True)
+    thread.start()
+    return thread.join
 
 
 def finished_marker(small: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Path:
@@ -121,6 +138,7 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
     from kevscore.kernels import fla_ops, tuning  # noqa: F401
 
     cuda_runner.fp32_dots(dtype)  # before the thread compiles anything
+    triton_hashed = hash_triton()
 
     def work() -> None:
         t0 = time.perf_counter()
@@ -128,7 +146,7 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
             torch.ones(1, device=device).sum()
             warm.steps["context_s"] = time.perf_counter() - t0
             if cfg is not None:
-                warm.steps.update(compile_kernels(cfg, device, path, dtype))
+                warm.steps.update(compile_kernels(cfg, device, path, dtype, triton_hashed))
         except Exception as exc:  # noqa: BLE001 - reported with the job's load, never fatal
             warm.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
         warm.seconds = time.perf_counter() - t0

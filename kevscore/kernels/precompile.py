@@ -81,10 +81,12 @@ def workers_for(kernels: int) -> int:
     return max(0, min(kernels, (os.cpu_count() or 1) - 1, 16))
 
 
-def precompile(dry_run: Callable[[], None], timeout_s: float = 120.0) -> Precompiled:
-    """Call `dry_run` (a run whose output is thrown away) with compilation recorded, then compile what it
-    met in forked workers. On a surprise (an autotuner to time, an error in the dry run, a worker stuck)
-    it stops and says why in `skipped`; the caller's real run then compiles what is left."""
+def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = lambda: None,
+               timeout_s: float = 120.0) -> Precompiled:
+    """Call `dry_run` (a run whose output is thrown away) with compilation recorded, then `before_fork` (what
+    the workers should inherit), then compile what it met in forked workers. On a surprise (an autotuner to
+    time, an error in the dry run, a worker stuck) it stops and says why in `skipped`; the caller's real run
+    then compiles what is left."""
     global _PENDING
     report, found = Precompiled(), {}
     t0 = time.perf_counter()
@@ -98,6 +100,7 @@ def precompile(dry_run: Callable[[], None], timeout_s: float = 120.0) -> Precomp
     if report.skipped or not report.workers:
         report.skipped = report.skipped or "no kernels to compile"
         return report
+    before_fork()
     t1 = time.perf_counter()
     _PENDING = list(found.values())
     # a tokenizer used before the fork would print a warning in each worker unless this is set (its default)
