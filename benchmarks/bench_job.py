@@ -180,14 +180,15 @@ def make_input(args, folder: Path) -> Path:
 
 
 def run_start(args, start: str, data: Path, folder: Path, cache: Path) -> dict:
-    """One job in a child process; `cold` starts from empty Triton, FLA and kevscore caches in `cache`."""
+    """One job in a child process; `cold` starts from empty Triton, FLA, kevscore and CUDA driver caches in
+    `cache` (what kernels the driver or cuDNN build at run time, a user's first job on a machine builds too)."""
     if start == "cold" and cache.exists():
         import shutil
 
         shutil.rmtree(cache)
     cache.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "KEVSCORE_CACHE": str(cache / "kevscore"),
-           "PYTHONUNBUFFERED": "1"}
+           "CUDA_CACHE_PATH": str(cache / "cuda"), "PYTHONUNBUFFERED": "1"}  # the driver's compiled-kernel cache too
     report = folder / f"{start}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(report), "--input", str(data),
            "--output", str(folder / f"{start}.scores.parquet"), "--model", args.model, "--device", args.device,
