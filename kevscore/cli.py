@@ -330,7 +330,8 @@ def compare(
     warmup: int = option(3, "--warmup", metavar="N", help="Warm-up calls per path and case (on a GPU, graph capture "
                          "included)."),
     cases: Optional[str] = option(None, "--cases", metavar="CASES", help="Comma-separated: shared, distinct, padded, "
-                                  "long-branch, cold, mixed, warm (default all; with --data the last three)."),
+                                  "long-branch, long-document, cold, mixed, warm (default all; with --data the last "
+                                  "three)."),
     json_path: Optional[Path] = option(None, "--json", metavar="FILE",
                                        help="Write the full report (every sample) here."),
     plot: Optional[Path] = option(None, "--plot", metavar="FILE",

@@ -31,7 +31,7 @@ from kevscore.measure import environment, events_ms, quantile, timed
 from kevscore.model.prompt import Encoded, first_and_tails
 
 PATHS = ("gathered", "indexed")
-SHAPE_CASES = ("shared", "distinct", "padded", "long-branch")
+SHAPE_CASES = ("shared", "distinct", "padded", "long-branch", "long-document")
 TEMPERATURES = {"cold": 0.0, "mixed": 0.5, "warm": 1.0}
 CASES = SHAPE_CASES + tuple(TEMPERATURES)
 FAULTS = ("index-off-by-one",)
@@ -56,6 +56,8 @@ def case_specs(small: bool) -> dict[str, CaseSpec]:
         CaseSpec("distinct", 24 if small else 96, doc, 1, (q, q), 1.0, 2),
         CaseSpec("padded", 13, doc, 7, (q, q), 1.0, 3),  # 91 rows: fits no row bucket
         CaseSpec("long-branch", 4 if small else 8, doc, 4, long_q, 1.0, 4),
+        # many questions on each long document: every row reads its document's K/V (issue 21's W2 shape)
+        CaseSpec("long-document", 4 if small else 8, 192 if small else 8192, 12, (q, q), 1.0, 6),
     ]
     specs += [CaseSpec(t, 16, doc, 6, (q, q), w, 5) for t, w in TEMPERATURES.items()]
     return {s.name: s for s in specs}

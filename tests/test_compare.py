@@ -132,3 +132,14 @@ def test_fp32_baseline_times_an_fp32_engine_and_reports_the_rows_that_flip(tiny,
     assert res.parity  # the baseline's flips are no parity failure
     same = run_case(ours, "mixed", enc, 0.5, {}, reps=1, warmup=1, hf_reps=1, fp32=cpu_engine(demo, docs=enc.prefixes))
     assert same.fp32_flipped == [] and same.fp32_max_abs_diff == 0.0
+
+
+def test_long_document_case_asks_many_questions_of_each_long_document(tmp_path):
+    """Issue 21's W2 shape, small on a CPU: each document 4x longer than the other cases' and 12 rows reading it;
+    both paths to the bit, the bank unchanged."""
+    result = compare("--cases", "long-document", "--reps", "1", "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 0, result.output
+    case, = json.loads((tmp_path / "r.json").read_text())["cases"]
+    assert case["rows"] == 48 and case["documents"] == 4 and case["definition"]["questions"] == 12
+    assert case["definition"]["doc_len"] == 4 * 48
+    assert case["max_abs_diff"] == 0 and case["flips"] == 0 and case["bank_unchanged"] is True
