@@ -51,6 +51,7 @@ class RunStats:
     batches: int = 0
     prefill_s: float = 0.0
     score_s: float = 0.0
+    capture_s: float = 0.0  # of score_s: capturing new graph buckets (their eager warm-up runs included)
     oom_retries: int = 0  # batches or prefill groups split after running out of memory
     read_s: float = 0.0   # jobs: reading and tokenizing windows
     write_s: float = 0.0  # jobs: writing parts and merging the output
@@ -177,7 +178,7 @@ class Engine:
         other = faults.wrong_entry(list(slot_of))  # identity unless a test injects the fault
         slot_of = {d: slot_of[other[d]] for d in slot_of}
         prefix_len = {r: len(enc.prefixes[other[enc.row_prefix[r]]]) for r in rows}
-        t0 = time.perf_counter()
+        t0, captured = time.perf_counter(), getattr(self.runner, "capture_s", 0.0)
         try:
             with progress.phase("score"):
                 for scoring in scorings(enc, rows):
@@ -188,6 +189,7 @@ class Engine:
         finally:
             synchronize(self.runner.device)
             scores.stats.score_s += time.perf_counter() - t0
+            scores.stats.capture_s += getattr(self.runner, "capture_s", 0.0) - captured
 
     def _score_batch(self, enc: Encoded, scoring: Scoring, batch: Batch, slot_of: dict[int, int],
                      prefix_len: dict[int, int], path: str, scores: Scores, progress: Reporter) -> None:
