@@ -49,9 +49,9 @@ def test_long_branches_follow_new_slots_between_graph_replays():
 
 
 @pytest.mark.parametrize("dims", [(16, 32, 128, 128), (2, 4, 64, 64)], ids=["kev4b", "demo"])
-def test_wy_repr_with_a_reused_buffer_equals_fla(dims):
-    """fla_ops.wy_repr keeps one zeroed A buffer per shape across calls; w and u stay FLA's to the bit, call
-    after call with new inputs, at two shapes (their buffers must not mix)."""
+def test_wy_repr_equals_fla(dims):
+    """fla_ops.wy_repr (FLA's intra-chunk stage, called kernel by kernel): w and u are FLA's to the bit, call
+    after call with new inputs, at two shapes."""
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2

@@ -180,26 +180,13 @@ def gate_cumsum(gate) -> torch.Tensor:
     return decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2)
 
 
-_ZERO_A: dict[tuple, torch.Tensor] = {}
-
-
 def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, cu_seqlens=None,
             chunk_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w, u): FLA 0.5.2's `chunk_gated_delta_rule_fwd_intra` for 64-token chunks of equal-length rows, its two
-    kernels called as it calls them, except for the buffer A of the solved (I + A)^-1 blocks. FLA zero-fills a
-    new one per call, because its kernel writes only the blocks on and below the diagonal; here one buffer per
-    shape is zeroed once, outside any graph capture, and reused: the kernel writes the same blocks every time,
-    so the others stay zero. That drops a 25 MB fill (and a graph node) per DeltaNet layer. Same bits.
-    The buffers live as long as the process (captured graphs hold their addresses): one per (rows, length)
-    bucket, 4 KB per token at the Kev-4B shape, as much as one of the layer's [tokens, 2048] activations.
-    Packed documents (`cu_seqlens`, `chunk_indices`: prefill) get a new buffer, as FLA's function does."""
-    b, t, _, _ = k.shape
-    key = (b, t, beta.shape[2], k.dtype, k.device)
-    a = _ZERO_A.get(key) if cu_seqlens is None else None
-    if a is None:
-        a = torch.zeros(b, t, beta.shape[2], CHUNK, device=k.device, dtype=k.dtype)
-        if cu_seqlens is None and not torch.cuda.is_current_stream_capturing():  # (a capture's pool is not kept)
-            _ZERO_A[key] = a
+    """(w, u): FLA 0.5.2's `chunk_gated_delta_rule_fwd_intra` for 64-token chunks (of equal-length rows, or
+    packed documents: `cu_seqlens`, `chunk_indices`), its two kernels called as it calls them, the buffer of
+    the solved (I + A)^-1 blocks zero-filled as FLA fills it (its kernel writes only the blocks on and below
+    the diagonal). The stages' path: the A/B of `branch_wy` and `prefill_wy`."""
+    a = torch.zeros(*k.shape[:2], beta.shape[2], CHUNK, device=k.device, dtype=k.dtype)
     solve_chunks(k, gc, beta, a, cu_seqlens, chunk_indices)
     return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=gc, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
