@@ -1,7 +1,8 @@
 """A job's start on the GPU, step by step, each start in a fresh process: imports, the CUDA context, cuBLAS's
 first matmul, and the warm-up's kernel compilation (kevscore.engine.warmup.compile_kernels at the model's layer
 shapes) with an empty Triton cache (a user's first job) and with the cache a cold start left; the cold start
-once with the parallel compile (kevscore.kernels.precompile) and once without; then a checkpoint load's
+once with the parallel compile (kevscore.kernels.precompile) and once without; prefill attention's first calls
+at long shapes, on another thread and on this one (cuDNN's kernel builds); then a checkpoint load's
 steps (transformers' import, the tokenizer, seeded weights), and a warm start's slowest imports. Prints a
 table, writes JSON.
 
@@ -59,6 +60,7 @@ def child(model: str) -> dict:
     triton.knobs.compilation.listener = listen
     warm_up = compile_kernels(SHAPES[model], torch.device("cuda"), "indexed")
     lap("compile_kernels")
+    first_attention_calls(SHAPES[model], lap)
     from kevscore.model.checkpoint import load_tokenizer, random_weights
     from kevscore.model.demo import demo_checkpoint_dir
     tokenizer_dir = demo_checkpoint_dir()
@@ -77,6 +79,32 @@ def child(model: str) -> dict:
     return {"steps": steps, "warm_up": warm_up, "compiles_in_this_process": compiles}
 
 
+def first_attention_calls(cfg, lap) -> None:
+    """Prefill's SDPA (cuDNN) at long padded shapes: on another thread, then on this one at the same shape and
+    at new ones. Says whether what cuDNN builds at a process's first long shapes is kept per thread or per shape
+    (benchmarks/NOTES.md 35-36), where the warm-up ran it only at its short shapes."""
+    import threading
+
+    import torch
+
+    from kevscore.kernels.fla_ops import _sdpa_causal
+
+    def attend(docs: int, length: int) -> None:
+        q = torch.zeros(docs, length, cfg.num_attention_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+        kv = torch.zeros(docs, length, cfg.num_key_value_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+        _sdpa_causal(q, kv, kv)
+        torch.cuda.synchronize()
+
+    other = threading.Thread(target=attend, args=(8, 2048))
+    other.start()
+    other.join()
+    lap("SDPA 8 x 2,048 on another thread")
+    for docs, length, name in ((8, 2048, "the same on this thread"), (39, 1664, "39 x 1,664 on this thread"),
+                               (39, 1664, "39 x 1,664 again"), (40, 1632, "40 x 1,632 (a next group)")):
+        attend(docs, length)
+        lap(f"SDPA {name}")
+
+
 def top_imports(stderr: str, most: int = 25) -> list[tuple[str, float]]:
     """The imports that took longest, with what they imported (`python -X importtime`'s cumulative column)."""
     rows = []
@@ -89,7 +117,8 @@ def top_imports(stderr: str, most: int = 25) -> list[tuple[str, float]]:
 
 
 def run_start(model: str, cache: str, parallel: str, importtime: bool = False) -> dict:
-    env = dict(os.environ, TRITON_CACHE_DIR=cache, KEVSCORE_PARALLEL_COMPILE=parallel)
+    env = dict(os.environ, TRITON_CACHE_DIR=cache, KEVSCORE_PARALLEL_COMPILE=parallel,
+               CUDA_CACHE_PATH=str(Path(cache) / "cuda"))  # the driver's compiled kernels: cold with the cache
     t0 = time.perf_counter()
     flags = ["-X", "importtime"] if importtime else []
     out = subprocess.run([sys.executable, *flags, __file__, "--child", "--model", model], env=env,
