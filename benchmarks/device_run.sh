@@ -7,7 +7,8 @@
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
 # NCU=1 (Nsight Compute, --clock-control none, on the branch conv and attention; report in $OUT),
 # JOB=1 (benchmarks/bench_job.py: issue 17's whole job cold and warm, baselines, scoring budgets, prefill alone; JOB_ARGS='...'),
-# START=1 (benchmarks/bench_start.py: a job's start step by step in fresh processes, cold and warm).
+# START=1 (benchmarks/bench_start.py: a job's start step by step in fresh processes, cold and warm),
+# CPU_TESTS='tests/a.py tests/b.py' (those CPU tests first, on the image's transformers and tokenizers).
 # Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
 set -o pipefail
 OUT="${OUT:-device-out}"; mkdir -p "$OUT"
@@ -19,6 +20,9 @@ if [ "${KERNELS:-0}" != 0 ]; then  # KERNELS=1: all of them; KERNELS=conv (or an
   python3 benchmarks/bench_kernels.py "${only[@]}" --json "$OUT/kernels-kev-4b.json" > "$OUT/kernels.log" 2>&1
   echo "kernels rc=$?"; grep -E "^conv" "$OUT/kernels.log"
   sed -n '/best per kernel/,$p' "$OUT/kernels.log"
+fi
+if [ -n "${CPU_TESTS:-}" ]; then  # CPU test files on this image's packages (e.g. the tokenizer snapshot on its transformers)
+  timeout 300 python3 -m pytest -q -p no:hypothesispytest --tb=line -rfE $CPU_TESTS 2>&1 | tee "$OUT/pytest_cpu.log" | tail -5
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n "${PYTEST_WORKERS:-2}" --dist loadgroup -p no:hypothesispytest --tb=line -rfEP "$@" 2>&1 \
