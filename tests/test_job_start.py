@@ -72,3 +72,30 @@ def test_a_token_pass_error_is_the_jobs_error(tmp_path, monkeypatch):
     assert result.exit_code == 2
     line, = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and "label" in line, line
+
+
+def test_the_first_window_is_read_while_the_runner_is_built(tmp_path, monkeypatch):
+    """A new job's first window is read and tokenized on a thread of its own before the runner is built (a read
+    that waited for the runner would leave it waiting 30 s and fail), the window is read once, and the output
+    is the same as without the wait."""
+    started, seen, reads = threading.Event(), [], []
+    read_window, job_runner = job.read_window, job.job_runner
+
+    def reading(*args, **kwargs):
+        started.set()
+        return read_window(*args, **kwargs)
+
+    def building(*args, **kwargs):
+        seen.append(started.wait(30))
+        return job_runner(*args, **kwargs)
+
+    monkeypatch.setattr(job, "read_window", reading)
+    monkeypatch.setattr(job, "job_runner", building)
+    read = job.RowReader.read
+    monkeypatch.setattr(job.RowReader, "read", lambda self, rows: reads.append(rows) or read(self, rows))
+    result = kevscore_run("-o", tmp_path / "overlapped.parquet")
+    assert result.exit_code == 0, result.stderr
+    assert seen == [True] and len(reads) == 1
+    monkeypatch.undo()
+    assert kevscore_run("-o", tmp_path / "plain.parquet").exit_code == 0
+    assert pq.read_table(tmp_path / "overlapped.parquet").equals(pq.read_table(tmp_path / "plain.parquet"))

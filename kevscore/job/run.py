@@ -17,6 +17,7 @@ import gc
 import resource
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,13 +40,13 @@ from kevscore.job.formats import STDOUT, Carry, file_format
 from kevscore.job.inputs import Inputs, opened_inputs, output_path, to_stdout
 from kevscore.job.labels import LabelTally, low_mass_warning
 from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, carries, check_options
-from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, merged_output
+from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, merged_output, parts_dir
 from kevscore.job.provenance import job_digest, job_identity, output_job
-from kevscore.job.rows import Cursor
+from kevscore.job.rows import Cursor, RowReader
 from kevscore.job.scan import InputScan, scan_input
 from kevscore.job.shard import assign_documents
 from kevscore.job.tokens import in_background, measure_tokens
-from kevscore.job.windows import make_engine, score_windows
+from kevscore.job.windows import make_engine, read_window, score_windows
 from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
 from kevscore.model.config import KevConfig
 from kevscore.model.prompt import Template, load_template
@@ -189,19 +190,25 @@ class Job:
     identity: dict                # what the results depend on (job_identity)
     ranks: int = 1                # processes the windows are split over (kevscore.job.distributed)
     warm_up: dict | None = None   # the GPU warm-up thread's report
+    first_window: tuple[int, Future] | None = None  # (window, its read_window) begun while the runner was built
 
 
 def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1, loaded: LoadedModel | None = None) -> Job:
     """Prepare the job, build its runner (or reuse the loaded model's; then join the GPU warm-up) and
     compute its identity."""
     p = prepare(opts, inputs, output, ranks, loaded)
+    first = None
+    if ranks == 1 and p.finished is None and len(p.windows) and not parts_dir(output).exists():  # a new job
+        w = int(p.windows.of_rank(0)[0])  # its first window, read and tokenized while the runner is built
+        first = w, in_background(read_window, RowReader(p.scan), p.windows, w, p.ckpt.tokenizer, p.template,
+                                 opts.labels, p.ckpt.config.max_position_embeddings)
     runner = job_runner(opts, p, loaded)
     warm_up = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
     p.laps.lap("runner")
     fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME)
     identity = job_identity(opts, inputs, p.ckpt.name, fingerprint, p.device.type, p.windows, ranks)
     p.laps.lap("identity")
-    return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up)
+    return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up, first)
 
 
 def job_runner(opts: RunOptions, p: Prepared, loaded: LoadedModel | None):
@@ -299,7 +306,7 @@ def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> 
         with StopSignals(progress.warn) as stop:
             engine.stop = stop
             score_windows(opts, p.scan, p.windows, engine, parts, p.ckpt.tokenizer, p.template,
-                          p.ckpt.config.max_position_embeddings, result.stats, progress, rank)
+                          p.ckpt.config.max_position_embeddings, result.stats, progress, rank, job.first_window)
     finally:
         if store is not None:
             store.close()

@@ -5,7 +5,8 @@ written on another while the next window is scored."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import pyarrow as pa
 
@@ -27,11 +28,19 @@ def make_engine(opts: RunOptions, runner, store: BankStore | None = None) -> Eng
                   skip_failed=opts.skip_invalid)
 
 
+def read_window(reader: RowReader, windows: Windows, w: int, tokenizer, template, labels, max_positions: int):
+    """Window w's rows and their encoding (kevscore.model.prompt.encode)."""
+    table = reader.read(windows.rows_of(w))
+    return table, encode(table, tokenizer, template, labels, max_positions)
+
+
 def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
-                  tokenizer, template, max_positions: int, stats: RunStats, progress: Reporter, rank: int = 0) -> None:
+                  tokenizer, template, max_positions: int, stats: RunStats, progress: Reporter, rank: int = 0,
+                  first: tuple[int, Future] | None = None) -> None:
     """Score every window of `rank` without a completed part. The next window is read and tokenized on one
     worker thread while this one is scored, and the last window's part is written on another (at most two
-    windows' inputs and one window's output in memory); a failure on either thread ends the run with its error."""
+    windows' inputs and one window's output in memory); a failure on either thread ends the run with its error.
+    `first`: a window already being read (`read_window`), used if it is the first to score."""
     mine = windows.of_rank(rank)
     todo = [w for w in mine if w not in parts.done]
     resumed_rows = sum(parts.done[w] for w in mine if w in parts.done)
@@ -40,11 +49,8 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
     progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()) if todo else total_rows)
     progress.event("start", rows=total_rows, windows=len(mine), windows_done=len(mine) - len(todo),
                    rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
-    reader = RowReader(scan)
-
-    def load(w: int):
-        table = reader.read(windows.rows_of(w))
-        return table, encode(table, tokenizer, template, opts.labels, max_positions)
+    load = partial(read_window, RowReader(scan), windows, tokenizer=tokenizer, template=template, labels=opts.labels,
+                   max_positions=max_positions)
 
     def write(w: int, table, enc, scores: Scores) -> None:  # on the writing thread
         t0 = time.perf_counter()
@@ -57,7 +63,10 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
     writing = ThreadPoolExecutor(1, thread_name_prefix="kevscore-write")
     last_write = None
     try:
-        upcoming = reading.submit(load, todo[0]) if todo else None
+        if first is not None and todo and todo[0] == first[0]:
+            upcoming = first[1]  # read while the runner was built
+        else:
+            upcoming = reading.submit(load, todo[0]) if todo else None
         for k, w in enumerate(todo):
             t0 = time.perf_counter()
             table, enc = upcoming.result()
