@@ -99,3 +99,20 @@ def test_the_first_window_is_read_while_the_runner_is_built(tmp_path, monkeypatc
     monkeypatch.undo()
     assert kevscore_run("-o", tmp_path / "plain.parquet").exit_code == 0
     assert pq.read_table(tmp_path / "overlapped.parquet").equals(pq.read_table(tmp_path / "plain.parquet"))
+
+
+def test_a_failed_first_window_read_is_the_jobs_one_line(tmp_path, monkeypatch):
+    """The first window's read fails on its thread (a file changed or lost since the scan): the job ends with
+    that error's one line, writes no output and leaves no parts directory; the next run scores as usual."""
+    def lost(*args, **kwargs):
+        raise OSError(5, "Input/output error", str(QUESTIONS))
+
+    monkeypatch.setattr(job, "read_window", lost)
+    out = tmp_path / "out.parquet"
+    result = kevscore_run("-o", out)
+    assert result.exit_code == 1, result.stderr
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "Input/output error" in line and "Traceback" not in result.stderr, line
+    assert not out.exists() and not (tmp_path / "out.parquet.parts").exists()
+    monkeypatch.undo()
+    assert kevscore_run("-o", out).exit_code == 0 and out.is_file()

@@ -251,3 +251,24 @@ def test_no_snapshot_of_a_tokenizer_unlike_transformers_fast_ones(tmp_path: Path
         tok.backend_tokenizer.pre_tokenizer = PreTokenizer.custom(Whole())
     tokenizer_snapshot.save(path, tokenizer_key(path), tok)
     assert not tokenizer_snapshot.snapshot_file(path).exists()
+
+
+def test_a_snapshot_that_cannot_be_written_costs_only_the_next_load(checkpoint: Path, cache: Path,
+                                                                    monkeypatch) -> None:
+    """A full disk while the snapshot is written: the load still returns transformers' tokenizer, nothing is
+    left half-written, and the next load (through transformers again) writes the snapshot then."""
+    from kevscore.model import tokenizer_snapshot
+
+    write = tokenizer_snapshot.write_atomic
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tokenizer_snapshot, "write_atomic", full)
+    tokenizer = load_tokenizer(checkpoint)
+    assert not isinstance(tokenizer, tokenizer_snapshot.LightTokenizer)
+    assert tokenizer(["a test"], add_special_tokens=False)["input_ids"]
+    assert not list(tokenizer_snapshot.snapshot_file(checkpoint).parent.glob("*"))
+    monkeypatch.setattr(tokenizer_snapshot, "write_atomic", write)
+    assert not isinstance(load_tokenizer(checkpoint), tokenizer_snapshot.LightTokenizer)
+    assert isinstance(load_tokenizer(checkpoint), tokenizer_snapshot.LightTokenizer)
