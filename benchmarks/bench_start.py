@@ -99,10 +99,12 @@ def first_attention_calls(cfg, lap) -> None:
     other.start()
     other.join()
     lap("SDPA 8 x 2,048 on another thread")
-    for docs, length, name in ((8, 2048, "the same on this thread"), (39, 1664, "39 x 1,664 on this thread"),
-                               (39, 1664, "39 x 1,664 again"), (40, 1632, "40 x 1,632 (a next group)")):
+    attend(8, 2048)
+    lap("SDPA the same on this thread")
+    # lengths off a multiple of 64 and 128, on it, and far longer (runner.PAD_ALIGN pads prefill's to 128)
+    for docs, length in ((39, 1664), (40, 1600), (40, 1632), (40, 1650), (40, 1700), (41, 1728), (2, 8192)):
         attend(docs, length)
-        lap(f"SDPA {name}")
+        lap(f"SDPA {docs} x {length:,} (mod 64: {length % 64}, mod 128: {length % 128})")
 
 
 def top_imports(stderr: str, most: int = 25) -> list[tuple[str, float]]:

@@ -129,3 +129,17 @@ def test_a_prefills_last_layer_writes_the_same_entries_alone(tiny, last_kind, mo
     for name in ("state", "conv", "kv"):
         a, b = getattr(alone, name), getattr(whole, name)
         assert a.abs().max() > 0 and torch.allclose(a, b, rtol=1e-5, atol=1e-6), (name, (a - b).abs().max())
+
+
+def test_branches_past_one_chunk_pad_by_less_than_8_tokens():
+    """Branch lengths pad to the ladder up to 64 tokens, to a multiple of 8 through 128 (the second chunk, where
+    most templated questions fall), and batches of sorted rows take their longest row's bucket."""
+    from kevscore.engine.plan import ladder, length_bucket, plan_batches
+
+    buckets = [length_bucket(n) for n in range(1, 400)]
+    assert all(b >= n for n, b in enumerate(buckets, 1)) and buckets == sorted(buckets)
+    assert all(length_bucket(n) == ladder(n) for n in (*range(1, 65), *range(129, 400)))
+    assert all(b % 8 == 0 and b - n < 8 for n, b in enumerate(buckets, 1) if 64 < n <= 128)
+    lengths = [70, 71, 79, 83, 85, 86, 96, 97]
+    batches = plan_batches(list(range(8)), lengths, [1700] * 8, max_rows=2, max_tokens=1 << 20)
+    assert [b.length for b in batches] == [72, 88, 88, 104]

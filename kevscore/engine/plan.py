@@ -17,6 +17,13 @@ def ladder(n: int, start: int = 16) -> int:
     return size
 
 
+def length_bucket(n: int) -> int:
+    """A branch's padded length: the ladder up to one chunk of the gated delta rule (64 tokens), steps of 8
+    tokens through the second chunk (where most questions with a template fall: 72, 80, ..., 128), then the
+    ladder again. Padding costs the whole model; one more graph bucket costs one capture."""
+    return -(-n // 8) * 8 if 64 < n <= 128 else ladder(n)
+
+
 def prefill_group_tokens(free_bytes: int, bytes_per_token: int, most: int = 65536, least: int = 2048) -> int:
     """Document tokens per prefill group: enough for the GEMMs to run at their rate and for each group's
     launches to hide behind the GPU work of the one before, as many as half the free memory holds, between
@@ -48,7 +55,7 @@ def make_batch(rows: list[int], branch_len: Sequence[int], prefix_len: Sequence[
                scored: Sequence[int] | None = None) -> Batch:
     """The batch of `rows`, its sizes padded to their buckets."""
     return Batch(rows=rows, size=row_bucket(len(rows), max(max_rows, len(rows))),
-                 length=ladder(max(branch_len[r] for r in rows)), prefix=ladder(max(prefix_len[r] for r in rows)),
+                 length=length_bucket(max(branch_len[r] for r in rows)), prefix=ladder(max(prefix_len[r] for r in rows)),
                  scored=scored_bucket(max(scored[r] for r in rows)) if scored is not None else 1)
 
 
@@ -64,7 +71,7 @@ def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Seq
     groups: list[list[int]] = []
     current: list[int] = []
     for r in order:  # ascending length: the newest row sets the batch's padded length
-        cap = max(1, min(max_rows, max_tokens // ladder(branch_len[r])))
+        cap = max(1, min(max_rows, max_tokens // length_bucket(branch_len[r])))
         if current and len(current) >= cap:
             groups.append(current)
             current = []

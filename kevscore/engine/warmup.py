@@ -30,8 +30,9 @@ PARALLEL_COMPILE = os.environ.get("KEVSCORE_PARALLEL_COMPILE", "1") != "0"
 # one-token labels, and rows with a label of several tokens)
 PREFILL_GROUPS = ([100, 64], [64, 64])
 LABELLED = 90  # the branches whose first label has three tokens: batches that score several positions per row
-# (rows, tokens): a branch bucket of each of the fused WY kernel's tile pairs (16, 24-32, 48-64, 96, 128 tokens)
-BRANCHES = ((4, 32), (1, 24), (2, LABELLED), (1, 10), (1, 60), (1, 120))
+# (rows per document, tokens): with the engine's 4 rows per batch, a batch of each of the fused WY kernel's tile
+# pairs (16, 24-32, 48-64, 72-80, 88-96, 104-128 tokens), past 64 tokens at lengths divisible by 16 and not
+BRANCHES = ((4, 32), (2, 24), (2, LABELLED), (2, 10), (2, 60), (2, 70), (2, 80), (2, 85), (2, 120), (2, 128))
 
 
 def small_model(cfg: KevConfig) -> KevConfig:
@@ -55,7 +56,8 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
     runner = build_runner(ckpt, device, max(PREFILL_GROUPS, key=sum), None, True, dtype)  # holds either group
     engine = Engine(runner, max_rows=4, prefill_tokens=1 << 16)
 
-    def run_each_shape() -> None:
+    def run_each_shape() -> dict:
+        prefill_s = score_s = 0.0
         for docs in PREFILL_GROUPS:
             prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
             batches = [(d, rows, length) for d in range(len(docs)) for rows, length in BRANCHES]
@@ -64,10 +66,16 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
             tails = [[(5, 6), ()] if length == LABELLED else [(), ()] for length in lengths]
             enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)], [[7] * n for n in lengths],
                           [["a", "b"]] * n_rows, [[3, 4]] * n_rows, tails)
-            engine.run(enc, path)
+            stats = engine.run(enc, path).stats
+            prefill_s, score_s = prefill_s + stats.prefill_s, score_s + stats.score_s
         synchronize(device)
+        return {"prefill_s": prefill_s, "score_s": score_s}
 
     steps = {}
+    attention = None
+    if device.type == "cuda" and dtype != torch.float32:
+        attention = threading.Thread(target=long_attention, args=(cfg, device), name="kevscore-attention", daemon=True)
+        attention.start()
     marker = finished_marker(small, device, path, dtype) if device.type == "cuda" else None
     if marker is not None and PARALLEL_COMPILE:
         from kevscore.kernels.precompile import Precompiled, precompile
@@ -75,13 +83,28 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
                                                  if marker.is_file() else precompile(run_each_shape, triton_hashed))
     triton_hashed()
     t0 = time.perf_counter()
-    run_each_shape()
+    steps["real_pass"] = run_each_shape()
     steps["run_s"] = time.perf_counter() - t0
+    if attention is not None:
+        attention.join()
     if marker is not None:
         with contextlib.suppress(OSError):
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
     return steps
+
+
+def long_attention(cfg: KevConfig, device: torch.device) -> None:
+    """Prefill's attention (SDPA through cuDNN) once at a long padded shape. At a process's first call cuDNN
+    builds its kernel for the job's padded lengths (multiples of `runner.PAD_ALIGN`): seconds, with the GIL
+    released, so this thread does it beside the warm-up's compiles rather than the job's first prefill group."""
+    from kevscore.kernels.fla_ops import _sdpa_causal
+
+    with contextlib.suppress(Exception):  # the job's own first group builds it then; it reports any real error
+        q = torch.zeros(2, 2048, cfg.num_attention_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
+        kv = torch.zeros(2, 2048, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
+        _sdpa_causal(q, kv, kv)
+        torch.cuda.synchronize(device)
 
 
 def hash_triton() -> Callable[[], None]:
