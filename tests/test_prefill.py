@@ -117,7 +117,7 @@ def test_warm_up_model_runs_a_job_of_the_same_layer_shapes(demo):
 
     cfg = SHAPES["kev-4b"]
     small = small_model(cfg)
-    assert small.layer_types == (LINEAR, FULL) and small.vocab_size == 1024
+    assert small.layer_types == (LINEAR, FULL, FULL) and small.vocab_size == 1024
     assert (small.hidden_size, small.conv_dim, small.head_dim) == (cfg.hidden_size, cfg.conv_dim, cfg.head_dim)
     compile_kernels(demo.config, torch.device("cpu"), "indexed")
     assert prepare_device(torch.device("cpu"), demo.config, "indexed") is None  # nothing to warm on a CPU

@@ -46,23 +46,25 @@ class GraphRunner(EagerRunner):
             return super().score(batch, branches, slots, prefix_lens, path)
         key = (batch.size, batch.length, batch.prefix, batch.scored, path)
         entry = self.graphs.get(key)
-        if entry is None:
-            entry = self.graphs[key] = self.capture(batch, branches, slots, prefix_lens, path)
+        if entry is None:  # this batch's scores come from the eager run that precedes the capture
+            entry, first = self.capture(batch, branches, slots, prefix_lens, path)
+            self.graphs[key] = entry
+            return first[: len(branches) * batch.scored].to(torch.float32, copy=True)
         fill_upload(entry.host, batch.length, branches, slots, prefix_lens, self.pad_id)
         entry.device.copy_(entry.host, non_blocking=True)
         entry.graph.replay()
         return entry.out[: len(branches) * batch.scored].to(torch.float32, copy=True)
 
-    def capture(self, batch: Batch, branches, slots, prefix_lens, path: str) -> CapturedBatch:
-        """Warm up eagerly (autotuners pick their configs here), then capture the bucket's graph."""
+    def capture(self, batch: Batch, branches, slots, prefix_lens, path: str) -> tuple[CapturedBatch, torch.Tensor]:
+        """Run the batch eagerly (autotuners pick their configs here, every kernel is loaded), then capture the
+        bucket's graph. Returns the graph and the eager run's output, the same kernels' on the same input."""
         t0 = time.perf_counter()
         host = self.upload(batch, branches, slots, prefix_lens).pin_memory()
         device = host.to(self.device)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward(device, batch, path)
+            first = self.forward(device, batch, path)
         torch.cuda.current_stream().wait_stream(stream)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -80,7 +82,7 @@ class GraphRunner(EagerRunner):
             raise
         torch.cuda.synchronize()
         self.capture_s += time.perf_counter() - t0
-        return CapturedBatch(graph, host, device, out)
+        return CapturedBatch(graph, host, device, out), first
 
 
 def fp32_dots(dtype: torch.dtype) -> None:

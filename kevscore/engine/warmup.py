@@ -36,8 +36,9 @@ BRANCHES = ((4, 32), (2, 24), (2, LABELLED), (2, 10), (2, 60), (2, 70), (2, 80),
 
 
 def small_model(cfg: KevConfig) -> KevConfig:
-    """The job's layer shapes in one DeltaNet and one attention layer, over a small vocabulary."""
-    return dataclasses.replace(cfg, layer_types=(LINEAR, FULL), vocab_size=min(cfg.vocab_size, 1024))
+    """The job's layer shapes in a DeltaNet layer and two attention layers (prefill skips the last layer's
+    output, so the job's other attention layers need the middle one), over a small vocabulary."""
+    return dataclasses.replace(cfg, layer_types=(LINEAR, FULL, FULL), vocab_size=min(cfg.vocab_size, 1024))
 
 
 def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None = None,
