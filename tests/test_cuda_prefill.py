@@ -43,10 +43,10 @@ def test_packed_prefill_equals_one_document_at_a_time(tiny, docs):
 
 
 def test_fused_prefill_close_to_fla_whole_ops(tiny, monkeypatch):
-    """Our packed conv front end, the fused gated delta rule after FLA's solve and flash attention over the
-    packed tokens, against FLA's conv + `chunk_gated_delta_rule` + padded SDPA (what prefill ran before): in
-    bf16 both round differently, so each is measured against the fp32 CPU prefill, and ours may be no
-    farther from it than FLA's whole ops (and close to them)."""
+    """Our packed conv front end and the fused gated delta rule after FLA's solve, against FLA's conv +
+    `chunk_gated_delta_rule` (what prefill ran before; attention alike on both sides): in bf16 both round
+    differently, so each is measured against the fp32 CPU prefill, and ours may be no farther from it than
+    FLA's whole ops (and close to them)."""
     from kevscore.kernels import fla_ops
 
     enc = synthetic(DOCS, [4])

@@ -41,7 +41,7 @@ from kevscore.kernels.torch_ops import split_front  # noqa: E402
 
 NAME = "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
 FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch_conv.py; 0: FLA's conv (A/B)
-# prefill through FLA's whole ops (its conv, `chunk_gated_delta_rule`, padded SDPA) instead: A/B and oracle
+# prefill's DeltaNet layers through FLA's whole ops (its conv, `chunk_gated_delta_rule`) instead: the cuda tests' oracle
 FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"
 PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
 # kernels/branch_wy.py for branches: FLA's solve, then one kernel for w/u, scan and output; 0: FLA's stages on
@@ -271,8 +271,6 @@ def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     over the packed tokens (`cu_seqlens`); in fp32, which flash attention does not take, SDPA per document
     (the runner groups documents of similar lengths, so this is the rare case). The gate and the unpadding are one
     kernel, `elementwise.sigmoid_gate`."""
-    if FLA_PREFILL:
-        return _attn_prefill_masked(q, k, v, gate, ctx.cu_seqlens, ctx.max_len)
     unpad = None  # the output's gate reads each token's output where the attention leaves it (`sigmoid_gate`)
     if ctx.pad_index is None and q.dtype == torch.float32:
         bounds = ctx.cu_seqlens.tolist()
@@ -285,16 +283,6 @@ def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     else:
         out, unpad = _sdpa_causal(q[0][ctx.pad_index], k[0][ctx.pad_index], v[0][ctx.pad_index]), ctx.unpad_index
     return sigmoid_gate(out, gate, unpad)
-
-
-def _attn_prefill_masked(q, k, v, gate, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """FLA_PREFILL's attention, as prefill ran before: indices derived on the GPU and a boolean unpad."""
-    starts, lens = cu_seqlens[:-1].long(), cu_seqlens[1:].long() - cu_seqlens[:-1].long()
-    steps = torch.arange(max_len, device=q.device)
-    valid = steps[None, :] < lens[:, None]
-    index = torch.where(valid, starts[:, None] + steps, 0)
-    out = _sdpa_causal(q[0][index], k[0][index], v[0][index])
-    return out[valid][None] * torch.sigmoid(gate)
 
 
 def attn_branch(q, k, v, gate, kv: torch.Tensor, ctx) -> torch.Tensor:
