@@ -348,16 +348,6 @@ def test_output_table_null_ids_and_fixed_types(tmp_path: Path) -> None:
     assert table.column("prediction").to_pylist() == ["b", "a"]
 
 
-def test_output_table_extra_columns_appended(one: Path) -> None:
-    labels, probs, mass = scores(4)
-    extra = {"probs_other": pa.array(probs, pa.list_(pa.float64())),
-             "flipped": pa.array([False, True, False, False])}
-    table = output_table(read_input(one), labels, probs, mass, extra)
-    assert table.schema.names == OUTPUT_SCHEMA.names + ["probs_other", "flipped"]
-    assert table.select(OUTPUT_SCHEMA.names).schema.equals(OUTPUT_SCHEMA)
-    assert table.column("flipped").to_pylist() == [False, True, False, False]
-
-
 def test_output_table_empty(tmp_path: Path) -> None:
     path = tmp_path / "empty.parquet"
     pq.write_table(pa.schema([("document", pa.string()), ("question", pa.string())]).empty_table(), path)
@@ -369,24 +359,19 @@ def empty_rows(n: int) -> InputTable:
     return InputTable(["d"] * n, ["q"] * n, None, None, None, [Path("in.parquet")])
 
 
-@pytest.mark.parametrize("bad", ["labels", "probs", "mass", "aligned", "extra", "clash"])
+@pytest.mark.parametrize("bad", ["labels", "probs", "mass", "aligned"])
 def test_output_table_rejects_mismatched_lengths(bad: str) -> None:
     labels, probs, mass = scores(2)
-    extra = None
     if bad == "labels":
         labels = labels[:1]
     elif bad == "probs":
         probs = probs[:1]
     elif bad == "mass":
         mass = mass + [0.1]
-    elif bad == "aligned":
+    else:  # labels and probs of different lengths in a row
         probs = [[0.5, 0.5], [0.5, 0.5]]
-    elif bad == "extra":
-        extra = {"x": pa.array([1])}
-    else:
-        extra = {"prediction": pa.array(["a", "b"])}
     with pytest.raises(ValueError):
-        output_table(empty_rows(2), labels, probs, mass, extra)
+        output_table(empty_rows(2), labels, probs, mass)
 
 
 def write(out: Path, hook: str | None = None) -> None:

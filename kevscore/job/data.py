@@ -63,18 +63,16 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[float]],
-                 label_mass: list[float], extra: dict[str, pa.Array] | None = None) -> pa.Table:
-    n, extra = len(rows), extra or {}
-    columns = {"labels": labels, "probs": probs, "label_mass": label_mass, **extra}
+                 label_mass: list[float]) -> pa.Table:
+    n = len(rows)
+    columns = {"labels": labels, "probs": probs, "label_mass": label_mass}
     if wrong := {k: len(v) for k, v in columns.items() if len(v) != n}:
         raise ValueError(f"expected {n} rows in every output column, got {wrong}")
     for i, (ls, ps) in enumerate(zip(labels, probs)):
         if len(ls) != len(ps):
             raise ValueError(f"row {i}: {len(ls)} labels but {len(ps)} probs")
-    if clash := [k for k in extra if k in OUTPUT_SCHEMA.names]:
-        raise ValueError(f"extra columns {clash} clash with the output schema")
     nulls = [None] * n
-    arrays = [
+    return pa.Table.from_arrays([
         pa.array(rows.rows if rows.rows is not None else range(n), pa.int64()),
         pa.array(rows.doc_ids if rows.doc_ids is not None else nulls, pa.string()),
         pa.array(rows.question_ids if rows.question_ids is not None else nulls, pa.string()),
@@ -82,12 +80,7 @@ def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[flo
         pa.array([[float(p) for p in ps] for ps in probs], pa.list_(pa.float64())),
         pa.array([ls[argmax(ps)] if ls else None for ls, ps in zip(labels, probs)], pa.string()),  # prediction
         pa.array([float(m) for m in label_mass], pa.float64()),
-    ]
-    schema = OUTPUT_SCHEMA
-    for name, column in extra.items():
-        schema = schema.append(pa.field(name, column.type))
-        arrays.append(column)
-    return pa.Table.from_arrays(arrays, schema=schema)
+    ], schema=OUTPUT_SCHEMA)
 
 
 def argmax(values: Sequence[float]) -> int:
