@@ -108,9 +108,11 @@ def wy_from_inverse(k, v, g, beta, a_inv: torch.Tensor) -> tuple[torch.Tensor, t
     return w, u
 
 
-def _scan(k, w, u, g, h0: torch.Tensor | None, final: bool,
-          c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(h entering each chunk, v_new, the final state when `final`: the last chunk's update feeds only it)."""
+def state_scan(k, w, u, g, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+               chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The state scan with a row-buffer initial state: (h entering each chunk, v_new, the final state when
+    `output_final_state`, else None: the last chunk's update feeds only it)."""
+    h0, final, c = initial_state, output_final_state, chunk
     r, t, hv, vd = u.shape
     kd = k.shape[-1]
     kc, wc, uc, gc = _chunks(repeat_heads(k, hv), c), _chunks(w, c), _chunks(u, c), _chunks(g, c, gate=True)
@@ -130,12 +132,6 @@ def _scan(k, w, u, g, h0: torch.Tensor | None, final: bool,
     return torch.stack(hs, 1), v_new, (h if final else None)
 
 
-def state_scan(k, w, u, g, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-               chunk: int = CHUNK):
-    """The state scan with a row-buffer initial state: returns (h, v_new, final_state or None)."""
-    return _scan(k, w, u, g, initial_state, output_final_state, chunk)
-
-
 def bank_rows(index: torch.Tensor, rows: int, index_stride: int | None = None) -> torch.Tensor:
     """The rows' bank slots: element r * index_stride of `index` (a column of an upload buffer)."""
     stride = index.stride(0) if index_stride is None else index_stride
@@ -146,7 +142,7 @@ def state_scan_indexed(k, w, u, g, bank: torch.Tensor, index: torch.Tensor, inde
                        chunk: int = CHUNK):
     """The state scan reading row r's initial state from `bank[index[r * index_stride]]`; never writes the bank."""
     slots = bank_rows(index, u.shape[0], index_stride)
-    h, v_new, _ = _scan(k, w, u, g, bank[slots], False, chunk)
+    h, v_new, _ = state_scan(k, w, u, g, bank[slots], False, chunk)
     return h, v_new
 
 

@@ -58,15 +58,11 @@ def gdn_decay(gate) -> torch.Tensor:
     return gdr_ref.gate_decay(*gate)
 
 
-def _conv(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + silu of x [B, T, C] continuing from init [B, C, k-1] (earlier inputs)."""
     full = torch.cat([init.to(x.dtype), x.transpose(1, 2)], -1)
     out = F.conv1d(full, weight.unsqueeze(1), groups=weight.shape[0])
     return F.silu(out).transpose(1, 2)
-
-
-def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
-    return _conv(x, weight, init)
 
 
 def split_front(y: torch.Tensor, hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -110,20 +106,13 @@ class Padded:
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     docs = Padded(cu_seqlens)
     padded = docs.pad(x)
-    return docs.pack(_conv(padded, weight, x.new_zeros(padded.shape[0], x.shape[-1], weight.shape[-1] - 1)))
+    return docs.pack(conv_branch(padded, weight, x.new_zeros(padded.shape[0], x.shape[-1], weight.shape[-1] - 1)))
 
 
 def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
                   b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The conv of packed documents (each from zeros), split (`split_front`)."""
     return split_front(conv_prefill(x, weight, ctx.cu_seqlens), hk, dk, hv, dv, b)
-
-
-def _gdr_parts(q, k, v, g, beta, chunk: int):
-    q, k = (gdr_ref.repeat_heads(gdr_ref.l2norm(x), v.shape[2]) for x in (q, k))  # once, not in every stage
-    gc = gdr_ref.chunk_cumsum(g, chunk)
-    w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float(), chunk)
-    return q, k, w, u, gc
 
 
 def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor, qk_normed: bool = False) -> torch.Tensor:
@@ -165,7 +154,9 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
     gate = (a, A_log, dt_bias), see `gdn_decay`."""
     assert not qk_normed
     c = gdr_ref.chunk_size(q.shape[1])  # a short branch: one chunk of its own length
-    q, k, w, u, gc = _gdr_parts(q, k, v, gdn_decay(gate), beta, c)
+    q, k = (gdr_ref.repeat_heads(gdr_ref.l2norm(x), v.shape[2]) for x in (q, k))  # once, not in every stage
+    gc = gdr_ref.chunk_cumsum(gdn_decay(gate), c)
+    w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float(), c)
     if path == "gathered":
         h0 = bank.index_select(0, slots.long())
         h, v_new, _ = gdr_ref.state_scan(k, w, u, gc, initial_state=h0, chunk=c)
