@@ -225,17 +225,6 @@ def _kkt_solve_fp32():
     return triton.jit(do_not_specialize=getattr(jit, "do_not_specialize", ["T"]))(clone)
 
 
-def gdr_parts(q, k, v, gc, beta, qk_normed: bool = False):
-    """FLA's forward up to the state scan, given the gate cumsum: l2norm (unless done), WY representation."""
-    if not qk_normed:
-        from fla.modules.l2norm import l2norm_fwd
-
-        q, _ = l2norm_fwd(q.contiguous())
-        k, _ = l2norm_fwd(k.contiguous())
-    w, u = wy_repr(k.contiguous(), v.contiguous(), gc, beta.contiguous())
-    return q, k, w, u, gc
-
-
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
                qk_normed: bool = False) -> torch.Tensor:
     """gate = (a, A_log, dt_bias). Unless KEVSCORE_FUSED_WY=0: the gate cumsum, FLA's solve, then one kernel
@@ -243,14 +232,18 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
     beyond); `gathered` gives it the rows' states copied out and an identity index, so both paths compute
     alike to the bit. KEVSCORE_FUSED_WY=0 (or q and k not yet normalized: FLA's conv): FLA's stages on the
     gathered states, for either path."""
+    gc = gate_cumsum(gate)
     if FUSED_WY and qk_normed:
         if path == "gathered":
             bank, slots = bank.index_select(0, slots), torch.arange(slots.shape[0], device=slots.device)
-        gc = gate_cumsum(gate)
         short = q.shape[1] <= MAX_T
         return (branch_wy if short else rows_wy)(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots,
                                                  slots.stride(0), **(FUSED_WY_LAUNCH if short else CHUNKS_WY_LAUNCH))
-    q, k, w, u, gc = gdr_parts(q, k, v, gate_cumsum(gate), beta, qk_normed)
+    if not qk_normed:  # FLA's conv left q and k as they were
+        from fla.modules.l2norm import l2norm_fwd
+
+        q, k = (l2norm_fwd(t.contiguous())[0] for t in (q, k))
+    w, u = wy_repr(k.contiguous(), v.contiguous(), gc, beta.contiguous())
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=bank.index_select(0, slots),
                                                chunk_size=CHUNK)
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
