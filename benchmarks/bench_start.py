@@ -87,12 +87,12 @@ def first_attention_calls(cfg, lap) -> None:
 
     import torch
 
-    from kevscore.kernels.fla_ops import _sdpa_causal
+    from kevscore.kernels.fla_ops import sdpa_causal
 
     def attend(docs: int, length: int) -> None:
         q = torch.zeros(docs, length, cfg.num_attention_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
         kv = torch.zeros(docs, length, cfg.num_key_value_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-        _sdpa_causal(q, kv, kv)
+        sdpa_causal(q, kv, kv)
         torch.cuda.synchronize()
 
     other = threading.Thread(target=attend, args=(8, 2048))

@@ -99,12 +99,12 @@ def long_attention(cfg: KevConfig, device: torch.device) -> None:
     """Prefill's attention (SDPA through cuDNN) once at a long padded shape. At a process's first call cuDNN
     builds its kernel for the job's padded lengths (multiples of `runner.PAD_ALIGN`): seconds, with the GIL
     released, so this thread does it beside the warm-up's compiles rather than the job's first prefill group."""
-    from kevscore.kernels.fla_ops import _sdpa_causal
+    from kevscore.kernels.fla_ops import sdpa_causal
 
     with contextlib.suppress(Exception):  # the job's own first group builds it then; it reports any real error
         q = torch.zeros(2, 2048, cfg.num_attention_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
         kv = torch.zeros(2, 2048, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
-        _sdpa_causal(q, kv, kv)
+        sdpa_causal(q, kv, kv)
         torch.cuda.synchronize(device)
 
 

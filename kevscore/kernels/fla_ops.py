@@ -249,7 +249,8 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
     return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
 
 
-def _sdpa_causal(q, k, v):
+def sdpa_causal(q, k, v):
+    """Causal attention of [B, L, H, D] queries over [B, L, Hkv, D] keys and values, through torch's SDPA."""
     fp32 = q.dtype == torch.float32  # memory-efficient attention then (no flash, no cuDNN), which may not take
     if fp32:  # grouped heads (SDPA would fall back to its math, O(L^2) memory): each KV head repeated instead
         k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], 2) for t in (k, v))
@@ -267,14 +268,14 @@ def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     unpad = None  # the output's gate reads each token's output where the attention leaves it (`sigmoid_gate`)
     if ctx.pad_index is None and q.dtype == torch.float32:
         bounds = ctx.cu_seqlens.tolist()
-        out = torch.cat([_sdpa_causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], 1)
+        out = torch.cat([sdpa_causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], 1)
     elif q.dtype != torch.float32 and (ctx.pad_index is None or not PREFILL_SDPA):
         out = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], ctx.cu_seqlens, ctx.cu_seqlens,
                                                       ctx.max_len, ctx.max_len, 0.0, True, False)[0][None]
     elif ctx.pad_index.numel() == q.shape[1]:  # equal lengths: the packed tokens are the batch
-        out = _sdpa_causal(*(t.view(ctx.pad_index.shape[0], ctx.max_len, *t.shape[2:]) for t in (q, k, v)))
+        out = sdpa_causal(*(t.view(ctx.pad_index.shape[0], ctx.max_len, *t.shape[2:]) for t in (q, k, v)))
     else:
-        out, unpad = _sdpa_causal(q[0][ctx.pad_index], k[0][ctx.pad_index], v[0][ctx.pad_index]), ctx.unpad_index
+        out, unpad = sdpa_causal(q[0][ctx.pad_index], k[0][ctx.pad_index], v[0][ctx.pad_index]), ctx.unpad_index
     return sigmoid_gate(out, gate, unpad)
 
 
