@@ -161,7 +161,7 @@ def main() -> None:
 
     for k in rows:
         print(f"{k:34}" + "".join(cell(r["steps"].get(k, "-")) for r in results.values()))
-    print(f"{'  of which the real pass':34}" + "".join(cell(r["warm_up"]["run_s"]) for r in results.values()))
+    print(f"{'  of which the real pass':34}" + "".join(cell(r["warm_up"].get("run_s", 0.0)) for r in results.values()))
     for k in ("dry_s", "compile_s", "kernels", "compiled", "workers"):
         print(f"{'  precompile ' + k:34}" + "".join(cell(r["warm_up"].get("precompile", {}).get(k, "-"))
                                                    for r in results.values()))

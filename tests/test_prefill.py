@@ -170,13 +170,11 @@ def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatc
     dtype, a kernel switch and kevscore's sources; the same inputs give the same file."""
     import dataclasses
 
-    import triton
-
     from kevscore import measure
     from kevscore.engine.warmup import finished_marker, small_model
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # an attribute set on the knob would outlive the test
     small, gpu = small_model(demo.config), torch.device("cuda")
     first = finished_marker(small, gpu, "indexed", torch.bfloat16)
     assert first.parent == tmp_path and first == finished_marker(small, gpu, "indexed", torch.bfloat16)

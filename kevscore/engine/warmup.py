@@ -44,8 +44,41 @@ def small_model(cfg: KevConfig) -> KevConfig:
 def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None = None,
                     triton_hashed: Callable[[], None] = lambda: None) -> dict:
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` in the model's `dtype` (on a CPU:
-    the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile).
-    `triton_hashed` waits for `hash_triton` before the first compile or cache lookup. Returns seconds by step."""
+    the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile), and a
+    GPU whose Triton cache holds this warm-up's finished marker runs nothing: every kernel is in the cache, and
+    the job loads each at its first launch. `triton_hashed` waits for `hash_triton` before the first compile or
+    cache lookup. Returns seconds by step."""
+    from kevscore.kernels.precompile import Precompiled, precompile
+
+    steps = {}
+    attention = None
+    if device.type == "cuda" and dtype != torch.float32:
+        attention = threading.Thread(target=long_attention, args=(cfg, device), name="kevscore-attention", daemon=True)
+        attention.start()
+    marker = finished_marker(small_model(cfg), device, path, dtype) if device.type == "cuda" else None
+    if marker is not None and marker.is_file():
+        steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache"))
+        triton_hashed()
+    else:
+        run_each_shape = shape_pass(cfg, device, path, dtype)
+        if marker is not None and PARALLEL_COMPILE:
+            steps["precompile"] = dataclasses.asdict(precompile(run_each_shape, triton_hashed))
+        triton_hashed()
+        t0 = time.perf_counter()
+        steps["real_pass"] = run_each_shape()
+        steps["run_s"] = time.perf_counter() - t0
+    if attention is not None:
+        attention.join()
+    if marker is not None:
+        with contextlib.suppress(OSError):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+    return steps
+
+
+def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Callable[[], dict]:
+    """The warm-up's model (`small_model`) on a runner, and the pass that runs it through every shape a job meets:
+    two prefill groups and a scoring batch of each kind (`BRANCHES`). The pass returns its seconds by phase."""
     from kevscore.engine.backend import build_runner, synchronize
     from kevscore.engine.pipeline import Engine
     from kevscore.model.checkpoint import Checkpoint, random_weights
@@ -72,27 +105,7 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         synchronize(device)
         return {"prefill_s": prefill_s, "score_s": score_s}
 
-    steps = {}
-    attention = None
-    if device.type == "cuda" and dtype != torch.float32:
-        attention = threading.Thread(target=long_attention, args=(cfg, device), name="kevscore-attention", daemon=True)
-        attention.start()
-    marker = finished_marker(small, device, path, dtype) if device.type == "cuda" else None
-    if marker is not None and PARALLEL_COMPILE:
-        from kevscore.kernels.precompile import Precompiled, precompile
-        steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache")
-                                                 if marker.is_file() else precompile(run_each_shape, triton_hashed))
-    triton_hashed()
-    t0 = time.perf_counter()
-    steps["real_pass"] = run_each_shape()
-    steps["run_s"] = time.perf_counter() - t0
-    if attention is not None:
-        attention.join()
-    if marker is not None:
-        with contextlib.suppress(OSError):
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
-    return steps
+    return run_each_shape
 
 
 def long_attention(cfg: KevConfig, device: torch.device) -> None:
