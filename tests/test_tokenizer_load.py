@@ -1,5 +1,6 @@
-"""The checkpoint's tokenizer: the class AutoTokenizer picks, remembered so that later loads skip it, and the snapshot
-of a fast tokenizer that later loads encode with, without transformers."""
+"""The checkpoint's tokenizer: the class AutoTokenizer picks (told without AutoTokenizer where `auto_class` can),
+remembered so that later loads skip it, and the snapshot of a fast tokenizer that later loads encode with, without
+transformers."""
 from __future__ import annotations
 
 import hashlib
@@ -13,8 +14,9 @@ import pytest
 import transformers
 
 from kevscore import durable
+from kevscore.model import checkpoint as checkpoint_module
 from kevscore.model import tokenizer_snapshot
-from kevscore.model.checkpoint import load_tokenizer, tokenizer_key
+from kevscore.model.checkpoint import MODEL_TYPES, auto_class, load_tokenizer, tokenizer_key
 from kevscore.model.demo import TRAINED_DIR, demo_checkpoint_dir
 from kevscore.model.prompt import chat_template, load_template, tokenize, tokenize_labels
 from kevscore.model.tokenizer_snapshot import LightTokenizer
@@ -36,25 +38,38 @@ def cache(tmp_path: Path, monkeypatch, demo: Path) -> Path:
     return tmp_path / "cache" / "tokenizer-classes.json"
 
 
-def tokenizer_dir(path: Path, demo: Path, tokenizer_class: str) -> Path:
-    """The demo's tokenizer files, naming `tokenizer_class`, beside a qwen3_5 config."""
+def tokenizer_dir(path: Path, demo: Path, tokenizer_class: str | None, model_type: str = "qwen3_5_text",
+                  config: dict | None = None) -> Path:
+    """The demo's tokenizer files, naming `tokenizer_class` (None: naming none), beside the demo's config with
+    `model_type` and `config`'s entries."""
     path.mkdir(parents=True)
     shutil.copy(demo / "tokenizer.json", path / "tokenizer.json")
-    config = json.loads((demo / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": tokenizer_class}))
-    shutil.copy(demo / "config.json", path / "config.json")
+    settings = {k: v for k, v in json.loads((demo / "tokenizer_config.json").read_text()).items() if k != "tokenizer_class"}
+    named = {} if tokenizer_class is None else {"tokenizer_class": tokenizer_class}
+    (path / "tokenizer_config.json").write_text(json.dumps({**settings, **named}))
+    demo_config = json.loads((demo / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**demo_config, "model_type": model_type, **(config or {})}))
     return path
 
 
 def count_auto_loads(monkeypatch) -> list[str]:
-    calls, auto = [], transformers.AutoTokenizer.from_pretrained
+    """The paths AutoTokenizer loads, as kevscore finds it now (a test before may have reloaded transformers)."""
+    auto_tokenizer = sys.modules["transformers"].AutoTokenizer
+    calls, auto = [], auto_tokenizer.from_pretrained
 
     def counted(path, *args, **kwargs):
         calls.append(path)
         return auto(path, *args, **kwargs)
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counted)
+    monkeypatch.setattr(auto_tokenizer, "from_pretrained", counted)
     return calls
+
+
+def count_picks(monkeypatch) -> list[type | None]:
+    """What `auto_class` answered, call by call (None: AutoTokenizer decides)."""
+    picked, auto = [], checkpoint_module.auto_class
+    monkeypatch.setattr(checkpoint_module, "auto_class", lambda path: picked.append(auto(path)) or picked[-1])
+    return picked
 
 
 def built_dir(path: Path, demo: Path) -> Path:
@@ -111,51 +126,96 @@ def ids(tokenizer) -> list[list[int]]:
     return tokenizer(TEXTS, add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("named", ["PreTrainedTokenizerFast", "Qwen2Tokenizer"])
+@pytest.mark.parametrize("named", ["PreTrainedTokenizerFast", "Qwen2Tokenizer", "LlamaTokenizerFast"])
 def test_the_class_autotokenizer_picks_is_remembered(tmp_path: Path, demo: Path, cache: Path, monkeypatch,
                                                       named: str) -> None:
+    """The class `auto_class` tells, or AutoTokenizer where it cannot (a Llama class), is remembered."""
     path = tokenizer_dir(tmp_path / "ckpt", demo, named)
     auto = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    calls = count_auto_loads(monkeypatch)
+    calls, picks = count_auto_loads(monkeypatch), count_picks(monkeypatch)
     first = load_tokenizer(path)
-    assert type(first) is type(auto) and calls == [str(path)]
+    asked = [str(path)] if named.startswith("Llama") else []
+    assert type(first) is type(auto) and calls == asked and (picks == [None]) == bool(asked)
     assert json.loads(cache.read_text()) == {
         tokenizer_key(path): f"{type(auto).__module__}:{type(auto).__qualname__}"}
     monkeypatch.setattr(durable, "_REMEMBERED", {})  # a later process: the class from the cache file
-    tokenizer_snapshot.snapshot_file(path).unlink()   # and no snapshot
+    tokenizer_snapshot.snapshot_file(path).unlink(missing_ok=True)  # and no snapshot
     again = load_tokenizer(path)
-    assert calls == [str(path)], "AutoTokenizer was asked again"
+    assert calls == asked and len(picks) == 1, "the class was decided again"
     assert type(again) is type(auto)
     assert ids(again) == ids(auto) == ids(first)
     assert again.chat_template == auto.chat_template and again.eos_token_id == auto.eos_token_id
     monkeypatch.setattr(durable, "_REMEMBERED", {})
-    fallback = light(path).transformers_tokenizer()  # a snapshot's light tokenizer falls back to the class too
-    assert type(fallback) is type(auto) and calls == [str(path)]
+    load_tokenizer(path)
+    if isinstance(later := load_tokenizer(path), LightTokenizer):  # its light tokenizer falls back to the class too
+        later = later.transformers_tokenizer()
+    assert type(later) is type(auto) and calls == asked and len(picks) == 1
 
 
-def test_changed_tokenizer_files_ask_autotokenizer_again(tmp_path: Path, demo: Path, cache: Path, monkeypatch) -> None:
-    path = tokenizer_dir(tmp_path / "ckpt", demo, "PreTrainedTokenizerFast")
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("named", ["PreTrainedTokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast", None,
+                                   "NoSuchTokenizer"])
+def test_a_first_load_tells_autotokenizers_class_without_it(tmp_path: Path, demo: Path, cache: Path, monkeypatch,
+                                                             named: str | None, model_type: str) -> None:
+    """The demo's tokenizer files naming a class (None: naming none; an unknown name, which AutoTokenizer answers
+    with its fallback): `auto_class` tells AutoTokenizer's class, whose tokenizer answers as AutoTokenizer's."""
+    path = tokenizer_dir(tmp_path / "ckpt", demo, named, model_type)
+    auto = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     calls = count_auto_loads(monkeypatch)
+    first = load_tokenizer(path)
+    assert calls == [], f"AutoTokenizer was asked: does auto_class mirror transformers {transformers.__version__}?"
+    assert type(first) is type(auto) and answers(first) == answers(auto)
+
+
+ODD = ["a Llama class", "a class named in config.json", "another model type", "not a class name", "an empty class name",
+       "an auto_map", "a hub id's path", "an older transformers", "a newer transformers"]
+
+
+@pytest.mark.parametrize("odd", ODD)
+def test_where_auto_class_cannot_tell_autotokenizer_decides(tmp_path: Path, demo: Path, cache: Path, monkeypatch,
+                                                            odd: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    named = {"a Llama class": "LlamaTokenizerFast", "not a class name": "not a name", "an empty class name": "",
+             "a hub id's path": "Qwen2Tokenizer", "a class named in config.json": None}.get(odd, "PreTrainedTokenizerFast")
+    path = tokenizer_dir(Path("google/umt5-small" if odd == "a hub id's path" else "ckpt"), demo, named,
+                         "qwen3" if odd == "another model type" else "qwen3_5_text",
+                         {"tokenizer_class": "Qwen2Tokenizer"} if odd == "a class named in config.json" else None)
+    if odd == "an auto_map":  # remote code for another auto class: AutoTokenizer ignores it, auto_class leaves it
+        settings = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**settings, "auto_map": {"AutoModel": "m.Model"}}))
+    if odd.endswith("transformers"):  # on the module imported now: a test before may have reloaded transformers
+        version = "5.16.0" if odd == "an older transformers" else "5.25.0"
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+    auto = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    calls = count_auto_loads(monkeypatch)
+    assert auto_class(path) is None
+    first = load_tokenizer(path)
+    assert calls == [str(path)] and type(first) is type(auto) and answers(first) == answers(auto)
+
+
+def test_changed_tokenizer_files_decide_the_class_again(tmp_path: Path, demo: Path, cache: Path, monkeypatch) -> None:
+    path = tokenizer_dir(tmp_path / "ckpt", demo, "PreTrainedTokenizerFast")
+    picks = count_picks(monkeypatch)
     load_tokenizer(path)
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
     tok = load_tokenizer(path)
-    assert len(calls) == 2 and type(tok).__name__ == "Qwen2Tokenizer"
+    assert len(picks) == 2 and type(tok).__name__ == "Qwen2Tokenizer"
     assert len(json.loads(cache.read_text())) == 2
 
 
 @pytest.mark.parametrize("stored", ["not json", json.dumps(["a list"]), "{KEY: 'no.such.module:Tokenizer'}",
                                     "{KEY: 'transformers:NoSuchTokenizer'}"])
-def test_a_bad_cache_falls_back_to_autotokenizer(tmp_path: Path, demo: Path, cache: Path, monkeypatch,
-                                                 stored: str) -> None:
+def test_a_bad_cache_decides_the_class_again(tmp_path: Path, demo: Path, cache: Path, monkeypatch, stored: str) -> None:
+    """An unreadable cache: the class is told again; a remembered class that is gone: AutoTokenizer loads."""
     path = tokenizer_dir(tmp_path / "ckpt", demo, "PreTrainedTokenizerFast")
     if stored.startswith("{KEY"):
         stored = json.dumps({tokenizer_key(path): stored.split("'")[1]})
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(stored)
-    calls = count_auto_loads(monkeypatch)
+    calls, picks = count_auto_loads(monkeypatch), count_picks(monkeypatch)
     tok = load_tokenizer(path)
-    assert calls == [str(path)]
+    assert (calls, len(picks)) == (([str(path)], 0) if stored.startswith("{") else ([], 1))
     assert ids(tok) == ids(transformers.AutoTokenizer.from_pretrained(str(path)))
 
 
@@ -168,18 +228,41 @@ def test_the_snapshot_answers_as_transformers(checkpoint: Path, cache: Path) -> 
     assert max(map(len, tokenize(tok, MORE_TEXTS))) > 16 and 3 not in tokenize(tok, ["x"])[0]  # no truncation, padding
 
 
-def test_a_warm_load_imports_no_transformers(checkpoint: Path, cache: Path) -> None:
-    load_tokenizer(checkpoint)
+def fresh_load(path: Path) -> tuple[str, list[list[int]], list[str]]:
+    """`load_tokenizer(path)` in a new process: the tokenizer's class name, the ids of MORE_TEXTS' prompts and the
+    transformers modules it imported."""
     code = ("import json, sys; from pathlib import Path; from kevscore.model.checkpoint import load_tokenizer; "
             "from kevscore.model.prompt import load_template, tokenize; "
-            f"tok = load_tokenizer(Path({str(checkpoint)!r})); t = load_template(None, tok); "
+            f"tok = load_tokenizer(Path({str(path)!r})); t = load_template(None, tok); "
             f"print(json.dumps([type(tok).__name__, tokenize(tok, [t.prefix(d) for d in {MORE_TEXTS!r}]), "
             "[m for m in sys.modules if m.split('.')[0] == 'transformers']]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    name, ids, imported = json.loads(out.stdout)
-    auto = transformers.AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+    return tuple(json.loads(out.stdout))
+
+
+def prompt_ids(path: Path) -> list[list[int]]:
+    """AutoTokenizer's ids of MORE_TEXTS' prompts."""
+    auto = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return tokenize(auto, [load_template(None, auto).prefix(d) for d in MORE_TEXTS])
+
+
+def test_a_warm_load_imports_no_transformers(checkpoint: Path, cache: Path) -> None:
+    load_tokenizer(checkpoint)
+    name, ids, imported = fresh_load(checkpoint)
     assert (name, imported) == ("LightTokenizer", [])
-    assert ids == tokenize(auto, [load_template(None, auto).prefix(d) for d in MORE_TEXTS])
+    assert ids == prompt_ids(checkpoint)
+
+
+@pytest.mark.parametrize("named", ["the demo", "Qwen2Tokenizer", None])
+def test_a_first_load_imports_no_autotokenizer(tmp_path: Path, demo: Path, cache: Path, named: str | None) -> None:
+    """A first load (no snapshot, no remembered class) in a new process: AutoTokenizer's class and ids, and
+    none of transformers' auto classes' model code (their import takes seconds, on some versions)."""
+    path = demo if named == "the demo" else tokenizer_dir(tmp_path / "ckpt", demo, named, "qwen3_5")
+    name, ids, imported = fresh_load(path)
+    auto = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    assert name == type(auto).__name__ and ids == prompt_ids(path)
+    assert "transformers.models.auto.auto_factory" not in imported
+    assert tokenizer_snapshot.snapshot_file(path).is_file(), "not a first load"
 
 
 def test_a_changed_tokenizer_json_changes_the_key_and_the_ids(tmp_path: Path, demo: Path, cache: Path) -> None:

@@ -1,6 +1,7 @@
 """Loading Kev / Qwen3.5 checkpoints: a local directory, the built-in demo, or a benchmark shape."""
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import json
@@ -24,6 +25,12 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenize
 MODEL_NAMES = ("demo", *SHAPES)  # --model values that name no directory
 
 TokenizerReady = Callable[[object, KevConfig], None]  # (tokenizer, config), called before the weights load
+MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # config.json's model_type in a checkpoint kevscore loads
+# AutoTokenizer.from_pretrained as `auto_class` mirrors it: the transformers versions (major, minor) read, the tables
+# of models/auto/tokenization_auto.py it consults, the generic classes it sets aside for TokenizersBackend
+AUTO_VERSIONS = ((5, 17), (5, 24))
+AUTO_TABLES = ("TOKENIZER_MAPPING_NAMES", "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", "MODEL_IDS_TO_TOKENIZERS_BACKEND")
+GENERIC = ("TokenizersBackend", "PythonBackend", "PreTrainedTokenizerFast")
 
 MULTIMODAL_PREFIX = "model.language_model."
 SKIPPED_PREFIXES = ("model.visual.", "mtp.", "visual.")
@@ -128,7 +135,7 @@ def load_directory(path: Path, device: str | torch.device = "cpu", tokenizer_rea
     if not cfg_file.is_file():
         raise KevscoreError(f"{path}: no config.json (is this a Hugging Face checkpoint directory?)")
     raw = json.loads(cfg_file.read_text())
-    if raw.get("model_type") not in ("qwen3_5", "qwen3_5_text"):
+    if raw.get("model_type") not in MODEL_TYPES:
         raise KevscoreError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not qwen3_5 / qwen3_5_text")
     cfg = KevConfig.from_hf(raw)
     tokenizer = load_tokenizer(path)
@@ -152,13 +159,13 @@ def load_tokenizer(path: Path):
 
 
 def transformers_tokenizer(path: Path, key: str):
-    """The checkpoint's tokenizer, of the class transformers' AutoTokenizer picks for it. The class is
-    remembered under `key`, and later loads import only it: AutoTokenizer's import brings in transformers'
-    model and generation code (seconds, on some versions)."""
+    """The checkpoint's tokenizer, of the class transformers' AutoTokenizer picks for it (`auto_class`, where it
+    can tell, else AutoTokenizer's own load). The class is remembered under `key`, and later loads import only it:
+    AutoTokenizer's import brings in transformers' model and generation code (seconds, on some versions)."""
     import transformers
 
     def pick() -> str:  # the class AutoTokenizer picks, by its name
-        cls = type(transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+        cls = auto_class(path) or type(transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True))
         return f"{cls.__module__}:{cls.__qualname__}"
 
     try:
@@ -172,6 +179,57 @@ def transformers_tokenizer(path: Path, key: str):
         return cls.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises many types here
         raise KevscoreError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+
+
+def auto_class(path: Path) -> type | None:
+    """The class AutoTokenizer.from_pretrained picks for directory `path`, decided as it decides but without its
+    import, nor that of the model's config class (they bring in transformers' model and generation code: seconds,
+    on some versions); None where that is not certain: another transformers (AUTO_VERSIONS) or model type
+    (MODEL_TYPES), remote code (auto_map), a config.json naming a tokenizer class, a Llama tokenizer class, a path
+    AutoTokenizer takes for a hub id, anything unexpected."""
+    import transformers
+
+    try:
+        version = tuple(int(n) for n in transformers.__version__.split(".")[:2])
+        file = path / "tokenizer_config.json"
+        settings = json.loads(file.read_text()) if file.is_file() else {}
+        # AutoTokenizer asks AutoConfig's config its model_type, tokenizer_class, model_name and _name_or_path: for
+        # MODEL_TYPES, config.json's entries and the path (their classes add none; importing them costs seconds)
+        config = json.loads((path / "config.json").read_text())
+        mapping, misnamed, hub_ids = auto_tables(transformers)
+        named, kind = settings.get("tokenizer_class"), config.get("model_type")
+        registered = (mapping.get(kind) or "").removesuffix("Fast")  # the model type's class
+        if (not AUTO_VERSIONS[0] <= version <= AUTO_VERSIONS[1] or kind not in MODEL_TYPES or "auto_map" in settings
+                or {"auto_map", "tokenizer_class", "model_name", "_name_or_path", "name_or_path"} & config.keys()
+                or str(named).removesuffix("Fast") == "LlamaTokenizer" or any(fnmatch(str(path).lower(), p) for p in hub_ids)
+                or (named is not None and not str(named).isidentifier())):  # no class name ("" too)
+            return None
+        if named and registered and registered != named.removesuffix("Fast"):
+            name = registered if kind in misnamed else named  # the hub's class, unless transformers knows it wrong
+            picked = None if registered in GENERIC else (  # tokenizer_class_from_name: the class, or that less "Fast"
+                getattr(transformers, name, None) or getattr(transformers, name.removesuffix("Fast"), None))
+            cls = transformers.TokenizersBackend if picked is None or picked.__name__ in GENERIC else picked
+        elif named:
+            name = named.removesuffix("Fast")
+            picked = getattr(transformers, name, None) or getattr(transformers, name + "Fast", None)
+            cls = transformers.TokenizersBackend if picked is None or picked.__name__ == "PythonBackend" else picked
+        else:  # the model type's class (each of MODEL_TYPES has a config class of its own)
+            cls = getattr(transformers, mapping[kind])
+        return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase) else None
+    except Exception:  # noqa: BLE001 - whatever fails here, AutoTokenizer decides
+        return None
+
+
+def auto_tables(transformers) -> tuple[dict, set, list]:
+    """AUTO_TABLES as the installed transformers' tokenization_auto.py defines them, evaluated from its text."""
+    from transformers.utils import import_utils
+
+    file = Path(transformers.__file__).parent / "models" / "auto" / "tokenization_auto.py"
+    values = {getattr(node.targets[0] if isinstance(node, ast.Assign) else node.target, "id", None): node.value
+              for node in ast.parse(file.read_text()).body if isinstance(node, (ast.Assign, ast.AnnAssign))}
+    scope = {**vars(import_utils), "OrderedDict": dict}  # the names the tables' text calls
+    mapping, misnamed, hub_ids = (eval(compile(ast.Expression(values[n]), file.name, "eval"), scope) for n in AUTO_TABLES)
+    return {**dict.fromkeys(misnamed, "TokenizersBackend"), **mapping}, misnamed, hub_ids  # as the file fills them in
 
 
 def tokenizer_key(path: Path) -> str:
