@@ -1,4 +1,3 @@
-export PYTEST_WORKERS=14 TEST_TIMEOUT=240 JOB=1 START=1
-export JOB_ARGS='--budgets= --baseline-docs 0 --prefill-docs='
-export BENCH_ARGS='--model kev-4b --q-len 85 --hf-reps 0 --json '"$OUT"'/score85.json'
+export CPU_TESTS=tests/test_tokenizer_load.py PYTEST_WORKERS=14 TEST_TIMEOUT=240 SKIP_BENCH=1 JOB=1
+export JOB_ARGS='--budgets= --prefill-docs='
 bash benchmarks/device_run.sh
