@@ -101,7 +101,7 @@ def first_attention_calls(cfg, lap) -> None:
     lap("SDPA 8 x 2,048 on another thread")
     attend(8, 2048)
     lap("SDPA the same on this thread")
-    # lengths off a multiple of 64 and 128, on it, and far longer (runner.PAD_ALIGN pads prefill's to 128)
+    # batches of fewer than 40 documents and more, lengths on multiples of 64 and 128 and off them (NOTES 39, 45)
     for docs, length in ((39, 1664), (40, 1600), (40, 1632), (40, 1650), (40, 1700), (41, 1728), (2, 8192)):
         attend(docs, length)
         lap(f"SDPA {docs} x {length:,} (mod 64: {length % 64}, mod 128: {length % 128})")

@@ -19,9 +19,6 @@ from kevscore.model.layers.common import BranchContext, PrefillContext
 
 SLOT, LAST, PLEN = 0, 1, 2  # metadata columns after the T token columns
 PAD_WASTE = 1.25  # a prefill group's attention pads its documents to the longest while that adds at most 25%
-# and to a multiple of PAD_ALIGN: cuDNN's attention builds a kernel of its own for lengths off that multiple,
-# seconds at a process's first call, which the warm-up builds once (kevscore.engine.warmup.long_attention)
-PAD_ALIGN = 128
 
 
 def fill_upload(buf: torch.Tensor, length: int, branches: Sequence[Sequence[int]], slots: Sequence[int],
@@ -75,9 +72,9 @@ def prefill_inputs(docs: Sequence[Sequence[int]], slots: Sequence[int], bank: St
             "slots": torch.tensor(list(slots), dtype=torch.int64),
             "kv_slots": entry_start[doc_of_token] + positions, "positions": positions}
     if len(docs) * longest <= PAD_WASTE * int(cu[-1]):  # attention may run on a padded [D, L] batch
-        steps = torch.arange(-(-longest // PAD_ALIGN) * PAD_ALIGN)
+        steps = torch.arange(longest)
         host["pad_index"] = torch.where(steps < lens[:, None], starts[:, None] + steps, 0)
-        host["unpad_index"] = doc_of_token * len(steps) + positions
+        host["unpad_index"] = doc_of_token * longest + positions
     dev = {name: _upload(t, torch.device(device)) for name, t in host.items()}
     ids = dev.pop("ids")
     return ids[None], PrefillContext(**dev, max_len=longest)

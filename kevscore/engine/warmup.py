@@ -109,15 +109,17 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
 
 
 def long_attention(cfg: KevConfig, device: torch.device) -> None:
-    """Prefill's attention (SDPA through cuDNN) once at a long padded shape. At a process's first call cuDNN
-    builds its kernel for the job's padded lengths (multiples of `runner.PAD_ALIGN`): seconds, with the GIL
-    released, so this thread does it beside the warm-up's compiles rather than the job's first prefill group."""
+    """Prefill's attention (SDPA through cuDNN) on padded batches of a few long documents and of many: cuDNN
+    builds a kernel at a process's first call and, it seems, another for batches of about 40 documents or more
+    (a job's groups of 1,700-token documents): seconds each, with the GIL released, so this thread does it
+    beside the warm-up's compiles rather than the job's first prefill groups."""
     from kevscore.kernels.fla_ops import sdpa_causal
 
     with contextlib.suppress(Exception):  # the job's own first group builds it then; it reports any real error
-        q = torch.zeros(2, 2048, cfg.num_attention_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
-        kv = torch.zeros(2, 2048, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
-        sdpa_causal(q, kv, kv)
+        for docs, length in ((2, 2048), (48, 512)):
+            q = torch.zeros(docs, length, cfg.num_attention_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
+            kv = torch.zeros(docs, length, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
+            sdpa_causal(q, kv, kv)
         torch.cuda.synchronize(device)
 
 
