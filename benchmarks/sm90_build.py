@@ -24,10 +24,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
-# the fused WY kernel's ((first, second chunk's token tiles), BV, warps): the defaults at T <= 16, 32, 64, 65-96 and
+# the fused WY kernel's ((first, second chunk's token tiles), BV, warps): the defaults at T <= 16, 32, 64, 65-80, 81-96 and
 # 97-128, then bench_kernels.py's other launches at T = 64 and 85 (tiles of 64 rows only: 64 + 64)
 WY_LAUNCHES = ((128, 4), (64, 8), (128, 8), (32, 8))
-WY_DEFAULTS = (((16, 0), 128, 4), ((32, 0), 64, 4), ((64, 0), 128, 4), ((64, 32), 128, 4), ((64, 64), 64, 4))
+WY_DEFAULTS = (((16, 0), 128, 4), ((32, 0), 64, 4), ((64, 0), 128, 4), ((64, 16), 128, 4), ((64, 32), 128, 4),
+               ((64, 64), 64, 4))
 WY_VARIANTS = WY_DEFAULTS + tuple((tiles, bv, wp) for tiles in ((64, 0), (64, 64)) for bv, wp in WY_LAUNCHES) + (
     ((64, 32), 64, 4), ((32, 0), 128, 4))
 
