@@ -88,6 +88,17 @@ def test_before_fork_runs_between_the_dry_pass_and_the_workers(cache):
     assert order == ["dry"]  # nothing to compile: no workers, nothing to prepare for them
 
 
+def test_the_workers_take_the_longest_kernels_first(cache):
+    found = {}
+    with pc._recording(found):
+        launch_miss(64, _double)
+        launch_miss(64, _broken)
+        launch_miss(128, _double)
+    assert len(_double.src) > len(_broken.src)
+    assert [(k[0], k[2]) for k in pc.longest_first(found.values())] == [
+        (_double, {(3,): 64}), (_double, {(3,): 128}), (_broken, {(3,): 64})]
+
+
 def test_triton_hashes_its_files_on_a_thread():
     """The warm-up's thread fills Triton's once-per-process cache key, which every compile then reads."""
     from triton.runtime.cache import triton_key

@@ -77,6 +77,12 @@ def _compile_one(i: int) -> bool:
     return True
 
 
+def longest_first(pending) -> list[tuple]:
+    """Recorded kernels, those of the longest source first: the workers' wall is set by the last compile to
+    end, so the slowest start before the quick ones fill the gaps."""
+    return sorted(pending, key=lambda kernel: -len(getattr(kernel[0], "src", "")))
+
+
 def workers_for(kernels: int) -> int:
     return max(0, min(kernels, (os.cpu_count() or 1) - 1, 16))
 
@@ -102,7 +108,7 @@ def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = la
         return report
     before_fork()
     t1 = time.perf_counter()
-    _PENDING = list(found.values())
+    _PENDING = longest_first(found.values())
     # a tokenizer used before the fork would print a warning in each worker unless this is set (its default)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     try:
