@@ -184,26 +184,20 @@ def transformers_tokenizer(path: Path, key: str):
 def auto_class(path: Path) -> type | None:
     """The class AutoTokenizer.from_pretrained picks for directory `path`, decided as it decides but without its
     import, nor that of the model's config class (they bring in transformers' model and generation code: seconds,
-    on some versions); None where that is not certain: another transformers (AUTO_VERSIONS) or model type
-    (MODEL_TYPES), remote code (auto_map), a config.json naming a tokenizer class, a Llama tokenizer class, a path
-    AutoTokenizer takes for a hub id, anything unexpected."""
+    on some versions); None where that is not certain (`auto_class_certain`) or anything is unexpected."""
     import transformers
 
     try:
-        version = tuple(int(n) for n in transformers.__version__.split(".")[:2])
         file = path / "tokenizer_config.json"
         settings = json.loads(file.read_text()) if file.is_file() else {}
         # AutoTokenizer asks AutoConfig's config its model_type, tokenizer_class, model_name and _name_or_path: for
         # MODEL_TYPES, config.json's entries and the path (their classes add none; importing them costs seconds)
         config = json.loads((path / "config.json").read_text())
         mapping, misnamed, hub_ids = auto_tables(transformers)
-        named, kind = settings.get("tokenizer_class"), config.get("model_type")
-        registered = (mapping.get(kind) or "").removesuffix("Fast")  # the model type's class
-        if (not AUTO_VERSIONS[0] <= version <= AUTO_VERSIONS[1] or kind not in MODEL_TYPES or "auto_map" in settings
-                or {"auto_map", "tokenizer_class", "model_name", "_name_or_path", "name_or_path"} & config.keys()
-                or str(named).removesuffix("Fast") == "LlamaTokenizer" or any(fnmatch(str(path).lower(), p) for p in hub_ids)
-                or (named is not None and not str(named).isidentifier())):  # no class name ("" too)
+        if not auto_class_certain(transformers.__version__, settings, config, str(path), hub_ids):
             return None
+        named, kind = settings.get("tokenizer_class"), config["model_type"]
+        registered = (mapping.get(kind) or "").removesuffix("Fast")  # the model type's class
         if named and registered and registered != named.removesuffix("Fast"):
             name = registered if kind in misnamed else named  # the hub's class, unless transformers knows it wrong
             picked = None if registered in GENERIC else (  # tokenizer_class_from_name: the class, or that less "Fast"
@@ -218,6 +212,21 @@ def auto_class(path: Path) -> type | None:
         return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase) else None
     except Exception:  # noqa: BLE001 - whatever fails here, AutoTokenizer decides
         return None
+
+
+def auto_class_certain(version: str, settings: dict, config: dict, path: str, hub_ids: list) -> bool:
+    """Whether `auto_class` can tell AutoTokenizer's choice: a transformers it was read from (AUTO_VERSIONS), a
+    model type kevscore loads, no remote code, no config.json entry that names a tokenizer or a hub id, not a
+    Llama class (AutoTokenizer treats those apart), not a path AutoTokenizer takes for a hub id, and a class
+    name that is one (or none)."""
+    named = settings.get("tokenizer_class")
+    return (AUTO_VERSIONS[0] <= tuple(int(n) for n in version.split(".")[:2]) <= AUTO_VERSIONS[1]
+            and config.get("model_type") in MODEL_TYPES
+            and "auto_map" not in settings
+            and not {"auto_map", "tokenizer_class", "model_name", "_name_or_path", "name_or_path"} & config.keys()
+            and str(named).removesuffix("Fast") != "LlamaTokenizer"
+            and not any(fnmatch(path.lower(), pattern) for pattern in hub_ids)
+            and (named is None or str(named).isidentifier()))
 
 
 def auto_tables(transformers) -> tuple[dict, set, list]:
