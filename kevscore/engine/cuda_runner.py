@@ -47,13 +47,13 @@ class GraphRunner(EagerRunner):
         key = (batch.size, batch.length, batch.prefix, batch.scored, path)
         entry = self.graphs.get(key)
         if entry is None:  # this batch's scores come from the eager run that precedes the capture
-            entry, first = self.capture(batch, branches, slots, prefix_lens, path)
-            self.graphs[key] = entry
-            return first[: len(branches) * batch.scored].to(torch.float32, copy=True)
-        fill_upload(entry.host, batch.length, branches, slots, prefix_lens, self.pad_id)
-        entry.device.copy_(entry.host, non_blocking=True)
-        entry.graph.replay()
-        return entry.out[: len(branches) * batch.scored].to(torch.float32, copy=True)
+            self.graphs[key], out = self.capture(batch, branches, slots, prefix_lens, path)
+        else:
+            fill_upload(entry.host, batch.length, branches, slots, prefix_lens, self.pad_id)
+            entry.device.copy_(entry.host, non_blocking=True)
+            entry.graph.replay()
+            out = entry.out
+        return out[: len(branches) * batch.scored].to(torch.float32, copy=True)
 
     def capture(self, batch: Batch, branches, slots, prefix_lens, path: str) -> tuple[CapturedBatch, torch.Tensor]:
         """Run the batch eagerly (autotuners pick their configs here, every kernel is loaded), then capture the

@@ -140,8 +140,8 @@ def hash_triton() -> Callable[[], None]:
 def finished_marker(small: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Path:
     """The file in Triton's cache that says this warm-up (its shapes, kevscore's sources and the versions it
     compiled with, the KEVSCORE_ switches that pick kernels) once ran to its end against that cache: every
-    kernel it meets is there, and the next one skips the dry pass and the compiling workers. Clearing the
-    cache clears the marker with it."""
+    kernel it meets is there, and the next one runs no pass at all. Clearing the cache clears the marker with
+    it."""
     import fla
     import triton
 
