@@ -160,6 +160,7 @@ def child(args) -> None:
     out = {"import_s": import_s, "process_s": time.perf_counter() - t0, "wall_s": result.wall_s,
            "load_s": result.load_s, "load_phases": result.load_phases, "warm_up": result.warm_up,
            "read_s": s.read_s, "prefill_s": s.prefill_s, "score_s": s.score_s, "capture_s": s.capture_s,
+           "captures": s.captures,
            "write_s": s.write_s, "rows": s.rows, "documents": result.documents, "prefix_tokens": s.prefix_tokens,
            "branch_tokens": s.branch_tokens, "batches": s.batches, "waves": s.waves,
            "gpu_idle_between_phases_s": idle_between(phases), "phases": phases, "steps": steps,
@@ -466,7 +467,8 @@ def print_table(r: dict) -> None:
         print(f"first run's extra (JIT, tuning): {jobs['cold']['wall_s'] - jobs['warm']['wall_s']:.1f} s")
     for name, j in jobs.items():  # the GPU time of each prefill group: a slow start, or slow throughout
         print(f"{name} job, prefill GPU ms per group: " + group_times(j.get("phases", []), j.get("steps", []))
-              + (f"; scoring's graph captures {j['capture_s']:.2f} s" if "capture_s" in j else ""))
+              + (f"; scoring's graph captures {j['capture_s']:.2f} s" if "capture_s" in j else "")
+              + (f" ({j['captures']} graphs)" if "captures" in j else ""))
     for name, j in jobs.items():  # Triton compiles and cache loads in the job's process, by thread
         by_thread: dict[str, list] = {}
         for _, sec, kernel, thread in j.get("compiles", []):

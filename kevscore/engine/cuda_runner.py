@@ -1,7 +1,7 @@
 """The GPU runner: a bf16 or fp32 model over FLA kernels, a bank sized from free memory, CUDA graphs per bucket.
 
-One CUDA graph per (rows, length, prefix, scored positions, path) bucket, captured on first use into one shared
-memory pool.
+One CUDA graph per (rows, length, scored positions, path) bucket, captured on first use into one shared memory
+pool. The documents' lengths are not in the key: branch attention reads each row's document K/V in place.
 
 A batch is one host-to-device copy of its pinned upload buffer into the bucket's static buffer and one
 graph replay; the output (final hidden states at the rows' scored tokens) is cloned before the next replay.
@@ -35,6 +35,7 @@ class CapturedBatch:
 class GraphRunner(EagerRunner):
     def __init__(self, model: KevModel, bank: StateBank, pad: int, eager: bool = False):
         super().__init__(model, bank, pad)
+        assert not model.ops.GATHERS_KV, "a graph's key holds no document length to gather K/V by"
         self.eager = eager
         self.graphs: dict[tuple, CapturedBatch] = {}
         self.pool = None
@@ -44,7 +45,7 @@ class GraphRunner(EagerRunner):
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
         if self.eager:
             return super().score(batch, branches, slots, prefix_lens, path)
-        key = (batch.size, batch.length, batch.prefix, batch.scored, path)
+        key = (batch.size, batch.length, batch.scored, path)
         entry = self.graphs.get(key)
         if entry is None:  # this batch's scores come from the eager run that precedes the capture
             self.graphs[key], out = self.capture(batch, branches, slots, prefix_lens, path)

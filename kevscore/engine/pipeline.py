@@ -52,6 +52,7 @@ class RunStats:
     prefill_s: float = 0.0
     score_s: float = 0.0
     capture_s: float = 0.0  # of score_s: capturing new graph buckets (their eager warm-up runs included)
+    captures: int = 0       # graph buckets captured
     oom_retries: int = 0  # batches or prefill groups split after running out of memory
     read_s: float = 0.0   # jobs: reading and tokenizing windows
     write_s: float = 0.0  # jobs: writing parts and merging the output
@@ -179,6 +180,7 @@ class Engine:
         slot_of = {d: slot_of[other[d]] for d in slot_of}
         prefix_len = {r: len(enc.prefixes[other[enc.row_prefix[r]]]) for r in rows}
         t0, captured = time.perf_counter(), getattr(self.runner, "capture_s", 0.0)
+        graphs = len(getattr(self.runner, "graphs", ()))
         try:
             with progress.phase("score"):
                 for scoring in scorings(enc, rows):
@@ -190,6 +192,7 @@ class Engine:
             synchronize(self.runner.device)
             scores.stats.score_s += time.perf_counter() - t0
             scores.stats.capture_s += getattr(self.runner, "capture_s", 0.0) - captured
+            scores.stats.captures += len(getattr(self.runner, "graphs", ())) - graphs
 
     def _score_batch(self, enc: Encoded, scoring: Scoring, batch: Batch, slot_of: dict[int, int],
                      prefix_len: dict[int, int], path: str, scores: Scores, progress: Reporter) -> None:

@@ -37,14 +37,17 @@ def fill_upload(buf: torch.Tensor, length: int, branches: Sequence[Sequence[int]
         arr[n:] = arr[0]
 
 
-def branch_inputs(buf: torch.Tensor, length: int, prefix: int, bank: StateBank, path: str):
-    """(ids, context, last) for a device upload buffer; only device ops, so it can be graph-captured."""
+def branch_inputs(buf: torch.Tensor, length: int, prefix: int | None, bank: StateBank, path: str):
+    """(ids, context, last) for a device upload buffer; only device ops, so it can be graph-captured.
+    `prefix` None: no [R, prefix] K/V index (a backend that reads the documents' K/V in place)."""
     slots = buf[:, length + SLOT]  # a strided column: the indexed scan reads it in place
     plen = buf[:, length + PLEN]
-    steps = torch.arange(max(prefix, 1), device=buf.device)
-    kv_mask = steps[None, :] < plen[:, None]
     kv_start = bank.start[slots]
-    kv_index = torch.where(kv_mask, kv_start[:, None] + steps, 0)
+    kv_index = kv_mask = None
+    if prefix is not None:
+        steps = torch.arange(max(prefix, 1), device=buf.device)
+        kv_mask = steps[None, :] < plen[:, None]
+        kv_index = torch.where(kv_mask, kv_start[:, None] + steps, 0)
     positions = plen[:, None] + torch.arange(length, device=buf.device)
     ctx = BranchContext(positions=positions, slots=slots, kv_index=kv_index, kv_mask=kv_mask,
                         kv_start=kv_start, kv_len=plen, path=path)
@@ -109,7 +112,8 @@ class EagerRunner:
     def forward(self, buf: torch.Tensor, batch: Batch, path: str) -> torch.Tensor:
         """The model on a device upload buffer: hidden states at every row's last token [R, H], or at its last
         `batch.scored` tokens [R * scored, H] (row by row; positions before the row's start repeat its first)."""
-        ids, ctx, last = branch_inputs(buf, batch.length, batch.prefix, self.bank, path)
+        prefix = batch.prefix if self.model.ops.GATHERS_KV else None
+        ids, ctx, last = branch_inputs(buf, batch.length, prefix, self.bank, path)
         if batch.scored > 1:
             last = (last[:, None] + torch.arange(1 - batch.scored, 1, device=buf.device)).clamp(min=0)
         return self.model.branch(ids, ctx, last)

@@ -40,6 +40,7 @@ from kevscore.kernels.gdr_ref import CHUNK  # noqa: E402
 from kevscore.kernels.torch_ops import split_front  # noqa: E402
 
 NAME = "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
+GATHERS_KV = False  # attn_branch reads each row's document K/V in place (kernels/branch_attn.py)
 FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch_conv.py; 0: FLA's conv (A/B)
 # prefill's DeltaNet layers through FLA's whole ops (its conv, `chunk_gated_delta_rule`) instead: the cuda tests' oracle
 FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"

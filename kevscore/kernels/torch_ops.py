@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kevscore.kernels import gdr_ref
 
 NAME = "torch_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
+GATHERS_KV = True  # attn_branch gathers each row's document K/V by BranchContext.kv_index
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:

@@ -59,8 +59,9 @@ class BranchContext:
     """Question rows right-padded to [R, T], each branching from its document's bank entry."""
     positions: torch.Tensor    # [R, T]
     slots: torch.Tensor        # [R] bank entry of each row (may be a strided column of an upload buffer)
-    kv_index: torch.Tensor     # [R, P] token slots of the row's document in the K/V pool (clamped)
-    kv_mask: torch.Tensor      # [R, P] which of those are real document tokens
+    kv_index: torch.Tensor | None  # [R, P] token slots of the row's document in the K/V pool (clamped);
+                                   # None for a backend that reads them in place (Ops.GATHERS_KV)
+    kv_mask: torch.Tensor | None   # [R, P] which of those are real document tokens
     kv_start: torch.Tensor     # [R] first K/V pool slot of the row's document
     kv_len: torch.Tensor       # [R] the document's length
     path: str                  # "gathered" | "indexed"

@@ -17,6 +17,7 @@ Tensor = torch.Tensor
 
 class Ops(Protocol):
     NAME: str  # the backend in model fingerprints: bank entries of different backends are not interchangeable
+    GATHERS_KV: bool  # attn_branch reads BranchContext.kv_index / kv_mask (else kv_start / kv_len in place)
 
     # norms and the MLP
     def rms_norm(self, x: Tensor, scale: Tensor, eps: float) -> Tensor:
