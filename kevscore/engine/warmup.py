@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,11 @@ from kevscore.model.config import FULL, LINEAR, KevConfig
 
 # KEVSCORE_PARALLEL_COMPILE=0: compile in the warm-up thread alone (kevscore.kernels.precompile's A/B)
 PARALLEL_COMPILE = os.environ.get("KEVSCORE_PARALLEL_COMPILE", "1") != "0"
+
+# the GIL's switch interval while the warm-up runs beside the job's load (Python's default: 5 ms). Each time the
+# warm-up's thread releases the GIL (a CUDA call, a copy, a synchronization) it then waits for the load's
+# Python-bound thread to yield it, up to one interval: hundreds of waits in its dry pass
+WARM_UP_SWITCH_S = 0.0005
 
 # token counts whose divisibility by 16 differs (Triton specializes integer arguments on it), and the
 # branch buckets of both kinds: prefill groups and scoring batches of the shapes a job meets (rows of
@@ -178,6 +184,8 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
 
     cuda_runner.fp32_dots(dtype)  # before the thread compiles anything
     triton_hashed = hash_triton()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(min(switch, WARM_UP_SWITCH_S))
 
     def work() -> None:
         t0 = time.perf_counter()
@@ -188,6 +196,8 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
                 warm.steps.update(compile_kernels(cfg, device, path, dtype, triton_hashed))
         except Exception as exc:  # noqa: BLE001 - reported with the job's load, never fatal
             warm.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        finally:
+            sys.setswitchinterval(switch)
         warm.seconds = time.perf_counter() - t0
 
     warm = WarmUp(threading.Thread(target=work, name="kevscore-warm-up", daemon=True))
