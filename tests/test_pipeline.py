@@ -143,3 +143,27 @@ def test_branches_past_one_chunk_pad_by_less_than_8_tokens():
     lengths = [70, 71, 79, 83, 85, 86, 96, 97]
     batches = plan_batches(list(range(8)), lengths, [1700] * 8, max_rows=2, max_tokens=1 << 20)
     assert [b.length for b in batches] == [72, 88, 88, 104]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_model_is_built_without_the_process_wide_default_dtype(tiny, monkeypatch, tied):
+    """The warm-up builds its model on a thread while the job builds its own: torch's default dtype is
+    process-wide, so building one must not set it. Parameters come in the model's dtype (norm scales and the
+    decay's in fp32), on the model's device, and the embedding stays tied to the head."""
+    from kevscore.kernels import torch_ops
+    from kevscore.model.kev import FP32_PARAMS, KevModel
+
+    def refuse(dtype):
+        raise AssertionError(f"set_default_dtype({dtype}) while building a model")
+
+    monkeypatch.setattr(torch, "set_default_dtype", refuse)
+    cfg = dataclasses.replace(tiny.config, tie_word_embeddings=tied)
+    weights = random_weights(cfg, 0, torch.bfloat16, "cpu")
+    model = KevModel.from_weights(cfg, weights, torch_ops, torch.bfloat16, "cpu")
+    for name, param in model.named_parameters():
+        assert param.device.type == "cpu"
+        assert param.dtype == (torch.float32 if name.endswith(FP32_PARAMS) else torch.bfloat16), name
+    assert (model.lm_head is model.embed) == tied
+    assert torch.equal(model.embed, weights["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head, weights["lm_head.weight"])
+    assert model.rotary.inv_freq.dtype == torch.float32 and model.rotary.inv_freq.isfinite().all()

@@ -61,6 +61,24 @@ def test_workers_compile_what_the_dry_pass_met_into_tritons_cache(cache):
     assert hits == [True]  # the run finds the workers' kernel
 
 
+def test_another_threads_launches_compile_during_the_dry_pass(cache, monkeypatch):
+    """The job's thread may launch while the warm-up's dry pass records: its kernels go to Triton's compile."""
+    import threading
+
+    compiled = []  # what reached Triton's own _do_compile (here a stand-in: no GPU to compile for in-process)
+    monkeypatch.setattr(JITFunction, "_do_compile", lambda self, key, *args: compiled.append(key))
+
+    def dry_run() -> None:
+        launch_miss(128)
+        other = threading.Thread(target=launch_miss, args=(512,))
+        other.start()
+        other.join()
+
+    report = pc.precompile(dry_run)
+    assert report.skipped is None and report.kernels == 1  # the dry pass's own kernel only
+    assert compiled == [("key", 512)]
+
+
 def test_a_failing_dry_pass_or_an_autotuner_to_time_ends_it_with_a_reason(cache):
     def boom():
         raise ValueError("no such shape")

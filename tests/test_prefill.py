@@ -189,3 +189,25 @@ def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatc
     monkeypatch.setattr(measure, "source_digests", lambda: {**digests, "kevscore/kernels/gate.py": "changed"})
     others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))
     assert len(others) == 5 and first not in others
+
+
+def test_the_warm_up_stubs_prefill_attention_on_its_own_thread_only():
+    """The warm-up's passes skip cuDNN's build at their small shapes: SDPA gives zeros of its output's shape on
+    the warm-up's thread, and runs on any other thread and after the block."""
+    import threading
+
+    pytest.importorskip("fla")
+    from kevscore.engine.warmup import attention_stubbed
+    from kevscore.kernels import fla_ops
+
+    q, k = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16)
+    real = fla_ops.sdpa_causal(q, k, k)
+    other = []
+    with attention_stubbed(torch.device("cuda")):
+        ours = fla_ops.sdpa_causal(q, k, k)
+        thread = threading.Thread(target=lambda: other.append(fla_ops.sdpa_causal(q, k, k)))
+        thread.start()
+        thread.join()
+    assert ours.shape == real.shape and not ours.any() and real.any()
+    assert torch.equal(other[0], real)
+    assert torch.equal(fla_ops.sdpa_causal(q, k, k), real)

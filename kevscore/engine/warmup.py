@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -25,11 +24,6 @@ from kevscore.model.config import FULL, LINEAR, KevConfig
 
 # KEVSCORE_PARALLEL_COMPILE=0: compile in the warm-up thread alone (kevscore.kernels.precompile's A/B)
 PARALLEL_COMPILE = os.environ.get("KEVSCORE_PARALLEL_COMPILE", "1") != "0"
-
-# the GIL's switch interval while the warm-up runs beside the job's load (Python's default: 5 ms). Each time the
-# warm-up's thread releases the GIL (a CUDA call, a copy, a synchronization) it then waits for the load's
-# Python-bound thread to yield it, up to one interval: hundreds of waits in its dry pass
-WARM_UP_SWITCH_S = 0.0005
 
 # token counts whose divisibility by 16 differs (Triton specializes integer arguments on it), and the
 # branch buckets of both kinds: prefill groups and scoring batches of the shapes a job meets (rows of
@@ -67,11 +61,12 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         triton_hashed()
     else:
         run_each_shape = shape_pass(cfg, device, path, dtype)
-        if marker is not None and PARALLEL_COMPILE:
-            steps["precompile"] = dataclasses.asdict(precompile(run_each_shape, triton_hashed))
-        triton_hashed()
-        t0 = time.perf_counter()
-        steps["real_pass"] = run_each_shape()
+        with attention_stubbed(device):
+            if marker is not None and PARALLEL_COMPILE:
+                steps["precompile"] = dataclasses.asdict(precompile(run_each_shape, triton_hashed))
+            triton_hashed()
+            t0 = time.perf_counter()
+            steps["real_pass"] = run_each_shape()
         steps["run_s"] = time.perf_counter() - t0
     if attention is not None:
         attention.join()
@@ -112,6 +107,29 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
         return {"prefill_s": prefill_s, "score_s": score_s}
 
     return run_each_shape
+
+
+@contextlib.contextmanager
+def attention_stubbed(device: torch.device):
+    """On this thread and a GPU, prefill attention's SDPA gives zeros in its output's shape and layout. The
+    warm-up's passes would run it only at their small model's shapes, where cuDNN builds a kernel of its own
+    (seconds) that no job uses; `long_attention` builds the job's. The Triton kernels around it (the output
+    gate) run as in a job; other threads' calls run SDPA."""
+    if device.type != "cuda":
+        yield
+        return
+    from kevscore.kernels import fla_ops
+
+    real, warm_up = fla_ops.sdpa_causal, threading.get_ident()
+
+    def sdpa_causal(q, k, v):
+        return torch.zeros_like(q) if threading.get_ident() == warm_up else real(q, k, v)
+
+    fla_ops.sdpa_causal = sdpa_causal
+    try:
+        yield
+    finally:
+        fla_ops.sdpa_causal = real
 
 
 def long_attention(cfg: KevConfig, device: torch.device) -> None:
@@ -184,8 +202,6 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
 
     cuda_runner.fp32_dots(dtype)  # before the thread compiles anything
     triton_hashed = hash_triton()
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(min(switch, WARM_UP_SWITCH_S))
 
     def work() -> None:
         t0 = time.perf_counter()
@@ -196,8 +212,6 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
                 warm.steps.update(compile_kernels(cfg, device, path, dtype, triton_hashed))
         except Exception as exc:  # noqa: BLE001 - reported with the job's load, never fatal
             warm.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        finally:
-            sys.setswitchinterval(switch)
         warm.seconds = time.perf_counter() - t0
 
     warm = WarmUp(threading.Thread(target=work, name="kevscore-warm-up", daemon=True))

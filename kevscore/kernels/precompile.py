@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -37,20 +38,24 @@ class Precompiled:
 
 @contextlib.contextmanager
 def _recording(found: dict):
-    """Triton's launches record their compilation instead of compiling, and launch nothing."""
+    """This thread's Triton launches record their compilation instead of compiling, and launch nothing; other
+    threads' launches run as usual."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
     do_compile, tune = JITFunction._do_compile, Autotuner.run
+    recorder = threading.get_ident()
 
     def record(self, key, signature, device, constexprs, options, attrs, warmup):
+        if threading.get_ident() != recorder:
+            return do_compile(self, key, signature, device, constexprs, options, attrs, warmup)
         target = self.device_caches[device][2]
         found.setdefault((self.module, self.fn.__qualname__, str(key)),
                          (self, signature, constexprs, options, attrs, target))
         # Triton's launcher returns without launching when there is no kernel
 
     def refuse_timing(self, *args, **kwargs):
-        if len(self.configs) > 1:
+        if len(self.configs) > 1 and threading.get_ident() == recorder:
             raise Unpinned(getattr(self.fn, "__name__", str(self.fn)))
         return tune(self, *args, **kwargs)
 

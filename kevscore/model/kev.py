@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -22,17 +21,6 @@ BANK_TENSORS = tuple(t for group in BANK_GROUPS for t in group)
 def bank_tensors(cfg: KevConfig) -> list[tuple[BankTensor, int]]:
     """Every tensor of a bank entry, as the layers declare it, with how many layers of `cfg` declare it."""
     return [(t, cfg.layer_types.count(kind)) for kind, mixer in MIXERS.items() for t in mixer.BANK]
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype):
-    """torch's default floating dtype inside the block (parameters are created in it)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 class Block(nn.Module):
@@ -86,11 +74,18 @@ class KevModel(nn.Module):
     @classmethod
     def from_weights(cls, cfg: KevConfig, weights: dict[str, torch.Tensor], ops: Ops,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KevModel":
-        with torch.device(device), default_dtype(dtype):  # allocated once, where it runs, in its dtype
+        # shapes first (the meta device), then each parameter allocated once, where it runs, in its dtype; not
+        # through torch's default dtype, which is process-wide while the warm-up builds a model on its thread
+        with torch.device("meta"):
             model = cls(cfg, ops)
-        for name, param in model.named_parameters():
-            if name.endswith(FP32_PARAMS):
-                param.data = param.data.float()
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                param.data = torch.empty_like(param, dtype=torch.float32 if name.endswith(FP32_PARAMS) else dtype)
+        if cfg.tie_word_embeddings:
+            model.lm_head = None  # tied again below: materialized, it would get a tensor of its own
+        model = model.to_empty(device=device)
+        if cfg.tie_word_embeddings:
+            model.lm_head = model.embed
         model.rotary.inv_freq.copy_(Rotary(cfg.rotary_dim, cfg.rope_theta).inv_freq)
         model.load(weights)
         return model
