@@ -498,3 +498,20 @@ def test_concurrent_runs_do_not_lose_or_corrupt_entries(tmp_path, rows, warm):
     last = run(EXAMPLES / "questions.parquet", bank, tmp_path / "all.parquet")
     assert (last.bank.loaded, last.stats.prefilled) == (6, 0)
     close(probs(tmp_path / "all.parquet"), warm[1])
+
+
+def test_in_memory_weights_digest_is_stable():
+    """Bank entries are keyed by the model's fingerprint: the digest of in-memory weights (names, dtypes,
+    shapes and sampled bytes; large tensors sampled) keeps the value every earlier version computed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kevscore.engine.bank_entry import weights_digest
+
+    weights = {"b.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "a.big": (torch.arange(1 << 20 | 5) % 251).to(torch.bfloat16), "c.int": torch.arange(4)}
+    digest = "mem:e99ec487c28af11d9e73bd55005b1fffbfe37e731c9a58f3b1b5a0014a3467cd"
+    assert weights_digest(SimpleNamespace(path=None, weights=weights)) == digest
+    weights["a.big"][-1] += 1  # the last element is always sampled
+    assert weights_digest(SimpleNamespace(path=None, weights=weights)) != digest

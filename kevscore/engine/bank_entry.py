@@ -46,12 +46,13 @@ class Fingerprint:
     about: dict  # name, dtype, backend, weights digest, config (for bank-inspect)
 
 
-def model_fingerprint(ckpt, dtype: torch.dtype, backend: str) -> Fingerprint:
-    """sha256 over the model config, a digest of the weights, the bank dtype and the ops backend
-    (CPU fp32 torch ops and GPU bf16 FLA kernels make different entries for the same weights)."""
+def model_fingerprint(ckpt, dtype: torch.dtype, backend: str, weights: str | None = None) -> Fingerprint:
+    """sha256 over the model config, a digest of the weights (`weights`: `weights_digest(ckpt)` computed
+    before), the bank dtype and the ops backend (CPU fp32 torch ops and GPU bf16 FLA kernels make different
+    entries for the same weights)."""
     config = dataclasses.asdict(ckpt.config)
     about = {"name": ckpt.name, "dtype": str(dtype).removeprefix("torch."), "backend": backend,
-             "weights": weights_digest(ckpt), "config": config}
+             "weights": weights or weights_digest(ckpt), "config": config}
     return Fingerprint(hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest(), about)
 
 
@@ -62,14 +63,20 @@ def weights_digest(ckpt) -> str:
     if ckpt.path is not None:
         files = sorted(Path(ckpt.path).glob("*.safetensors"))
         return hashlib.sha256("".join(f"{f.name}:{cached_sha256(f)};" for f in files).encode()).hexdigest()
-    digest = hashlib.sha256()
-    for name in sorted(ckpt.weights):
-        t = ckpt.weights[name].detach()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        flat = t.reshape(-1)
+    names = sorted(ckpt.weights)
+    samples = []  # each tensor's bytes, sampled: brought to the host in one copy (one wait for a GPU)
+    for name in names:
+        flat = ckpt.weights[name].detach().reshape(-1)
         if flat.numel() > 1 << 20:  # 65537 evenly spaced elements, the last one included
             flat = torch.cat([flat[::max(1, flat.numel() // 65536)], flat[-1:]])
-        digest.update(flat.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        samples.append(flat.contiguous().view(torch.uint8))
+    host = torch.cat(samples).cpu().numpy() if samples else None
+    digest, at = hashlib.sha256(), 0
+    for name, sample in zip(names, samples):
+        t = ckpt.weights[name]
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(host[at:at + sample.numel()].tobytes())
+        at += sample.numel()
     return "mem:" + digest.hexdigest()
 
 
