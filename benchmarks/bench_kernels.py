@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ import triton
 from triton.testing import do_bench
 
 from kevscore.measure import environment
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # fla_oracles: FLA's own ops
 
 DEV = "cuda"
 KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "fused wy", "prefill wy"]
@@ -53,6 +56,8 @@ def main() -> None:
                     help="only the first variant of each sweep, our kernels' defaults (for Nsight Compute)")
     args = ap.parse_args()
     sweep = (lambda variants: list(variants)[:1]) if args.defaults else list
+
+    import fla_oracles
 
     from kevscore.kernels import fla_ops
     from kevscore.kernels.branch_attn import branch_attention
@@ -94,7 +99,7 @@ def main() -> None:
         inner = cfg.intermediate_size
         gate_up = rand(r, t, 2 * inner)
         floor = copy_ms(n * 3 * inner * 2)  # read 2I, write I
-        record("swiglu", "fla swiglu_fwd", timed(lambda: fla_ops.swiglu_fla(gate_up)), layers, floor)
+        record("swiglu", "fla swiglu_fwd", timed(lambda: fla_oracles.swiglu(gate_up)), layers, floor)
         for br, bc, w in itertools.product((1, 2, 4, 8), (1024, 2048), (4, 8)):
             record("swiglu", f"rows {br} cols {bc} warps {w}",
                    timed(lambda: swiglu_rows(gate_up, br, bc, w)), layers, floor)
@@ -107,7 +112,7 @@ def main() -> None:
         slots = torch.arange(r, device=DEV) % 16
         floor = copy_ms(n * c * 2 * 2)
         record("conv", "fla causal_conv1d (+gather)",
-               timed(lambda: fla_ops.conv_branch(x, w, bank_conv.index_select(0, slots))), delta_layers, floor)
+               timed(lambda: fla_oracles.conv_branch(x, w, bank_conv.index_select(0, slots))), delta_layers, floor)
         launches = ((4, 1, 1), (8, 1, 1), (8, 2, 1), (16, 2, 1), (8, 1, 2), (8, 1, 4), (8, 1, 8), (16, 2, 4))
         b = proj[..., c + cfg.value_dim: c + cfg.value_dim + hv]  # the layer's b columns
         for bt, wp, tiles in sweep(launches):  # the default first
@@ -133,7 +138,7 @@ def main() -> None:
         pos = torch.cat([torch.arange(n_, device=DEV) for n_ in lens])
         floor = copy_ms(m * c * 2 * 2)
         record("prefill conv", "fla causal_conv1d + copies", timed(lambda: [
-            t_.contiguous() for t_ in fla_ops.conv_prefill(x, w, cu).split([hk * dk, hk * dk, hv * dv], -1)]),
+            t_.contiguous() for t_ in fla_oracles.conv_prefill(x, w, cu).split([hk * dk, hk * dk, hv * dv], -1)]),
             delta_layers, floor)
         for bt, wp, tiles in sweep(((4, 1, 1), (8, 1, 1), (8, 2, 1), (16, 2, 1), (16, 4, 1), (32, 4, 1), (8, 1, 4))):
             record("prefill conv", f"ours block_t {bt} warps {wp} tiles {tiles}", timed(lambda: packed_conv(
@@ -227,13 +232,14 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
     FLA's output), per DeltaNet layer: "fused wy T" the whole branch path (gate + solve + kernel) at each
     launch, "wy parts T" each kernel alone; the floor is the fused kernel's HBM traffic (each bank entry read
     once). FLA's kernels run with the launch configurations a job pins on this GPU (`kernels/tuning.py`)."""
+    import fla_oracles
+
     from kevscore.kernels import fla_ops, tuning
     from kevscore.kernels.branch_wy import branch_wy
     from kevscore.model.config import LINEAR
 
     tuning.pin_for(torch.cuda.get_device_name())
     layers = cfg.layer_types.count(LINEAR)
-    fla_ops.FUSED_WY = False  # the stages; the fused path is called directly
     for tt in lengths:
         q, k, v, gate, beta, bank, slots = branch_case(cfg, r, tt, gen)
         hv = v.shape[2]
@@ -246,7 +252,7 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
             g = fla_ops.gate_cumsum(gate)
             return branch_wy(q, k, v, g, beta, fla_ops.solve_chunks(k, g, beta), bank, slots, **launch)
 
-        record(f"fused wy {tt}", "stages (gate, WY, scan, output)", timed(lambda: fla_ops.gdr_branch(
+        record(f"fused wy {tt}", "stages (gate, WY, scan, output)", timed(lambda: fla_oracles.gdr_branch(
             q, k, v, gate, beta, bank, slots, "indexed", qk_normed=True)), layers)
         record(f"wy parts {tt}", "gate cumsum", timed(lambda: fla_ops.gate_cumsum(gate)), layers)
         record(f"wy parts {tt}", "FLA kkt + solve", timed(lambda: fla_ops.solve_chunks(k, gc, beta)), layers)
@@ -267,6 +273,8 @@ def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:
     (`branch_wy.prefill_wy`); the floor is the fused kernel's HBM traffic (q, k read once per value head)."""
     import types
 
+    import fla_oracles
+
     from kevscore.kernels import fla_ops, tuning
     from kevscore.kernels.branch_wy import prefill_wy
     from kevscore.model.config import LINEAR
@@ -285,8 +293,7 @@ def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:
     slots = torch.arange(len(lens), device=DEV)
     bank = torch.empty(len(lens), hv, q.shape[3], v.shape[3], device=DEV)
     ctx = types.SimpleNamespace(cu_seqlens_long=cu, chunk_indices=chunks, slots=slots)
-    fla_ops.FUSED_PREFILL = False
-    record("prefill wy", "FLA stages (gate, solve, w/u, scan, output)", timed(lambda: fla_ops.gdr_prefill(
+    record("prefill wy", "FLA stages (gate, solve, w/u, scan, output)", timed(lambda: fla_oracles.gdr_prefill(
         q, k, v, gate, beta, ctx, bank, qk_normed=True)), layers)
     record("prefill wy", "gate + solve", timed(lambda: fla_ops.solve_chunks(
         k, fla_ops.decay_cumsum(*gate, 64, fla_ops.RCP_LN2, cu, chunks), beta, None, cu, chunks)), layers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -136,7 +137,14 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--fla", nargs="+", default=[], choices=["conv", "wy", "prefill", "prefill-stages"],
+                    help="A/B: the fla_ops functions of these swaps run as FLA's own ops (tests/fla_oracles.py SWAPS)")
     args = ap.parse_args()
+    if args.fla:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from fla_oracles import swapped
+
+        swapped(*args.fla).__enter__()  # for the whole process: nothing to restore
 
     from kevscore.engine.cuda_runner import build_cuda_runner
     from kevscore.engine.pipeline import Engine, Scores

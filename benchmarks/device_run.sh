@@ -2,7 +2,7 @@
 # On the GPU machine: install the carried FLA wheels, run the cuda tests, then the scoring benchmark.
 # Usage (repo root): bash benchmarks/device_run.sh [pytest args...]; logs go to $OUT (or ./device-out).
 # SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (14 took 457 s with Triton's cache cold, 2026-11-30),
-# BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with KEVSCORE_FUSED_CONV=0, FLA's conv),
+# BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with FLA's branch conv: bench_score.py --fla conv),
 # KERNELS=1|name (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
 # NCU=1 (Nsight Compute, --clock-control none, on the branch conv and attention; report in $OUT),
@@ -33,7 +33,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then  # FLA caches autotune results on disk by k
   TRITON_CACHE_DIR="$(mktemp -d)" python3 benchmarks/bench_score.py ${BENCH_ARGS:---model kev-4b --profile --json "$OUT/score-kev-4b.json"} 2>&1 | tee "$OUT/bench.log" | tail -30
 fi
 if [ "${AB_FUSED_CONV:-0}" = 1 ]; then  # the same benchmark with FLA's branch conv (NOTES.md 6)
-  KEVSCORE_FUSED_CONV=0 python3 benchmarks/bench_score.py --model kev-4b --profile --hf-reps 0 \
+  python3 benchmarks/bench_score.py --model kev-4b --profile --hf-reps 0 --fla conv \
     --json "$OUT/score-kev-4b-fla-conv.json" 2>&1 | tee "$OUT/bench-fla-conv.log" | tail -30
 fi
 if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on two of our kernels at the benchmark's shapes: the first

@@ -184,13 +184,13 @@ def transformers_states(ckpt, doc: list[int]) -> tuple[list, list, list]:
     return states, convs, kvs
 
 
-def with_switch(ckpt, monkeypatch, switch: str, enc) -> tuple[list, dict]:
-    """The GPU engine's probabilities with `fla_ops.<switch>` off (indexed), then on (both paths)."""
-    from kevscore.kernels import fla_ops
+def with_oracle(ckpt, swap: str, enc) -> tuple[list, dict]:
+    """The GPU engine's probabilities with the fla_ops functions of the A/B `swap` replaced by FLA's own
+    (tests/fla_oracles.py; indexed), then with ours (both paths)."""
+    from fla_oracles import swapped
 
-    monkeypatch.setattr(fla_ops, switch, False)
-    base = gpu_engine(ckpt, enc.prefixes, max_rows=8).run(enc, "indexed").probs
-    monkeypatch.setattr(fla_ops, switch, True)
+    with swapped(swap):
+        base = gpu_engine(ckpt, enc.prefixes, max_rows=8).run(enc, "indexed").probs
     return base, {p: gpu_engine(ckpt, enc.prefixes, max_rows=8).run(enc, p).probs for p in ("indexed", "gathered")}
 
 

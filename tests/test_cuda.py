@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import both_paths, branch_inputs, gpu_engine, reference_scores, relative, synthetic, with_switch
+from conftest import both_paths, branch_inputs, gpu_engine, reference_scores, relative, synthetic, with_oracle
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -16,9 +16,11 @@ LONG_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 1e-2}  # as tests/test_cu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [129, 200])
 @pytest.mark.parametrize("dims", [(16, 32, 128, 128), (2, 4, 64, 64)], ids=["kev4b", "demo"])
-def test_long_branches_read_the_bank_by_index(dims, t, dtype, monkeypatch):
+def test_long_branches_read_the_bank_by_index(dims, t, dtype):
     """Branches past the two-chunk kernel (`branch_wy.rows_wy`): indexed equals gathered to the bit, the bank
-    is never written, and both are close to FLA's stages on the gathered states."""
+    is never written, and both are close to FLA's stages on the gathered states (tests/fla_oracles.py)."""
+    import fla_oracles
+
     from kevscore.kernels import fla_ops
 
     q, k, v, gate, beta, bank, slots = branch_inputs(8, t, *dims, dtype, seed=t)
@@ -26,8 +28,7 @@ def test_long_branches_read_the_bank_by_index(dims, t, dtype, monkeypatch):
     snapshot = bank.clone()
     out = {p: fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, p, qk_normed=True) for p in ("indexed", "gathered")}
     assert torch.equal(out["indexed"], out["gathered"]) and torch.equal(bank, snapshot)
-    monkeypatch.setattr(fla_ops, "FUSED_WY", False)
-    stages = fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, "indexed", qk_normed=True)
+    stages = fla_oracles.gdr_branch(q, k, v, gate, beta, bank, slots, "indexed", qk_normed=True)
     assert relative(out["indexed"], stages) < LONG_TOLERANCE[dtype], relative(out["indexed"], stages)
 
 
@@ -50,13 +51,12 @@ def test_long_branches_follow_new_slots_between_graph_replays():
 
 @pytest.mark.parametrize("dims", [(16, 32, 128, 128), (2, 4, 64, 64)], ids=["kev4b", "demo"])
 def test_wy_repr_equals_fla(dims):
-    """fla_ops.wy_repr (FLA's intra-chunk stage, called kernel by kernel): w and u are FLA's to the bit, call
+    """fla_oracles.wy_repr (FLA's intra-chunk stage, called kernel by kernel): w and u are FLA's to the bit, call
     after call with new inputs, at two shapes."""
+    import fla_oracles
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
-
-    from kevscore.kernels import fla_ops
 
     h, hv, dk, dv = dims
     for seed, (rows, t) in enumerate([(3, 64), (5, 129), (3, 64), (5, 129), (1, 17)]):
@@ -66,7 +66,7 @@ def test_wy_repr_equals_fla(dims):
         g = -torch.nn.functional.softplus(torch.randn(rows, t, hv, generator=gen, device=DEV))
         gc = chunk_local_cumsum(g, chunk_size=64, scale=RCP_LN2)
         beta = torch.rand(rows, t, hv, generator=gen, device=DEV).bfloat16()
-        w, u = fla_ops.wy_repr(k, v, gc, beta)
+        w, u = fla_oracles.wy_repr(k, v, gc, beta)
         w_ref, u_ref, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=gc, beta=beta, chunk_size=64)
         assert torch.equal(w, w_ref) and torch.equal(u, u_ref), (rows, t)
 
@@ -226,9 +226,9 @@ def test_branch_attention_matches_gathered_sdpa(dims, t):
 @pytest.mark.parametrize("t", [1, 17, 64, 130])
 def test_fused_branch_conv_matches_fla_conv_and_l2norm(dims, t):
     """kernels/branch_conv.py (conv from the bank by slot, SiLU, split, l2 norm) against FLA's chain."""
+    import fla_oracles
     from fla.modules.l2norm import l2norm_fwd
 
-    from kevscore.kernels import fla_ops
     from kevscore.kernels.branch_conv import branch_conv
 
     hk, dk, hv, dv = dims
@@ -251,7 +251,7 @@ def test_fused_branch_conv_matches_fla_conv_and_l2norm(dims, t):
     ref_beta = torch.sigmoid(b)
     assert beta.is_contiguous() and torch.allclose(beta.float(), ref_beta.float(), rtol=2 ** -7, atol=0)
     print(f"beta: {(beta != ref_beta).sum().item()} of {beta.numel()} differ from torch's sigmoid by one rounding")
-    y = fla_ops.conv_branch(x, w, bank.index_select(0, slots))
+    y = fla_oracles.conv_branch(x, w, bank.index_select(0, slots))
     rq, rk, rv = y.split([hk * dk, hk * dk, hv * dv], -1)
     rq = l2norm_fwd(rq.reshape(rows, t, hk, dk).contiguous())[0]
     rk = l2norm_fwd(rk.reshape(rows, t, hk, dk).contiguous())[0]
@@ -261,9 +261,9 @@ def test_fused_branch_conv_matches_fla_conv_and_l2norm(dims, t):
         assert torch.allclose(ours.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)  # a bf16 rounding step at most
 
 
-def test_fused_branch_conv_in_the_model_keeps_paths_bitwise(tiny, monkeypatch):
+def test_fused_branch_conv_in_the_model_keeps_paths_bitwise(tiny):
     enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 130])
-    base, out = with_switch(tiny, monkeypatch, "FUSED_CONV", enc)
+    base, out = with_oracle(tiny, "conv", enc)
     assert out["indexed"] == out["gathered"]
     assert max(abs(a - b) for ra, rb in zip(base, out["indexed"]) for a, b in zip(ra, rb)) < 0.02
 
@@ -271,6 +271,8 @@ def test_fused_branch_conv_in_the_model_keeps_paths_bitwise(tiny, monkeypatch):
 @pytest.mark.parametrize("shape", [(96, 64, 9216), (3, 17, 48), (1, 1, 1100)])
 def test_swiglu_rows_bitwise_equals_fla(shape):
     """kernels/elementwise.py's row-tiled SwiGLU does FLA's swiglu_fwd arithmetic: equal to the bit."""
+    import fla_oracles
+
     from kevscore.kernels import fla_ops
 
     *lead, inner = shape
@@ -278,7 +280,7 @@ def test_swiglu_rows_bitwise_equals_fla(shape):
     for dtype in (torch.bfloat16, torch.float32):
         x = gate_up.to(dtype)
         ours = fla_ops.swiglu(x)
-        assert ours.is_contiguous() and torch.equal(ours, fla_ops.swiglu_fla(x))
+        assert ours.is_contiguous() and torch.equal(ours, fla_oracles.swiglu(x))
 
 
 @pytest.mark.parametrize("dims", [(16, 4, 256, 64), (4, 2, 64, 16)], ids=["kev4b", "demo"])
@@ -365,13 +367,15 @@ def test_gated_norm_reads_the_gate_in_place_close_to_fla(hv, dv):
 def test_rms_norm_rows_close_to_fla(rows, d):
     """Our residual-stream RMSNorm against FLA's kernel: the new residual to the bit, the norm within a
     rounding (both sum the squares in fp32, in different orders)."""
+    import fla_oracles
+
     from kevscore.kernels import fla_ops
 
     gen = torch.Generator(device=DEV).manual_seed(rows)
     x, res = (torch.randn(rows, d, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(2))
     scale = 1 + 0.1 * torch.randn(d, generator=gen, device=DEV)
-    torch.testing.assert_close(fla_ops.rms_norm(x, scale, 1e-6), fla_ops.rms_norm_fla(x, scale, 1e-6))
+    torch.testing.assert_close(fla_ops.rms_norm(x, scale, 1e-6), fla_oracles.rms_norm(x, scale, 1e-6))
     (ours, ours_res), (theirs, theirs_res) = (fla_ops.add_rms_norm(x, res, scale, 1e-6),
-                                              fla_ops.rms_norm_fla(x, scale, 1e-6, res))
+                                              fla_oracles.rms_norm(x, scale, 1e-6, res))
     assert torch.equal(ours_res, theirs_res)
     torch.testing.assert_close(ours, theirs)

@@ -42,18 +42,18 @@ def test_packed_prefill_equals_one_document_at_a_time(tiny, docs):
             assert relative(a, b) < 5e-3, (name, budget, relative(a, b))
 
 
-def test_fused_prefill_close_to_fla_whole_ops(tiny, monkeypatch):
+def test_fused_prefill_close_to_fla_whole_ops(tiny):
     """Our packed conv front end and the fused gated delta rule after FLA's solve, against FLA's conv +
     `chunk_gated_delta_rule` (what prefill ran before; attention alike on both sides): in bf16 both round
     differently, so each is measured against the fp32 CPU prefill, and ours may be no farther from it than
-    FLA's whole ops (and close to them)."""
-    from kevscore.kernels import fla_ops
+    FLA's whole ops (and close to them; tests/fla_oracles.py)."""
+    from fla_oracles import swapped
 
     enc = synthetic(DOCS, [4])
     exact = entries(cpu_engine(tiny, docs=enc.prefixes), enc, 1 << 16)
     ours = entries(gpu_engine(tiny, enc.prefixes), enc, 1 << 16)
-    monkeypatch.setattr(fla_ops, "FLA_PREFILL", True)
-    theirs = entries(gpu_engine(tiny, enc.prefixes), enc, 1 << 16)
+    with swapped("prefill"):
+        theirs = entries(gpu_engine(tiny, enc.prefixes), enc, 1 << 16)
     for name, a, b, c in zip(("state", "conv", "kv"), ours, theirs, exact):
         print(f"{name}: ours {relative(a, c):.3g} from fp32, FLA's whole ops {relative(b, c):.3g}, "
               f"ours from FLA's {relative(a, b):.3g}")

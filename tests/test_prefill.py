@@ -167,7 +167,7 @@ def test_fused_prefill_launch_fits_the_h200(monkeypatch, dtype, stages):
 
 def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatch, tmp_path):
     """The warm-up's finished marker lives in Triton's cache and changes with the shapes, the state path, the
-    dtype, a kernel switch and kevscore's sources; the same inputs give the same file."""
+    dtype, a KEVSCORE_ switch and kevscore's sources; the same inputs give the same file."""
     import dataclasses
 
     from kevscore import measure
@@ -182,9 +182,9 @@ def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatc
                               torch.bfloat16),
               finished_marker(small, gpu, "gathered", torch.bfloat16),
               finished_marker(small, gpu, "indexed", torch.float32)}
-    monkeypatch.setenv("KEVSCORE_FUSED_WY", "0")
+    monkeypatch.setenv("KEVSCORE_AUTOTUNE", "1")  # FLA's kernels autotuned, not pinned (kernels/tuning.py)
     others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))
-    monkeypatch.delenv("KEVSCORE_FUSED_WY")
+    monkeypatch.delenv("KEVSCORE_AUTOTUNE")
     digests = measure.source_digests()
     monkeypatch.setattr(measure, "source_digests", lambda: {**digests, "kevscore/kernels/gate.py": "changed"})
     others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))

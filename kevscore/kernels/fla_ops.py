@@ -8,8 +8,9 @@ The gated delta rule runs our gate cumsum and FLA's kkt + solve kernel, then one
 (`kernels/branch_wy.py`) for the WY representation, the state scan and the output. For branches the two
 paths differ only in where that kernel reads each row's initial state: `indexed` from the bank by slot,
 `gathered` from the rows' states copied out of it. Prefill passes the chunk indices computed on the host
-(`runner.prefill_inputs`), so no stage synchronizes with the GPU to derive them. FLA's own stages (its w/u,
-scan and output kernels) remain as the A/B of the switches below.
+(`runner.prefill_inputs`), so no stage synchronizes with the GPU to derive them. FLA's own ops (its conv, its
+w/u, scan and output kernels, its whole `chunk_gated_delta_rule`), which these kernels replace, are the
+oracles of the cuda tests and the A/B of the benchmarks: tests/fla_oracles.py.
 """
 from __future__ import annotations
 
@@ -23,12 +24,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-# FLA's ops that only the A/B switches and the tests' oracles use are imported where they are called: the
-# default path then never imports FLA's modules package (several seconds, `fla_packages`)
-from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h  # noqa: E402
-from fla.ops.common.chunk_o import chunk_fwd_o  # noqa: E402
+# FLA's kernel modules, not its packages' whole imports (several seconds, `fla_packages`)
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel  # noqa: E402
-from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd  # noqa: E402
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
@@ -37,26 +34,14 @@ from kevscore.kernels.branch_wy import MAX_T, branch_wy, prefill_wy, rows_wy  # 
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, sigmoid_gate, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.gdr_ref import CHUNK  # noqa: E402
-from kevscore.kernels.torch_ops import split_front  # noqa: E402
 
 NAME = "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
 GATHERS_KV = False  # attn_branch reads each row's document K/V in place (kernels/branch_attn.py)
-FUSED_CONV = os.environ.get("KEVSCORE_FUSED_CONV", "1") == "1"  # kernels/branch_conv.py; 0: FLA's conv (A/B)
-# prefill's DeltaNet layers through FLA's whole ops (its conv, `chunk_gated_delta_rule`) instead: the cuda tests' oracle
-FLA_PREFILL = os.environ.get("KEVSCORE_PREFILL", "fused") == "fla"
 PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
-# kernels/branch_wy.py for branches: FLA's solve, then one kernel for w/u, scan and output; 0: FLA's stages on
-# the gathered states (A/B). Branches of up to 128 tokens launch with FUSED_WY_LAUNCH (branch_wy's keywords:
-# bench_kernels.py --only 'fused wy'), longer ones and prefill with CHUNKS_WY_LAUNCH ('prefill wy')
-FUSED_WY = os.environ.get("KEVSCORE_FUSED_WY", "1") == "1"
+# kernels/branch_wy.py's launches (its keywords): branches of up to 128 tokens with FUSED_WY_LAUNCH
+# (bench_kernels.py --only 'fused wy'), longer ones and prefill with CHUNKS_WY_LAUNCH ('prefill wy')
 FUSED_WY_LAUNCH: dict = {}
-# prefill's gated delta rule after FLA's solve in one kernel (`branch_wy.prefill_wy`); 0: FLA's w/u, state scan
-# and output kernels (A/B)
-FUSED_PREFILL = os.environ.get("KEVSCORE_FUSED_PREFILL", "1") == "1"
 CHUNKS_WY_LAUNCH: dict = {}
-# prefill attention over documents of similar lengths through SDPA (cuDNN) as a padded batch; 0: flash attention
-# over the packed tokens for every bf16 group (A/B: cuDNN builds its kernels at a process's first shapes)
-PREFILL_SDPA = os.environ.get("KEVSCORE_PREFILL_SDPA", "1") == "1"
 # An fp32 model's Triton dots run in 3xTF32, fp32's precision on tensor cores (TRITON_F32_DEFAULT, set by
 # cuda_runner.fp32_dots). Its branch attention's tiles: the bf16 defaults' would take 512 KB of shared memory at
 # head dim 256, over the H200's 227 KB; these take 192 KB (benchmarks/sm90_build.py)
@@ -71,14 +56,6 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float):
     """(rms_norm(x + residual), x + residual), as FLA's `rms_norm(..., prenorm=True)` gives them."""
     return rms_norm_rows(x.contiguous(), scale, eps, residual.contiguous())
-
-
-def rms_norm_fla(x: torch.Tensor, scale: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """FLA's own kernel: the oracle of `rms_norm` / `add_rms_norm` in the tests."""
-    from fla.modules.layernorm import rms_norm as fla_rms_norm
-    if residual is None:
-        return fla_rms_norm(x, scale, None, eps=eps)
-    return fla_rms_norm(x, scale, None, residual=residual, eps=eps, prenorm=True)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,14 +73,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return swiglu_rows(gate_up)
 
 
-def swiglu_fla(gate_up: torch.Tensor) -> torch.Tensor:
-    """FLA's own kernel (flat indexing); kept as the oracle of `swiglu` and for A/B benchmarks."""
-    from fla.modules.activations import swiglu_fwd
-
-    gate, up = gate_up.chunk(2, -1)
-    return swiglu_fwd(gate, up, output_contiguous=True)
-
-
 def qk_norm_rotary(q: torch.Tensor | None, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
     """RMSNorm of each q and k head, then partial NeoX rotary (cos/sin fp32 [..., rotary_dim]); one kernel
@@ -112,66 +81,28 @@ def qk_norm_rotary(q: torch.Tensor | None, k: torch.Tensor, q_scale: torch.Tenso
     return None if q is None else qk_norm_rope(q, q_scale, cos, sin, eps), qk_norm_rope(k, k_scale, cos, sin, eps)
 
 
-def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
-    """x [R, T, C] (may be a strided slice), init [R, C, k-1] -> silu(causal conv) [R, T, C]."""
-    from fla.modules.conv.causal_conv1d import causal_conv1d
-
-    state = F.pad(init.to(x.dtype), (1, 0))  # FLA's conv state is [N, C, k]; its first column is unused
-    y, _ = causal_conv1d(x, weight, activation="silu", initial_state=state)
-    return y
-
-
 def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
                  hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(q, k, v, beta = sigmoid(b), whether q and k are already l2-normalized) of the branch conv. By default
-    one kernel reads the conv states from the bank in place, normalizes q and k and computes beta
-    (`kernels/branch_conv.py`); with KEVSCORE_FUSED_CONV=0, FLA's conv on gathered states, then the split
-    (FLA l2-normalizes later) and torch's sigmoid."""
-    if FUSED_CONV:
-        return (*branch_conv(x, weight, bank_conv, slots, hk, dk, hv, dv, b=b), True)
-    return split_front(conv_branch(x, weight, bank_conv.index_select(0, slots.long())), hk, dk, hv, dv, b)
-
-
-def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    from fla.modules.conv.causal_conv1d import causal_conv1d
-
-    y, _ = causal_conv1d(x.contiguous(), weight, activation="silu", cu_seqlens=cu_seqlens.long())
-    return y
+    """(q, k, v, beta = sigmoid(b), True: q and k are l2-normalized) of the branch conv: one kernel reads the
+    conv states from the bank in place, normalizes q and k and computes beta (`kernels/branch_conv.py`)."""
+    return (*branch_conv(x, weight, bank_conv, slots, hk, dk, hv, dv, b=b), True)
 
 
 def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
                   b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(q, k, v, beta = sigmoid(b), whether q and k are l2-normalized) of packed documents: one kernel reads
+    """(q, k, v, beta = sigmoid(b), True: q and k are l2-normalized) of packed documents: one kernel reads
     the projection output in place and writes them contiguous (`branch_conv.packed_conv`)."""
-    if FLA_PREFILL:
-        return split_front(conv_prefill(x, weight, ctx.cu_seqlens), hk, dk, hv, dv, b)
     return (*packed_conv(x, weight, ctx.positions, hk, dk, hv, dv, b=b, **PREFILL_CONV), True)
 
 
 def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor, qk_normed: bool = False) -> torch.Tensor:
-    """Packed documents from zero states: the output; each document's final state goes into its bank entry
-    `bank[ctx.slots[d]]` (the fused kernel writes it there; FLA's ops return it, then it is copied). gate =
-    (a, A_log, dt_bias): FLA computes the decay -exp(A_log) * softplus(a + dt_bias) in its gate kernel."""
-    a, A_log, dt_bias = gate
+    """Packed documents from zero states (q and k l2-normalized, as `prefill_front` leaves them): the output;
+    one kernel after FLA's solve writes each document's final state into its bank entry `bank[ctx.slots[d]]`
+    (`branch_wy.prefill_wy`). gate = (a, A_log, dt_bias): the decay -exp(A_log) * softplus(a + dt_bias)."""
     cu, chunks = ctx.cu_seqlens_long, ctx.chunk_indices
-    if not qk_normed:  # FLA's whole op (FLA_PREFILL)
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
-                                          beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                          use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
-        bank.index_copy_(0, ctx.slots, final)
-        return o
-    gc = decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2, cu, chunks)
-    if FUSED_PREFILL:
-        return prefill_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), cu, bank, ctx.slots,
-                          **CHUNKS_WY_LAUNCH)
-    w, u = wy_repr(k, v, gc, beta, cu, chunks)  # FLA's chunk_gated_delta_rule_fwd_intra, its launches as they are
-    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
-                                                   cu_seqlens=cu, chunk_indices=chunks)
-    bank.index_copy_(0, ctx.slots, final)
-    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_size=CHUNK,
-                       chunk_indices=chunks)
+    gc = decay_cumsum(*gate, CHUNK, RCP_LN2, cu, chunks)
+    return prefill_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), cu, bank, ctx.slots,
+                      **CHUNKS_WY_LAUNCH)
 
 
 def gate_cumsum(gate) -> torch.Tensor:
@@ -179,17 +110,6 @@ def gate_cumsum(gate) -> torch.Tensor:
     in our kernel (`kernels/gate.py`), reading `a` in place."""
     a, A_log, dt_bias = gate
     return decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2)
-
-
-def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, cu_seqlens=None,
-            chunk_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w, u): FLA 0.5.2's `chunk_gated_delta_rule_fwd_intra` for 64-token chunks (of equal-length rows, or
-    packed documents: `cu_seqlens`, `chunk_indices`), its two kernels called as it calls them, the buffer of
-    the solved (I + A)^-1 blocks zero-filled as FLA fills it (its kernel writes only the blocks on and below
-    the diagonal). The stages' path: the A/B of `branch_wy` and `prefill_wy`."""
-    a = torch.zeros(*k.shape[:2], beta.shape[2], CHUNK, device=k.device, dtype=k.dtype)
-    solve_chunks(k, gc, beta, a, cu_seqlens, chunk_indices)
-    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=gc, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
 def solve_chunks(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, a: torch.Tensor | None = None,
@@ -228,26 +148,16 @@ def _kkt_solve_fp32():
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
                qk_normed: bool = False) -> torch.Tensor:
-    """gate = (a, A_log, dt_bias). Unless KEVSCORE_FUSED_WY=0: the gate cumsum, FLA's solve, then one kernel
-    that reads each row's state from the bank by slot (`branch_wy` for branches of up to 128 tokens, `rows_wy`
-    beyond); `gathered` gives it the rows' states copied out and an identity index, so both paths compute
-    alike to the bit. KEVSCORE_FUSED_WY=0 (or q and k not yet normalized: FLA's conv): FLA's stages on the
-    gathered states, for either path."""
+    """gate = (a, A_log, dt_bias); q and k l2-normalized, as `branch_front` leaves them. The gate cumsum,
+    FLA's solve, then one kernel that reads each row's state from the bank by slot (`branch_wy` for branches of
+    up to 128 tokens, `rows_wy` beyond); `gathered` gives it the rows' states copied out and an identity index,
+    so both paths compute alike to the bit."""
     gc = gate_cumsum(gate)
-    if FUSED_WY and qk_normed:
-        if path == "gathered":
-            bank, slots = bank.index_select(0, slots), torch.arange(slots.shape[0], device=slots.device)
-        short = q.shape[1] <= MAX_T
-        return (branch_wy if short else rows_wy)(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots,
-                                                 slots.stride(0), **(FUSED_WY_LAUNCH if short else CHUNKS_WY_LAUNCH))
-    if not qk_normed:  # FLA's conv left q and k as they were
-        from fla.modules.l2norm import l2norm_fwd
-
-        q, k = (l2norm_fwd(t.contiguous())[0] for t in (q, k))
-    w, u = wy_repr(k.contiguous(), v.contiguous(), gc, beta.contiguous())
-    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=bank.index_select(0, slots),
-                                               chunk_size=CHUNK)
-    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
+    if path == "gathered":
+        bank, slots = bank.index_select(0, slots), torch.arange(slots.shape[0], device=slots.device)
+    short = q.shape[1] <= MAX_T
+    return (branch_wy if short else rows_wy)(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots,
+                                             slots.stride(0), **(FUSED_WY_LAUNCH if short else CHUNKS_WY_LAUNCH))
 
 
 def sdpa_causal(q, k, v):
@@ -270,7 +180,7 @@ def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     if ctx.pad_index is None and q.dtype == torch.float32:
         bounds = ctx.cu_seqlens.tolist()
         out = torch.cat([sdpa_causal(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in zip(bounds[:-1], bounds[1:])], 1)
-    elif q.dtype != torch.float32 and (ctx.pad_index is None or not PREFILL_SDPA):
+    elif q.dtype != torch.float32 and ctx.pad_index is None:
         out = torch.ops.aten._flash_attention_forward(q[0], k[0], v[0], ctx.cu_seqlens, ctx.cu_seqlens,
                                                       ctx.max_len, ctx.max_len, 0.0, True, False)[0][None]
     elif ctx.pad_index.numel() == q.shape[1]:  # equal lengths: the packed tokens are the batch

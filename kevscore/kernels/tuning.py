@@ -17,8 +17,8 @@ import os
 
 # GPU name (as torch reports it, matched by substring) -> (module, kernel) -> the configuration's
 # constexprs and launch options: the autotuner's choice at a prefill's shapes (benchmarks/bench_job.py,
-# NOTES.md 14 and 27). By default only the kkt + solve kernel runs (our fused kernels do the rest); the others
-# run under the A/B switches (KEVSCORE_FUSED_WY=0, KEVSCORE_FUSED_PREFILL=0) and after FLA's own conv.
+# NOTES.md 14 and 27). kevscore runs only the kkt + solve kernel (our fused kernels do the rest); the others
+# run in the cuda tests' oracles and the benchmarks' A/B (tests/fla_oracles.py).
 # The state scan keeps 2 stages where the autotuner took 4: an fp32 model's would overflow the shared memory.
 PINS: dict[str, dict[tuple[str, str], dict]] = {
     "H200": {

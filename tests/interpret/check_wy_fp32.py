@@ -1,9 +1,15 @@
-"""Run under TRITON_INTERPRET=1: the WY representation of an fp32 model (fla_ops.wy_repr: the copy of FLA's
-(I + A)^-1 kernel with its merges in 3xTF32, then FLA's w/u kernel) against the torch reference on the CPU, on
-packed documents (its prefill) and on rows of one length (its branches)."""
+"""Run under TRITON_INTERPRET=1: the WY representation of an fp32 model (tests/fla_oracles.wy_repr: the copy of
+FLA's (I + A)^-1 kernel with its merges in 3xTF32 that fla_ops.solve_chunks launches, then FLA's w/u kernel)
+against the torch reference on the CPU, on packed documents (its prefill) and on rows of one length (its branches)."""
+import sys
+from pathlib import Path
+
 import torch
 
-from kevscore.kernels import fla_ops, gdr_ref, tuning
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for fla_oracles
+import fla_oracles  # noqa: E402
+
+from kevscore.kernels import gdr_ref, tuning  # noqa: E402
 
 tuning.pin_for("NVIDIA H200")  # FLA's w/u kernel with one configuration: nothing to time in the interpreter
 torch.cuda.is_current_stream_capturing = lambda: False  # (a CPU build of torch has no CUDA to ask)
@@ -22,9 +28,9 @@ for lens in ([1], [129], [17, 64, 129], [64, 5]):
     gc = torch.cat([gdr_ref.chunk_cumsum(g[:, s:e]) for s, e in docs], 1).contiguous()
     ref = [gdr_ref.wy_repr(k[:, s:e], v[:, s:e], gc[:, s:e], beta[:, s:e]) for s, e in docs]
     want = [torch.cat([r[i] for r in ref], 1) for i in (0, 1)]
-    got = [fla_ops.wy_repr(k, v, gc, beta, cu, chunks)]
+    got = [fla_oracles.wy_repr(k, v, gc, beta, cu, chunks)]
     if len(lens) == 1:  # one row: the branch path (no cu_seqlens)
-        got.append(fla_ops.wy_repr(k, v, gc, beta))
+        got.append(fla_oracles.wy_repr(k, v, gc, beta))
     for pair in got:
         worst = max([worst] + [((x - y).norm() / y.norm()).item() for x, y in zip(pair, want)])
 print(f"max relative error {worst:.3g}")

@@ -1,0 +1,138 @@
+"""flash-linear-attention's own ops, which kevscore's fused kernels replace: the cuda tests' oracles and the
+benchmarks' A/B of `kevscore.kernels.fla_ops`.
+
+Each function here has the name and signature of the fla_ops function whose work it does with FLA's kernels
+(its conv, its w/u, state scan and output stages, its whole `chunk_gated_delta_rule`, its norms and SwiGLU), so
+`swapped` can run the GPU model on them: SWAPS names the fla_ops functions each A/B replaces. Tests import this
+module (tests/ is on pytest's path); benchmarks/*.py and tests/interpret/*.py put tests/ on sys.path first.
+FLA's modules and its gated delta rule package are imported where they are called (several seconds)."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+from fla.ops.common.chunk_o import chunk_fwd_o
+from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+from kevscore.kernels import fla_ops
+from kevscore.kernels.gdr_ref import CHUNK
+from kevscore.kernels.torch_ops import split_front
+
+# A/B name -> the fla_ops functions it replaces with this module's
+SWAPS = {
+    "conv": ("branch_front", "gdr_branch"),  # branches: FLA's conv on gathered states, then its stages (l2norm first)
+    "wy": ("gdr_branch",),  # branches: FLA's w/u, state scan and output kernels on the gathered states
+    "prefill": ("prefill_front", "gdr_prefill"),  # prefill: FLA's varlen conv and `chunk_gated_delta_rule`
+    "prefill-stages": ("gdr_prefill",),  # prefill after our packed conv: FLA's w/u, state scan and output kernels
+}
+
+
+@contextlib.contextmanager
+def swapped(*names: str) -> Iterator[None]:
+    """fla_ops with the functions of the A/Bs `names` (SWAPS) replaced by FLA's own, until the block ends."""
+    functions = {f for name in names for f in SWAPS[name]}
+    saved = {f: getattr(fla_ops, f) for f in functions}
+    for f in functions:
+        setattr(fla_ops, f, globals()[f])
+    try:
+        yield
+    finally:
+        for f, fn in saved.items():
+            setattr(fla_ops, f, fn)
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """FLA's kernel: `fla_ops.rms_norm`, or with `residual` `fla_ops.add_rms_norm`."""
+    from fla.modules.layernorm import rms_norm as fla_rms_norm
+
+    if residual is None:
+        return fla_rms_norm(x, scale, None, eps=eps)
+    return fla_rms_norm(x, scale, None, residual=residual, eps=eps, prenorm=True)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """FLA's `swiglu_fwd` (flat indexing), whose arithmetic `fla_ops.swiglu` does in a row-tiled kernel."""
+    from fla.modules.activations import swiglu_fwd
+
+    gate, up = gate_up.chunk(2, -1)
+    return swiglu_fwd(gate, up, output_contiguous=True)
+
+
+def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+    """FLA's causal conv: x [R, T, C] (may be a strided slice), init [R, C, k-1] -> silu(causal conv) [R, T, C]."""
+    from fla.modules.conv.causal_conv1d import causal_conv1d
+
+    state = F.pad(init.to(x.dtype), (1, 0))  # FLA's conv state is [N, C, k]; its first column is unused
+    y, _ = causal_conv1d(x, weight, activation="silu", initial_state=state)
+    return y
+
+
+def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """FLA's causal conv of packed documents (`cu_seqlens`), each from zeros."""
+    from fla.modules.conv.causal_conv1d import causal_conv1d
+
+    y, _ = causal_conv1d(x.contiguous(), weight, activation="silu", cu_seqlens=cu_seqlens.long())
+    return y
+
+
+def branch_front(x, weight, bank_conv, slots, hk, dk, hv, dv, b) -> tuple[torch.Tensor, ...]:
+    """FLA's conv on the rows' gathered conv states, split, torch's sigmoid; q and k not l2-normalized (False):
+    `gdr_branch` does it."""
+    return split_front(conv_branch(x, weight, bank_conv.index_select(0, slots.long())), hk, dk, hv, dv, b)
+
+
+def prefill_front(x, weight, ctx, hk, dk, hv, dv, b) -> tuple[torch.Tensor, ...]:
+    """FLA's varlen conv of packed documents, split; q and k not l2-normalized (False): FLA's whole op does it."""
+    return split_front(conv_prefill(x, weight, ctx.cu_seqlens), hk, dk, hv, dv, b)
+
+
+def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, cu_seqlens=None,
+            chunk_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, u): FLA 0.5.2's `chunk_gated_delta_rule_fwd_intra` for 64-token chunks (of equal-length rows, or
+    packed documents: `cu_seqlens`, `chunk_indices`), its two kernels called as it calls them (the solve as
+    `fla_ops.solve_chunks` launches it, in fp32 its 3xTF32 copy), the buffer of the solved (I + A)^-1 blocks
+    zero-filled as FLA fills it (its kernel writes only the blocks on and below the diagonal)."""
+    a = torch.zeros(*k.shape[:2], beta.shape[2], CHUNK, device=k.device, dtype=k.dtype)
+    fla_ops.solve_chunks(k, gc, beta, a, cu_seqlens, chunk_indices)
+    return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=gc, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+
+
+def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor, qk_normed: bool = False) -> torch.Tensor:
+    """Packed documents from zero states, each final state copied into its bank entry `bank[ctx.slots[d]]`:
+    q and k not l2-normalized (FLA's conv), FLA's whole `chunk_gated_delta_rule` (its gate kernel computes the
+    decay); normalized (our packed conv), our gate cumsum and FLA's solve, w/u, state scan and output kernels."""
+    a, A_log, dt_bias = gate
+    cu, chunks = ctx.cu_seqlens_long, ctx.chunk_indices
+    if not qk_normed:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
+                                          beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
+        bank.index_copy_(0, ctx.slots, final)
+        return o
+    gc = fla_ops.decay_cumsum(a, A_log, dt_bias, CHUNK, fla_ops.RCP_LN2, cu, chunks)
+    w, u = wy_repr(k, v, gc, beta, cu, chunks)  # FLA's chunk_gated_delta_rule_fwd_intra, its launches as they are
+    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
+                                                   cu_seqlens=cu, chunk_indices=chunks)
+    bank.index_copy_(0, ctx.slots, final)
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=k.shape[-1] ** -0.5, cu_seqlens=cu, chunk_size=CHUNK,
+                       chunk_indices=chunks)
+
+
+def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
+               qk_normed: bool = False) -> torch.Tensor:
+    """Branch rows from their states gathered out of the bank, for either path: our gate cumsum, then FLA's
+    stages (solve and w/u, state scan, output); q and k l2-normalized first unless `qk_normed` (FLA's conv)."""
+    gc = fla_ops.gate_cumsum(gate)
+    if not qk_normed:
+        from fla.modules.l2norm import l2norm_fwd
+
+        q, k = (l2norm_fwd(t.contiguous())[0] for t in (q, k))
+    w, u = wy_repr(k.contiguous(), v.contiguous(), gc, beta.contiguous())
+    h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=bank.index_select(0, slots),
+                                               chunk_size=CHUNK)
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
