@@ -341,7 +341,6 @@ def compare(
     baseline: Optional[str] = option(None, "--baseline", metavar="[hf|fp32]", help="hf: also time transformers on "
                                      "document + question; fp32 (GPU): also time the model in fp32 and count the "
                                      "rows whose prediction differs from bf16's."),
-    fault: Optional[str] = typer.Option(None, "--inject-fault", hidden=True, help="Test only."),
 ) -> None:
     """Run the gathered and indexed paths on the same weights and inputs; time them and check parity.
     Exits 1 when any case shows a probability difference, a decision flip or a changed bank (the fp32
@@ -351,7 +350,7 @@ def compare(
 
     opts = CompareOptions(model=model, data=data, documents=documents,
                           cases=cases.split(",") if cases else None, reps=reps, warmup=warmup, device=device,
-                          batch_rows=batch_rows, baseline=baseline, json_path=json_path, plot=plot, fault=fault)
+                          batch_rows=batch_rows, baseline=baseline, json_path=json_path, plot=plot)
     with _failing():
         report = run_compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
     (console if console.is_terminal else Console(stderr=True, width=80)).print(display.compare_table(report))

@@ -9,13 +9,12 @@ call first prefills the documents not yet in the bank (into the same slots every
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,6 @@ PATHS = ("gathered", "indexed")
 SHAPE_CASES = ("shared", "distinct", "padded", "long-branch", "long-document")
 TEMPERATURES = {"cold": 0.0, "mixed": 0.5, "warm": 1.0}
 CASES = SHAPE_CASES + tuple(TEMPERATURES)
-FAULTS = ("index-off-by-one",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,24 +120,6 @@ def _bank_views(bank) -> list[torch.Tensor]:
     return [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :t], bank.start[:n], bank.length[:n]]
 
 
-@contextlib.contextmanager
-def injected_fault(ops, fault: str | None) -> Iterator[None]:
-    """Test-only: `index-off-by-one` (checked by `_check`) makes the indexed state scan read the next entry's
-    state; no fault: `ops` as it is."""
-    real = ops.gdr_branch
-
-    def broken(q, k, v, gate, beta, bank, slots, path, *rest):
-        if path == "indexed":
-            slots = (slots + 1) % bank.shape[0]
-        return real(q, k, v, gate, beta, bank, slots, path, *rest)
-
-    ops.gdr_branch = broken if fault else real
-    try:
-        yield
-    finally:
-        ops.gdr_branch = real
-
-
 def case_call(engine: Engine, enc: Encoded, warm: float) -> tuple[Callable[[str], None], dict[str, Scores]]:
     """A case's timed call on `engine` (`path` -> its scores into the dict returned beside it): the bank is reset
     to hold the `warm` share of the documents; each call prefills the others (into the same slots every time),
@@ -222,7 +202,6 @@ class CompareOptions:
     baseline: str | None = None
     json_path: Path | None = None
     plot: Path | None = None
-    fault: str | None = None
 
 
 def _check(opts: CompareOptions) -> list[str]:
@@ -232,8 +211,6 @@ def _check(opts: CompareOptions) -> list[str]:
         raise KevscoreError(f"--baseline {opts.baseline}: choose hf or fp32")
     if opts.batch_rows < 1:
         raise KevscoreError(f"--batch-rows {opts.batch_rows}: must be at least 1")
-    if opts.fault not in (None, *FAULTS):
-        raise KevscoreError(f"--inject-fault {opts.fault}: choose {', '.join(FAULTS)}")
     allowed = tuple(TEMPERATURES) if opts.data else CASES
     cases = opts.cases or list(allowed)
     if bad := [c for c in cases if c not in allowed]:
@@ -284,16 +261,15 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
                                    dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         hf = lambda enc: naive_call(hf_model, enc, device, batch=16)  # noqa: E731
     results = []
-    with injected_fault(runner.model.ops, opts.fault):
-        for k, c in enumerate(cases, start=1):
-            enc, warm, definition = workloads[c]
-            log(f"case {k}/{len(cases)} {c}: {len(enc)} rows, {len(enc.prefixes)} documents")
-            results.append(run_case(engine, c, enc, warm, definition, opts.reps, opts.warmup, hf,
-                                    hf_reps=min(opts.reps, 3), log=log, fp32=fp32))
+    for k, c in enumerate(cases, start=1):
+        enc, warm, definition = workloads[c]
+        log(f"case {k}/{len(cases)} {c}: {len(enc)} rows, {len(enc.prefixes)} documents")
+        results.append(run_case(engine, c, enc, warm, definition, opts.reps, opts.warmup, hf,
+                                hf_reps=min(opts.reps, 3), log=log, fp32=fp32))
     report = {
         "kind": "kevscore compare", "timer": "cuda-events" if device.type == "cuda" else "cpu-wall-clock",
         "model": ckpt.name, "options": {"reps": opts.reps, "warmup": opts.warmup, "batch_rows": opts.batch_rows,
-                                        "baseline": opts.baseline, "small_cases": small, "fault": opts.fault},
+                                        "baseline": opts.baseline, "small_cases": small},
         "environment": environment(device) | {"load_average": [load_before, os.getloadavg()[0]]}, "load_s": load_s,
         "cases": [asdict(r) | {"summary": r.summary()} for r in results],
         "parity": all(r.parity for r in results),

@@ -71,10 +71,21 @@ def test_progress_per_case_and_phase_and_spread_warnings(report):
         assert warning[:40] in " ".join(text.split())
 
 
-def test_broken_indexed_path_reports_flips_and_fails(tmp_path):
-    """The demo model answers from its document: reading the next document's state flips answers."""
+def test_broken_indexed_path_reports_flips_and_fails(tmp_path, monkeypatch):
+    """The demo model answers from its document: an indexed state scan that reads the next entry's state
+    flips answers."""
+    from kevscore.kernels import torch_ops
+
+    real = torch_ops.gdr_branch
+
+    def broken(q, k, v, gate, beta, bank, slots, path, *rest):
+        if path == "indexed":
+            slots = (slots + 1) % bank.shape[0]
+        return real(q, k, v, gate, beta, bank, slots, path, *rest)
+
+    monkeypatch.setattr(torch_ops, "gdr_branch", broken)
     result = compare("--data", str(EXAMPLES / "questions.parquet"), "--cases", "warm",
-                     "--json", str(tmp_path / "r.json"), "--inject-fault", "index-off-by-one")
+                     "--json", str(tmp_path / "r.json"))
     assert result.exit_code == 1
     assert "parity failed in warm" in result.output
     case = json.loads((tmp_path / "r.json").read_text())["cases"][0]
