@@ -88,13 +88,17 @@ def test_bank_rows_reads_through_the_stride():
 
 @pytest.mark.parametrize("t", [1, 17, 64, 85, 128])
 def test_stages_after_the_inverse_equal_the_branch_stages(t):
-    """branch_wy (w, u from the chunks' inverses, the fused WY kernel's reference) gives branch_gdr's output."""
+    """branch_wy (w, u from the chunks' inverses, the fused WY kernel's reference) gives the four stages'
+    output (torch_ops.gdr_branch, the CPU path's branches)."""
+    from kevscore.kernels import torch_ops
+
     q, k, v, g, beta = inputs(3, t, seed=t)
-    q, k = gdr_ref.l2norm(q), gdr_ref.l2norm(k)
     a = torch.randn(3, t, 4)
     gate = (a, torch.randn(4) * 0.5, torch.randn(4))
     bank = torch.randn(5, 4, 32, 16) * 0.3
     index = torch.tensor([2, 0, 2])
+    ref = torch_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed")  # q and k l2-normalized there
+    q, k = gdr_ref.l2norm(q), gdr_ref.l2norm(k)
     gc = gdr_ref.chunk_cumsum(gdr_ref.gate_decay(*gate))
     a_inv = gdr_ref.chunk_inverse(k, gc, beta)
     own = torch.arange(t) % 64  # each row's position in its chunk: the inverse is unit lower triangular
@@ -102,5 +106,4 @@ def test_stages_after_the_inverse_equal_the_branch_stages(t):
     assert (a_inv[:, torch.arange(t), :, own] == 1).all()
     assert not a_inv.masked_fill((torch.arange(64) <= own[:, None])[None, :, None, :], 0).any()
     out = gdr_ref.branch_wy(q, k, v, gc, beta, a_inv, bank, index)
-    ref = gdr_ref.branch_gdr(q, k, v, gate, beta, bank, index)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)

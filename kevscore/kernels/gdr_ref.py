@@ -5,9 +5,9 @@ gate cumsum (log2 space) -> WY representation (w, u) -> state scan (h, v_new) ->
 Shapes: q, k [R, T, H, K]; v, u [R, T, HV, V]; w [R, T, HV, K]; g, beta [R, T, HV];
 h [R, NT, HV, K, V] (the state entering each chunk); states [N, HV, K, V] in fp32.
 Every function computes in fp32. `state_scan_indexed` reads row r's initial state from
-`bank[index[r * index_stride]]`, as the fused kernels do; `branch_gdr` composes the four stages for
-branches; `branch_wy`, the stages after the solve (`chunk_inverse`), has the interface of the fused kernel
-in `kevscore.kernels.branch_wy`.
+`bank[index[r * index_stride]]`, as the fused kernels do (`torch_ops.gdr_branch` composes the four stages
+for branches); `branch_wy`, the stages after the solve (`chunk_inverse`), has the interface of the fused
+kernel in `kevscore.kernels.branch_wy`.
 """
 from __future__ import annotations
 
@@ -174,17 +174,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale: float | None = None, initial
 def gate_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """The DeltaNet log decay of each token and value head: -exp(A_log) * softplus(a + dt_bias), [R, T, HV]."""
     return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-
-
-def branch_gdr(q, k, v, gate, beta, bank: torch.Tensor, index: torch.Tensor,
-               index_stride: int | None = None) -> torch.Tensor:
-    """The four stages composed for branches: q, k l2-normalized, gate = (a, A_log, dt_bias), row r starting
-    from `bank[index[r * index_stride]]` (never written). Returns o [R, T, HV, V] in v's dtype."""
-    q, k = (repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
-    gc = chunk_cumsum(gate_decay(*gate))
-    w, u = wy_repr(k, v.float(), gc, beta.float())
-    h, v_new = state_scan_indexed(k, w, u, gc, bank, index, index_stride)
-    return chunk_output(q, k, v_new, h, gc, q.shape[-1] ** -0.5).to(v.dtype)
 
 
 def branch_wy(q, k, v, g, beta, a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor,
