@@ -1,11 +1,11 @@
 """flash-linear-attention's own ops, which kevscore's fused kernels replace: the cuda tests' oracles and the
 benchmarks' A/B of `kevscore.kernels.fla_ops`.
 
-Each function here has the name and signature of the fla_ops function whose work it does with FLA's kernels
-(its conv, its w/u, state scan and output stages, its whole `chunk_gated_delta_rule`, its norms and SwiGLU), so
-`swapped` can run the GPU model on them: SWAPS names the fla_ops functions each A/B replaces. Tests import this
-module (tests/ is on pytest's path); benchmarks/*.py and tests/interpret/*.py put tests/ on sys.path first.
-FLA's modules and its gated delta rule package are imported where they are called (several seconds)."""
+FLA's norms, SwiGLU and conv, its w/u, state scan and output stages (`wy_repr`, `gdr_branch`, `gdr_prefill`) and
+its whole `chunk_gated_delta_rule`. The functions SWAPS names have the names and signatures of the fla_ops
+functions they replace, so `swapped` can run the GPU model on them (an A/B). Tests import this module (tests/
+is on pytest's path); benchmarks/*.py and tests/interpret/*.py put tests/ on sys.path first. FLA's modules and
+its gated delta rule package are imported where they are called (several seconds)."""
 from __future__ import annotations
 
 import contextlib
