@@ -10,7 +10,7 @@ contiguous, as the chunk pipeline wants them. Per element it does the arithmetic
 `l2norm_fwd` (fp32, eps 1e-6, round); it replaces those two kernels and the `.contiguous()` copies
 between them. The write strength beta (fp32 sigmoid, one rounding; within a rounding of torch's, whose
 exp is more exact than Triton's) comes from one more program per tile, which replaces a torch kernel and
-a graph node per layer. On by default; `KEVSCORE_FUSED_CONV=0` runs FLA's conv instead (benchmarks/NOTES.md 6).
+a graph node per layer. FLA's conv, its oracle in the cuda tests and A/B benchmarks, is in `tests/fla_oracles.py`.
 Torch reference: `torch_ops.conv_branch` + split + `F.normalize`.
 """
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Fused WY, state scan and output: the gated delta rule after FLA's solve, one kernel per DeltaNet layer.
 
-Unless KEVSCORE_FUSED_WY=0, the branch path (branches of at most 128 tokens) runs three kernels per DeltaNet
-layer: our gate cumsum (`kernels/gate.py`), FLA's kkt + solve kernel (A_inv = (I + A)^-1 of each 64-token
-chunk and value head, [R, T, HV, 64]) and this one, in place of FLA's w/u kernel, our indexed scan and FLA's
-chunk_fwd_o. The solve stays out of it: in the first fused kernel (benchmarks/NOTES.md 18, slower than the
-stages, removed) it sat on every program's critical path. One program per (row, value head, block of BV value
-columns; 64 or 128 on 4 warps by default), grid (V / BV, R * HV), computes for each chunk, from the state entering it
+The branch path (branches of at most 128 tokens) runs three kernels per DeltaNet layer: our gate cumsum
+(`kernels/gate.py`), FLA's kkt + solve kernel (A_inv = (I + A)^-1 of each 64-token chunk and value head,
+[R, T, HV, 64]) and this one, in place of FLA's w/u kernel, our indexed scan and FLA's chunk_fwd_o (those
+stages, the cuda tests' oracle, are in `tests/fla_oracles.py`). The solve stays out of it: in the first fused
+kernel (benchmarks/NOTES.md 18, slower than the stages, removed) it sat on every program's critical path.
+One program per (row, value head, block of BV value columns; 64 or 128 on 4 warps by default), grid
+(V / BV, R * HV), computes for each chunk, from the state entering it
 (h [K, BV]; the first chunk's is the row's state read from the bank entry `index[r * index_stride]`, which is
 never written):
 
@@ -24,7 +25,7 @@ Torch reference with the same interface: `kevscore.kernels.gdr_ref.branch_wy`.
 
 Sequences of any length run the same chunk step in a loop (`_chunks_wy_kernel`): one program per (sequence,
 value head, block of value columns) walks the sequence's 64-token chunks, the state in fp32 registers from
-chunk to chunk. Prefill (`prefill_wy`, unless KEVSCORE_FUSED_PREFILL=0) walks packed documents from a zero
+chunk to chunk. Prefill (`prefill_wy`) walks packed documents from a zero
 state and writes each one's final state, in place of FLA's w/u kernel, state scan and output kernel (and the h
 and v_new they pass between them through memory); branches of more than 128 tokens (`rows_wy`) start from
 their bank entries read by index, as `branch_wy`'s rows do.
