@@ -167,3 +167,21 @@ def test_a_model_is_built_without_the_process_wide_default_dtype(tiny, monkeypat
     assert torch.equal(model.embed, weights["model.embed_tokens.weight"])
     assert torch.equal(model.lm_head, weights["lm_head.weight"])
     assert model.rotary.inv_freq.dtype == torch.float32 and model.rotary.inv_freq.isfinite().all()
+
+
+def test_building_a_model_imports_no_compiler_stack():
+    """Built on the meta device, a model's construction must stay plain tensor code: an op that torch runs
+    through its Python references there (arange) imports torch._dynamo and sympy, seconds on a job's start."""
+    import subprocess
+    import sys
+
+    code = ("import dataclasses, sys, torch\n"
+            "from kevscore.kernels import torch_ops\n"
+            "from kevscore.model.checkpoint import random_weights\n"
+            "from kevscore.model.config import SHAPES\n"
+            "from kevscore.model.kev import KevModel\n"
+            "cfg = dataclasses.replace(SHAPES['kev-0.8b'], vocab_size=512)\n"
+            "KevModel.from_weights(cfg, random_weights(cfg, 0, torch.bfloat16, 'cpu'), torch_ops, torch.bfloat16)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -75,7 +75,9 @@ class Rotary(nn.Module):
 
     def __init__(self, dim: int, theta: float):
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        # on the CPU whatever device the model is built on (on the meta device, torch's arange would import
+        # its compiler stack: seconds)
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
         self.register_buffer("inv_freq", inv, persistent=False)
         self.dim = dim
 
