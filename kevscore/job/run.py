@@ -129,7 +129,6 @@ class Prepared:
     laps: Laps                    # scan, checkpoint, tokens so far
     warm_up: WarmUp | None        # the GPU warm-up thread (kevscore.engine.warmup), joined once the runner is built
     finished: str | None = None   # the job digest an existing output records (kevscore.job.provenance.output_job)
-    weights: Future | None = None  # the weights' digest (bank_entry.weights_digest), computed on a thread
 
 
 def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks: int = 1,
@@ -169,8 +168,6 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     if loaded is not None:
         loaded.ckpt = ckpt
     laps.lap("checkpoint")
-    # a checkpoint's first job hashes its weights' files (gigabytes): beside the tokens, the runner, the warm-up
-    weights = in_background(weights_digest, ckpt)
     doc_tokens = token_pass.result()
     laps.lap("tokens")
     # a shard of a job: the rows of its documents only
@@ -178,8 +175,7 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     # each rank's documents cut into windows as its shard would be, rank 0's first
     windows = join_windows([plan_windows(shard_documents(scan, r, ranks) if ranks > 1 else doc_of_row, doc_tokens,
                                          opts.window, WINDOW_ROWS, WINDOW_TOKENS) for r in range(ranks)])
-    return Prepared(scan, device, dtype, ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished,
-                    weights)
+    return Prepared(scan, device, dtype, ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
 
 
 @dataclass(slots=True)
@@ -206,10 +202,12 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1, lo
         w = int(p.windows.of_rank(0)[0])  # its first window, read and tokenized while the runner is built
         first = w, in_background(read_window, RowReader(p.scan), p.windows, w, p.ckpt.tokenizer, p.template,
                                  opts.labels, p.ckpt.config.max_position_embeddings)
+    # a checkpoint's first job hashes its weights' files (gigabytes): beside the runner's build and the warm-up
+    weights = in_background(weights_digest, p.ckpt)
     runner = job_runner(opts, p, loaded)
     warm_up = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
     p.laps.lap("runner")
-    fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME, p.weights.result())
+    fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME, weights.result())
     identity = job_identity(opts, inputs, p.ckpt.name, fingerprint, p.device.type, p.windows, ranks)
     p.laps.lap("identity")
     return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up, first)
