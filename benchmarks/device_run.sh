@@ -25,7 +25,7 @@ if [ -n "${CPU_TESTS:-}" ]; then  # CPU test files on this image's packages (e.g
   timeout 300 python3 -m pytest -q -p no:hypothesispytest --tb=line -rfE $CPU_TESTS 2>&1 | tee "$OUT/pytest_cpu.log" | tail -5
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n "${PYTEST_WORKERS:-2}" --dist loadgroup -p no:hypothesispytest --tb=line -rfEP "$@" 2>&1 \
+  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n "${PYTEST_WORKERS:-2}" --dist loadgroup -p no:hypothesispytest --tb=line -rfEP --durations=12 "$@" 2>&1 \
     | tee "$OUT/pytest_cuda.log" | grep -E "^(FAILED|ERROR|E |/)|max \||passed|failed|crashed" | tail -40
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then  # FLA caches autotune results on disk by keys without the token count:
