@@ -476,6 +476,11 @@ def print_table(r: dict) -> None:
         for thread, got in by_thread.items():
             top = ", ".join(f"{k} {sec:.2f}" for sec, k in sorted(got, reverse=True)[:4])
             print(f"{name} job, {thread}: {len(got)} kernels compiled or loaded, {sum(s for s, _ in got):.1f} s ({top})")
+        pre = (j.get("warm_up") or {}).get("precompile") or {}
+        if pre.get("workers"):  # the warm-up's dry pass and its workers (kevscore.kernels.precompile)
+            slow = ", ".join(f"{k} {took:.1f} s (met at {met:.1f})" for k, took, met in pre.get("slowest", []))
+            print(f"{name} job, warm-up: dry pass {pre['dry_s']:.2f} s, {pre['workers']} workers {pre['compile_s']:.2f} s;"
+                  f" slowest compiles {slow}")
     base = r.get("baselines")
     if base:
         for name in ("naive", "prefix_cached"):

@@ -11,11 +11,11 @@ workers could not compile is compiled by the run as usual, and any surprise ends
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 # the kernels the dry pass met, read by the forked workers from their copy of this process's memory
@@ -26,7 +26,7 @@ class Unpinned(RuntimeError):
     """The dry pass met an autotuner with several configurations: timing them needs real launches."""
 
 
-@dataclass(slots=True)
+@dataclasses.dataclass(slots=True)
 class Precompiled:
     kernels: int = 0        # specializations the dry pass met
     compiled: int = 0       # of those, compiled (or found in the cache) by the workers
@@ -34,6 +34,8 @@ class Precompiled:
     dry_s: float = 0.0      # the dry pass
     compile_s: float = 0.0  # the workers, start to end
     skipped: str | None = None  # why there was no parallel compilation
+    # the slowest compiles: (kernel, seconds its worker took, seconds into the dry pass it was met)
+    slowest: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -51,7 +53,7 @@ def _recording(found: dict):
             return do_compile(self, key, signature, device, constexprs, options, attrs, warmup)
         target = self.device_caches[device][2]
         found.setdefault((self.module, self.fn.__qualname__, str(key)),
-                         (self, signature, constexprs, options, attrs, target))
+                         (self, signature, constexprs, options, attrs, target, time.perf_counter()))
         # Triton's launcher returns without launching when there is no kernel
 
     def refuse_timing(self, *args, **kwargs):
@@ -66,26 +68,35 @@ def _recording(found: dict):
         JITFunction._do_compile, Autotuner.run = do_compile, tune
 
 
-def _compile_one(i: int) -> bool:
-    """In a worker: compile pending kernel `i` into Triton's cache (a hit there returns at once)."""
+def _compile_one(i: int) -> float | None:
+    """In a worker: compile pending kernel `i` into Triton's cache (a hit there returns at once); returns the
+    seconds it took, None if it failed."""
     from triton.compiler import ASTSource, compile
-    jit, signature, constexprs, options, attrs, target = _PENDING[i]
+    jit, signature, constexprs, options, attrs, target, _ = _PENDING[i]
+    t0 = time.perf_counter()
     try:
         kernel = compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
     except Exception:  # noqa: BLE001 - the run compiles it in its own process and reports any error there
-        return False
+        return None
     try:  # Triton versions that build a C launcher per signature (3.6) keep it in the same cache
         from triton.runtime import driver
         driver.active.launcher_cls(kernel.src, kernel.metadata)
     except Exception:  # noqa: BLE001 - the run builds it
         pass
-    return True
+    return time.perf_counter() - t0
 
 
 def longest_first(pending) -> list[tuple]:
     """Recorded kernels, those of the longest source first: the workers' wall is set by the last compile to
     end, so the slowest start before the quick ones fill the gaps."""
     return sorted(pending, key=lambda kernel: -len(getattr(kernel[0], "src", "")))
+
+
+def _slowest(pending, seconds, dry_start: float, most: int = 5) -> list[tuple[str, float, float]]:
+    """The `most` longest compiles: (kernel name, its worker's seconds, seconds into the dry pass it was met)."""
+    compiles = [(kernel[0].fn.__name__, round(took, 3), round(kernel[-1] - dry_start, 3))
+                for kernel, took in zip(pending, seconds) if took is not None]
+    return sorted(compiles, key=lambda c: -c[1])[:most]
 
 
 def workers_for(kernels: int) -> int:
@@ -119,8 +130,9 @@ def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = la
     try:
         # fork: the workers share this process's imported kernels; they never touch the GPU
         with multiprocessing.get_context("fork").Pool(report.workers) as pool:
-            done = pool.map_async(_compile_one, range(len(_PENDING)), chunksize=1)
-            report.compiled = sum(done.get(timeout_s))
+            seconds = pool.map_async(_compile_one, range(len(_PENDING)), chunksize=1).get(timeout_s)
+        report.compiled = sum(s is not None for s in seconds)
+        report.slowest = _slowest(_PENDING, seconds, t0)
     except Exception as exc:  # noqa: BLE001 - a timeout or a failed fork: the run compiles the rest
         report.skipped = f"workers: {type(exc).__name__}: {exc}".splitlines()[0]
     finally:
