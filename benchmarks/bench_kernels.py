@@ -21,7 +21,8 @@ from kevscore.measure import environment
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # fla_oracles: FLA's own ops
 
 DEV = "cuda"
-KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "fused wy", "prefill wy"]
+KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "fused wy", "prefill wy",
+           "kkt solve"]
 # the fused WY kernel's launches (kernels/branch_wy.py's keywords), its defaults first (BV 128 or 64 by tiles)
 WY_LAUNCHES = ({}, dict(block_v=64), dict(block_v=64, tiles=(16, 64)), dict(block_v=128, tiles=(16, 64)),
                dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8), dict(block_v=32, num_warps=8))
@@ -200,6 +201,9 @@ def main() -> None:
     if "prefill wy" in args.only:
         bench_prefill_wy(record, sweep, cfg, args.prefill_tokens, gen)
 
+    if "kkt solve" in args.only:
+        bench_kkt_solve(record, sweep, cfg, (r, 88), args.prefill_tokens, gen)
+
     best = {}
     for res in results:
         if res["ms"] is not None and (res["kernel"] not in best or res["ms"] < best[res["kernel"]]["ms"]):
@@ -301,6 +305,44 @@ def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:
         name = str(launch)[1:-1].replace("'", "") or "default"
         record("prefill wy", f"fused {name}", timed(
             lambda: prefill_wy(q, k, v, gc, beta, a_inv, cu, bank, slots, **launch)), layers, floor)
+
+
+# FLA's kkt + solve kernel: its own list of configurations (BK x warps), at 2 and 3 stages; the H200's pin first
+KKT_CONFIGS = [(64, 1, 3)] + [(bk, w, st) for bk in (32, 64) for w in (1, 2, 4) for st in (2, 3)
+                              if (bk, w, st) != (64, 1, 3)]
+
+
+def bench_kkt_solve(record, sweep, cfg, branch: tuple[int, int], m: int, gen: torch.Generator) -> None:
+    """FLA's kkt + solve kernel (`fla_ops.solve_chunks`) at each configuration of its autotuner's list, per
+    DeltaNet layer: on a scoring batch of branch = (rows, tokens) and on prefill's m tokens of 1,700-token
+    documents. The pin (tuning.py) is the autotuner's choice; at one warp ptxas spills ~780 B (sm90_build.py),
+    at two or more nothing. The floor: k, beta and the gate read, (I + A)^-1 written."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel as kernel
+
+    from kevscore.kernels import fla_ops, tuning
+    from kevscore.model.config import LINEAR
+
+    tuner, layers = tuning.autotuner(kernel), cfg.layer_types.count(LINEAR)
+    pinned = tuner.configs
+    r, t = branch
+    lens = [1700] * (m // 1700) + ([m % 1700] if m % 1700 else [])
+    cu = torch.tensor([0, *lens], device=DEV).cumsum(0)
+    chunks = torch.tensor([(d, c) for d, n in enumerate(lens) for c in range(-(-n // 64))], device=DEV)
+    cases = {f"kkt solve {r}x{t}": (branch_case(cfg, r, t, gen), None, None),
+             "kkt solve prefill": (branch_case(cfg, 1, m, gen), cu, chunks)}
+    try:
+        for name, ((_, k, _, gate, beta, _, _), cu_, chunks_) in cases.items():
+            gc = fla_ops.decay_cumsum(*gate, 64, fla_ops.RCP_LN2, cu_, chunks_)
+            hv = beta.shape[2]
+            floor = copy_ms(k.numel() * 2 + beta.numel() * 6 + k.shape[0] * k.shape[1] * hv * 64 * 2)
+            for bk, warps, stages in sweep(KKT_CONFIGS):
+                tuner.configs = [triton.Config({"BK": bk}, num_warps=warps, num_stages=stages)]
+                tuner.cache.clear()
+                record(name, f"BK {bk} warps {warps} stages {stages}", timed(
+                    lambda: fla_ops.solve_chunks(k, gc, beta, None, cu_, chunks_)), layers, floor)
+    finally:
+        tuner.configs = pinned
+        tuner.cache.clear()
 
 
 def _torch_rotary(x, cos, sin):

@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import triton
@@ -43,7 +44,8 @@ def _kernel(fn):
 
 def build(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: int, aligned=()) -> dict:
     """Compile `fn` with argument types (Triton signature strings), constexprs and 16-aligned arguments;
-    returns ptxas' registers, spill bytes and the kernel's shared memory."""
+    returns ptxas' registers, spill bytes, the kernel's shared memory and Triton's compile seconds (0 when its
+    cache held the kernel: run with an empty TRITON_CACHE_DIR to time them all)."""
     fn = _kernel(fn)
     names = fn.arg_names
     sig = {n: types.get(n, "constexpr") for n in names}
@@ -51,7 +53,9 @@ def build(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: i
     assert not missing, f"{fn.__name__}: no type for {missing}"
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    t0 = time.perf_counter()
     compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    seconds = time.perf_counter() - t0
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
@@ -61,7 +65,7 @@ def build(fn, types: dict[str, str], consts: dict, num_warps: int, num_stages: i
     regs = int(re.search(r"Used (\d+) registers", out).group(1))
     spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", out))
     code = re.sub(r"^\s*\.file\b.*$", "", compiled.asm["ptx"].split("\t.section\t.debug")[0], flags=re.M)
-    return {"registers": regs, "spill_bytes": spill, "shared": compiled.metadata.shared,
+    return {"registers": regs, "spill_bytes": spill, "shared": compiled.metadata.shared, "compile_s": round(seconds, 2),
             "ptx_sha256": hashlib.sha256(code.encode()).hexdigest()}  # the code: no source paths, no debug info
 
 
@@ -200,7 +204,8 @@ def main() -> None:
         with f32_dots("tf32x3" if name.startswith("fp32 ") else None):  # as cuda_runner.fp32_dots sets
             res = build(fn, types, consts, wp, st, aligned)
         rows.append({"variant": name} | res)
-        print(f"{name:<44}{res['registers']:>5} regs {res['spill_bytes']:>7} B spilled {res['shared']:>8} B shared")
+        print(f"{name:<44}{res['registers']:>5} regs {res['spill_bytes']:>7} B spilled {res['shared']:>8} B shared"
+              f"{res['compile_s']:>7.2f} s")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 
