@@ -49,7 +49,8 @@ def test_workers_compile_what_the_dry_pass_met_into_tritons_cache(cache):
     assert (report.kernels, report.compiled) == (2, 2) and report.workers >= 1
     # each compile's seconds, and when the dry pass met its kernel
     assert [name for name, _, _ in report.slowest] == ["_double", "_double"]
-    assert all(0 < took < report.compile_s and 0 <= met <= report.dry_s for _, took, met in report.slowest)
+    assert all(0 < took <= report.compile_s + 1e-3 and 0 <= met <= report.dry_s + 1e-3  # (rounded to 1 ms)
+               for _, took, met in report.slowest)
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 2  # one cache group per specialization
     assert JITFunction._do_compile.__name__ == "_do_compile"  # Triton's own again after the pass
     hits = []
