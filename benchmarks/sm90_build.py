@@ -100,7 +100,7 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
                                   (4, 1, 1, True), (16, 4, 1, True)):
         out.append((f"conv{' packed' * packed} block_t {bt} warps {wp} tiles {tiles}", _branch_conv_kernel, conv_t,
                     dict(QK=2048, NQK=16, KD=128, VD=128, C=8192, W=4, BT=bt, BD=128, EPS=L2_EPS, EVEN=True,
-                         SPLIT_HALO=not packed, TILES=tiles, NCB=64, HB=32, BH=32, PACKED=packed), wp, 1,
+                         TILES=tiles, NCB=64, HB=32, BH=32, PACKED=packed), wp, 1,
                     ("x", "w", "conv", "q", "k", "v", "b", "beta", "pos", "sx_r", "sx_t", "sb_r", "sb_t")))
     from kevscore.kernels.branch_wy import _branch_wy_kernel
 

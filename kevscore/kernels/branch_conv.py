@@ -66,7 +66,7 @@ def _beta_tiles(b, sb_r, sb_t, beta, i_g, i_r, T, HB: tl.constexpr, BH: tl.const
 def _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, pos, i_g, i_c, i_r,
                 QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, C: tl.constexpr,
                 W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr, EVEN: tl.constexpr,
-                SPLIT_HALO: tl.constexpr, TILES: tl.constexpr, PACKED: tl.constexpr):
+                TILES: tl.constexpr, PACKED: tl.constexpr):
     # channel block: a q or k head (KD channels) for i_c < 2 * NQK, else a v head (VD channels)
     is_qk = i_c < 2 * NQK
     c0 = tl.where(is_qk, i_c * KD, 2 * QK + (i_c - 2 * NQK) * VD)
@@ -88,11 +88,8 @@ def _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, pos, 
         if PACKED:
             b_pos = tl.load(pos + o_t, mask=m_t, other=0)
             b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, b_pos, W, BT, BD, EVEN, False, True)
-        elif SPLIT_HALO:  # only the first tile(s) of a branch reach back into the document
-            if i_t * BT >= W - 1:
-                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, o_t, W, BT, BD, EVEN, False, False)
-            else:
-                b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, o_t, W, BT, BD, EVEN, True, False)
+        elif i_t * BT >= W - 1:  # only the first tile(s) of a branch reach back into the document
+            b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, o_t, W, BT, BD, EVEN, False, False)
         else:
             b_y = _taps(p_x, sx_t, p_conv, w, o_t, o_c, m_d, T, o_t, W, BT, BD, EVEN, True, False)
         b_y = b_y * tl.sigmoid(b_y)
@@ -117,28 +114,27 @@ def _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, pos, 
 def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, pos, b, sb_r, sb_t, beta,
                         QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
                         C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr,
-                        EVEN: tl.constexpr, SPLIT_HALO: tl.constexpr, TILES: tl.constexpr, NCB: tl.constexpr,
+                        EVEN: tl.constexpr, TILES: tl.constexpr, NCB: tl.constexpr,
                         HB: tl.constexpr, BH: tl.constexpr, PACKED: tl.constexpr):
     i_g, i_c, i_r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_c == NCB:  # past the NCB channel blocks (only launched with HB > 0): the tiles' beta
         _beta_tiles(b, sb_r, sb_t, beta, i_g, i_r, T, HB, BH, BT, TILES)
     else:
         _conv_tiles(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, T, pos, i_g, i_c, i_r, QK, NQK, KD, VD,
-                    C, W, BT, BD, EPS, EVEN, SPLIT_HALO, TILES, PACKED)
+                    C, W, BT, BD, EPS, EVEN, TILES, PACKED)
 
 
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
                 hk: int, dk: int, hv: int, dv: int, b: torch.Tensor | None = None, block_t: int = 4,
-                num_warps: int = 1, split_halo: bool = True, tiles: int = 1) -> tuple[torch.Tensor, ...]:
+                num_warps: int = 1, tiles: int = 1) -> tuple[torch.Tensor, ...]:
     """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
     k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv], beta), all contiguous; beta = sigmoid(b) [R, T, H] for
     b [R, T, H] (channel stride 1, any row and token strides), None without b. Launch: tiles of `block_t`
-    tokens x one head, `tiles` consecutive tiles per program; `split_halo`: only tiles that reach before the
-    branch read the bank (the same bits either way). Defaults from `benchmarks/bench_kernels.py --only conv`
-    (NOTES.md 10, 12)."""
+    tokens x one head, `tiles` consecutive tiles per program; only tiles that reach before the branch read
+    the bank. Defaults from `benchmarks/bench_kernels.py --only conv` (NOTES.md 10, 12)."""
     assert bank_conv.stride()[1:] == (weight.shape[1] - 1, 1)
-    return _launch(x, weight, bank_conv, slots, None, hk, dk, hv, dv, b, block_t, num_warps, split_halo, tiles)
+    return _launch(x, weight, bank_conv, slots, None, hk, dk, hv, dv, b, block_t, num_warps, tiles)
 
 
 def packed_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, hk: int, dk: int, hv: int,
@@ -147,10 +143,10 @@ def packed_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, 
     """The same front end for documents packed in one row x [1, N, C], each starting from a zero conv state:
     `positions` [N] (contiguous) gives each token's position within its document. Prefill's front end."""
     assert positions.is_contiguous() and x.shape[0] == 1
-    return _launch(x, weight, weight, positions, positions, hk, dk, hv, dv, b, block_t, num_warps, False, tiles)
+    return _launch(x, weight, weight, positions, positions, hk, dk, hv, dv, b, block_t, num_warps, tiles)
 
 
-def _launch(x, weight, conv, slots, positions, hk, dk, hv, dv, b, block_t, num_warps, split_halo, tiles):
+def _launch(x, weight, conv, slots, positions, hk, dk, hv, dv, b, block_t, num_warps, tiles):
     r, t, c = x.shape
     width = weight.shape[1]
     assert x.stride(2) == 1 and weight.is_contiguous() and c == 2 * hk * dk + hv * dv
@@ -170,7 +166,6 @@ def _launch(x, weight, conv, slots, positions, hk, dk, hv, dv, b, block_t, num_w
     _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, conv, conv.stride(0), slots,
                               slots.stride(0), q, k, v, t, positions if packed else slots, b_arg, b_arg.stride(0),
                               b_arg.stride(1), beta_arg, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
-                              BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd,
-                              SPLIT_HALO=split_halo, TILES=tiles, NCB=blocks, HB=hb,
-                              BH=triton.next_power_of_2(max(hb, 1)), num_warps=num_warps, PACKED=packed)
+                              BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd, TILES=tiles, NCB=blocks,
+                              HB=hb, BH=triton.next_power_of_2(max(hb, 1)), num_warps=num_warps, PACKED=packed)
     return q, k, v, beta

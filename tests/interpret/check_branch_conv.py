@@ -20,11 +20,10 @@ for (hk, dk, hv, dv), (rows, t) in [((2, 64, 4, 64), (3, 1)), ((2, 64, 4, 64), (
     slots = torch.randint(0, 6, (rows, 5))[:, 2]  # a strided column, as the upload buffer gives it
     q, k, v, beta = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b)
     assert beta.is_contiguous() and (beta - torch.sigmoid(b)).abs().max() < 1e-6
-    # other tile sizes, programs of several tiles, and tiles that skip the bank read (split_halo), with and
-    # without the beta programs: the same bits
+    # other tile sizes (so other tiles that read the bank) and programs of several tiles, with and without
+    # the beta programs: the same bits
     for bt, tiles in ((2, 1), (16, 1), (4, 3), (16, 2)):
-        *other, other_beta = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b, block_t=bt, split_halo=bt == 16,
-                                         tiles=tiles)
+        *other, other_beta = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b, block_t=bt, tiles=tiles)
         assert all(torch.equal(a, c) for a, c in zip((q, k, v, beta), (*other, other_beta))), bt
     *plain, none = branch_conv(x, w, bank, slots, hk, dk, hv, dv)
     assert none is None and all(torch.equal(a, c) for a, c in zip((q, k, v), plain))
