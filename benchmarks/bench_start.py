@@ -19,12 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-# (name, empty cache first, KEVSCORE_PARALLEL_COMPILE)
-STARTS = (("cold, parallel", True, "1"), ("warm", False, "1"), ("cold, serial", True, "0"))
+# (name, empty cache first, the parallel compile)
+STARTS = (("cold, parallel", True, True), ("warm", False, True), ("cold, serial", True, False))
 HEAVY = "transformers.models.auto.auto_factory"  # AutoTokenizer's import: transformers' model code
 
 
-def child(model: str) -> dict:
+def child(model: str, serial: bool) -> dict:
     steps, t = {}, time.perf_counter()
 
     def lap(name: str) -> None:
@@ -58,6 +58,9 @@ def child(model: str) -> dict:
 
     import triton
     triton.knobs.compilation.listener = listen
+    if serial:  # no forked workers: the warm-up's real pass compiles every kernel itself, one at a time
+        from kevscore.kernels import precompile
+        precompile.precompile = lambda run_each_shape, triton_hashed: precompile.Precompiled(skipped="serial")
     warm_up = compile_kernels(SHAPES[model], torch.device("cuda"), "indexed")
     lap("compile_kernels")
     first_attention_calls(SHAPES[model], lap)
@@ -118,12 +121,13 @@ def top_imports(stderr: str, most: int = 25) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:most]
 
 
-def run_start(model: str, cache: str, parallel: str, importtime: bool = False) -> dict:
-    env = dict(os.environ, TRITON_CACHE_DIR=cache, KEVSCORE_PARALLEL_COMPILE=parallel,
+def run_start(model: str, cache: str, parallel: bool, importtime: bool = False) -> dict:
+    env = dict(os.environ, TRITON_CACHE_DIR=cache,
                CUDA_CACHE_PATH=str(Path(cache) / "cuda"))  # the driver's compiled kernels: cold with the cache
     t0 = time.perf_counter()
     flags = ["-X", "importtime"] if importtime else []
-    out = subprocess.run([sys.executable, *flags, __file__, "--child", "--model", model], env=env,
+    serial = [] if parallel else ["--serial"]
+    out = subprocess.run([sys.executable, *flags, __file__, "--child", "--model", model, *serial], env=env,
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"child failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -139,9 +143,10 @@ def main() -> None:
     ap.add_argument("--model", default="kev-4b")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serial", action="store_true", help=argparse.SUPPRESS)  # a child without the parallel compile
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.model)))
+        print(json.dumps(child(args.model, args.serial)))
         return
     caches = {True: None, False: None}
     results = {}
@@ -151,7 +156,7 @@ def main() -> None:
             caches[False] = caches[False] or cache
             results[name] = run_start(args.model, cache, parallel)
         # the warm start again under -X importtime (its own timings are inflated by the tracing)
-        imports = run_start(args.model, caches[False], "1", importtime=True)["imports"]
+        imports = run_start(args.model, caches[False], True, importtime=True)["imports"]
     names = list(results)
     rows = sorted({k for r in results.values() for k in r["steps"]}, key=list(results[names[0]]["steps"]).index)
     print(f"{'step (seconds)':34}" + "".join(f"{n:>16}" for n in names))

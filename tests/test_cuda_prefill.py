@@ -138,7 +138,7 @@ def test_a_cold_start_compiles_every_kernel_in_the_workers(tmp_path):
     import subprocess
     import sys
 
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), KEVSCORE_PARALLEL_COMPILE="1")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     out = subprocess.run([sys.executable, "-c", COLD_START], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])

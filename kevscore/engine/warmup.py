@@ -22,9 +22,6 @@ import torch
 
 from kevscore.model.config import FULL, LINEAR, KevConfig
 
-# KEVSCORE_PARALLEL_COMPILE=0: compile in the warm-up thread alone (kevscore.kernels.precompile's A/B)
-PARALLEL_COMPILE = os.environ.get("KEVSCORE_PARALLEL_COMPILE", "1") != "0"
-
 # token counts whose divisibility by 16 differs (Triton specializes integer arguments on it), and the
 # branch buckets of both kinds: prefill groups and scoring batches of the shapes a job meets (rows of
 # one-token labels, and rows with a label of several tokens)
@@ -62,7 +59,7 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
     else:
         run_each_shape = shape_pass(cfg, device, path, dtype)
         with attention_stubbed(device):
-            if marker is not None and PARALLEL_COMPILE:
+            if marker is not None:
                 steps["precompile"] = dataclasses.asdict(precompile(run_each_shape, triton_hashed))
             triton_hashed()
             t0 = time.perf_counter()
