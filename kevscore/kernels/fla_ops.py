@@ -59,13 +59,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, e
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reads the gate (z, a slice of the DeltaNet projection output) in place; FLA's `rms_norm_gated`,
-    which copies it first, is the oracle in the tests."""
-    if x.is_contiguous() and gate.stride(-1) == 1 and gate.stride(-2) == gate.shape[-1]:
-        return gated_rms_norm_heads(x, gate, weight, eps)
-    from fla.modules.fused_norm_gate import rms_norm_gated
-
-    return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
+    """Reads the gate (z, a slice of the DeltaNet projection output, heads packed) in place; x is the gated
+    delta rule's contiguous output, or its rows at the scored positions. FLA's `rms_norm_gated`, which copies
+    the gate first, is the oracle in the tests."""
+    return gated_rms_norm_heads(x, gate, weight, eps)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
