@@ -257,7 +257,7 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
             return branch_wy(q, k, v, g, beta, fla_ops.solve_chunks(k, g, beta), bank, slots, **launch)
 
         record(f"fused wy {tt}", "stages (gate, WY, scan, output)", timed(lambda: fla_oracles.gdr_branch(
-            q, k, v, gate, beta, bank, slots, "indexed", qk_normed=True)), layers)
+            q, k, v, gate, beta, bank, slots, "indexed")), layers)
         record(f"wy parts {tt}", "gate cumsum", timed(lambda: fla_ops.gate_cumsum(gate)), layers)
         record(f"wy parts {tt}", "FLA kkt + solve", timed(lambda: fla_ops.solve_chunks(k, gc, beta)), layers)
         for launch in sweep(WY_LAUNCHES):
@@ -298,7 +298,7 @@ def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:
     bank = torch.empty(len(lens), hv, q.shape[3], v.shape[3], device=DEV)
     ctx = types.SimpleNamespace(cu_seqlens_long=cu, chunk_indices=chunks, slots=slots)
     record("prefill wy", "FLA stages (gate, solve, w/u, scan, output)", timed(lambda: fla_oracles.gdr_prefill(
-        q, k, v, gate, beta, ctx, bank, qk_normed=True)), layers)
+        q, k, v, gate, beta, ctx, bank)), layers)
     record("prefill wy", "gate + solve", timed(lambda: fla_ops.solve_chunks(
         k, fla_ops.decay_cumsum(*gate, 64, fla_ops.RCP_LN2, cu, chunks), beta, None, cu, chunks)), layers)
     for launch in sweep(PREFILL_WY_LAUNCHES):

@@ -1,11 +1,11 @@
 """flash-linear-attention's own ops, which kevscore's fused kernels replace: the cuda tests' oracles and the
 benchmarks' A/B of `kevscore.kernels.fla_ops`.
 
-FLA's norms, SwiGLU and conv, its w/u, state scan and output stages (`wy_repr`, `gdr_branch`, `gdr_prefill`) and
-its whole `chunk_gated_delta_rule`. The functions SWAPS names have the names and signatures of the fla_ops
-functions they replace, so `swapped` can run the GPU model on them (an A/B). Tests import this module (tests/
-is on pytest's path); benchmarks/*.py and tests/interpret/*.py put tests/ on sys.path first. FLA's modules and
-its gated delta rule package are imported where they are called (several seconds)."""
+FLA's norms, SwiGLU, conv and l2 norm, its w/u, state scan and output stages (`wy_repr`, `gdr_branch`,
+`gdr_prefill`) and its whole `chunk_gated_delta_rule` (`whole_gdr_prefill`). The functions SWAPS names have the
+signatures of the fla_ops functions they replace, so `swapped` can run the GPU model on them (an A/B). Tests
+import this module (tests/ is on pytest's path); benchmarks/*.py and tests/interpret/*.py put tests/ on sys.path
+first. FLA's modules and its gated delta rule package are imported where they are called (several seconds)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,22 +21,25 @@ from kevscore.kernels import fla_ops
 from kevscore.kernels.gdr_ref import CHUNK
 from kevscore.kernels.torch_ops import split_front
 
-# A/B name -> the fla_ops functions it replaces with this module's
+# A/B name -> {fla_ops function: this module's function that replaces it}
 SWAPS = {
-    "conv": ("branch_front", "gdr_branch"),  # branches: FLA's conv on gathered states, then its stages (l2norm first)
-    "wy": ("gdr_branch",),  # branches: FLA's w/u, state scan and output kernels on the gathered states
-    "prefill": ("prefill_front", "gdr_prefill"),  # prefill: FLA's varlen conv and `chunk_gated_delta_rule`
-    "prefill-stages": ("gdr_prefill",),  # prefill after our packed conv: FLA's w/u, state scan and output kernels
+    # branches: FLA's conv and l2 norm on the gathered conv states, then its stages
+    "conv": {"branch_front": "branch_front", "gdr_branch": "gdr_branch"},
+    "wy": {"gdr_branch": "gdr_branch"},  # branches: FLA's w/u, state scan and output kernels on the gathered states
+    "prefill-stages": {"gdr_prefill": "gdr_prefill"},  # prefill after our packed conv: FLA's w/u, scan and output
+    # prefill: FLA's varlen conv and `chunk_gated_delta_rule`, l2 norm included (last: with "prefill-stages"
+    # too, this one's whole op takes what its conv leaves)
+    "prefill": {"prefill_front": "prefill_front", "gdr_prefill": "whole_gdr_prefill"},
 }
 
 
 @contextlib.contextmanager
 def swapped(*names: str) -> Iterator[None]:
     """fla_ops with the functions of the A/Bs `names` (SWAPS) replaced by FLA's own, until the block ends."""
-    functions = {f for name in names for f in SWAPS[name]}
-    saved = {f: getattr(fla_ops, f) for f in functions}
-    for f in functions:
-        setattr(fla_ops, f, globals()[f])
+    oracles = {f: oracle for name in sorted(names, key=list(SWAPS).index) for f, oracle in SWAPS[name].items()}
+    saved = {f: getattr(fla_ops, f) for f in oracles}
+    for f, oracle in oracles.items():
+        setattr(fla_ops, f, globals()[oracle])
     try:
         yield
     finally:
@@ -79,14 +82,17 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
 
 
 def branch_front(x, weight, bank_conv, slots, hk, dk, hv, dv, b) -> tuple[torch.Tensor, ...]:
-    """FLA's conv on the rows' gathered conv states, split, torch's sigmoid; q and k not l2-normalized (False):
-    `gdr_branch` does it."""
-    return split_front(conv_branch(x, weight, bank_conv.index_select(0, slots.long())), hk, dk, hv, dv, b)
+    """FLA's conv on the rows' gathered conv states, split, FLA's l2 norm of q and k, torch's sigmoid."""
+    from fla.modules.l2norm import l2norm_fwd
+
+    y = conv_branch(x, weight, bank_conv.index_select(0, slots.long()))
+    return split_front(y, hk, dk, hv, dv, b, l2norm=lambda t: l2norm_fwd(t.contiguous())[0])
 
 
 def prefill_front(x, weight, ctx, hk, dk, hv, dv, b) -> tuple[torch.Tensor, ...]:
-    """FLA's varlen conv of packed documents, split; q and k not l2-normalized (False): FLA's whole op does it."""
-    return split_front(conv_prefill(x, weight, ctx.cu_seqlens), hk, dk, hv, dv, b)
+    """FLA's varlen conv of packed documents, split; q and k as they are, for `whole_gdr_prefill` (FLA's
+    whole op l2-normalizes them)."""
+    return split_front(conv_prefill(x, weight, ctx.cu_seqlens), hk, dk, hv, dv, b, l2norm=lambda t: t)
 
 
 def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, cu_seqlens=None,
@@ -100,20 +106,27 @@ def wy_repr(k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tens
     return recompute_w_u_fwd(k=k, v=v, beta=beta, A=a, g=gc, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
-def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor, qk_normed: bool = False) -> torch.Tensor:
-    """Packed documents from zero states, each final state copied into its bank entry `bank[ctx.slots[d]]`:
-    q and k not l2-normalized (FLA's conv), FLA's whole `chunk_gated_delta_rule` (its gate kernel computes the
-    decay); normalized (our packed conv), our gate cumsum and FLA's solve, w/u, state scan and output kernels."""
+def whole_gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
+    """Packed documents from zero states, q and k not l2-normalized (FLA's conv, `prefill_front`): FLA's whole
+    `chunk_gated_delta_rule` (its l2 norm, its gate kernel computing the decay), each final state copied into
+    its bank entry `bank[ctx.slots[d]]`."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    a, A_log, dt_bias = gate
+    o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
+                                      beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                      use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                      cu_seqlens=ctx.cu_seqlens_long)
+    bank.index_copy_(0, ctx.slots, final)
+    return o
+
+
+def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
+    """Packed documents from zero states (q and k l2-normalized, as our packed conv leaves them), each final
+    state copied into its bank entry `bank[ctx.slots[d]]`: our gate cumsum and FLA's solve, w/u, state scan
+    and output kernels."""
     a, A_log, dt_bias = gate
     cu, chunks = ctx.cu_seqlens_long, ctx.chunk_indices
-    if not qk_normed:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        o, final = chunk_gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(),
-                                          beta.contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                          use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu)
-        bank.index_copy_(0, ctx.slots, final)
-        return o
     gc = fla_ops.decay_cumsum(a, A_log, dt_bias, CHUNK, fla_ops.RCP_LN2, cu, chunks)
     w, u = wy_repr(k, v, gc, beta, cu, chunks)  # FLA's chunk_gated_delta_rule_fwd_intra, its launches as they are
     h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, output_final_state=True, chunk_size=CHUNK,
@@ -123,15 +136,10 @@ def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor, qk_normed: bool = 
                        chunk_indices=chunks)
 
 
-def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
-               qk_normed: bool = False) -> torch.Tensor:
-    """Branch rows from their states gathered out of the bank, for either path: our gate cumsum, then FLA's
-    stages (solve and w/u, state scan, output); q and k l2-normalized first unless `qk_normed` (FLA's conv)."""
+def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
+    """Branch rows (q and k l2-normalized) from their states gathered out of the bank, for either path: our
+    gate cumsum, then FLA's stages (solve and w/u, state scan, output)."""
     gc = fla_ops.gate_cumsum(gate)
-    if not qk_normed:
-        from fla.modules.l2norm import l2norm_fwd
-
-        q, k = (l2norm_fwd(t.contiguous())[0] for t in (q, k))
     w, u = wy_repr(k.contiguous(), v.contiguous(), gc, beta.contiguous())
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=bank.index_select(0, slots),
                                                chunk_size=CHUNK)

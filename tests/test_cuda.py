@@ -26,9 +26,9 @@ def test_long_branches_read_the_bank_by_index(dims, t, dtype):
     q, k, v, gate, beta, bank, slots = branch_inputs(8, t, *dims, dtype, seed=t)
     assert slots.stride(0) == 9  # a column of the upload buffer, not a contiguous index tensor
     snapshot = bank.clone()
-    out = {p: fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, p, qk_normed=True) for p in ("indexed", "gathered")}
+    out = {p: fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, p) for p in ("indexed", "gathered")}
     assert torch.equal(out["indexed"], out["gathered"]) and torch.equal(bank, snapshot)
-    stages = fla_oracles.gdr_branch(q, k, v, gate, beta, bank, slots, "indexed", qk_normed=True)
+    stages = fla_oracles.gdr_branch(q, k, v, gate, beta, bank, slots, "indexed")
     assert relative(out["indexed"], stages) < LONG_TOLERANCE[dtype], relative(out["indexed"], stages)
 
 
@@ -38,14 +38,14 @@ def test_long_branches_follow_new_slots_between_graph_replays():
     q, k, v, gate, beta, bank, slots = branch_inputs(8, 150, 16, 32, 128, 128, torch.bfloat16, seed=3)
     upload = torch.zeros(8, 5, dtype=torch.long, device=DEV)
     index = upload[:, 2]
-    fla_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed", qk_normed=True)  # compiles the kernels
+    fla_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed")  # compiles the kernels
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fla_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed", qk_normed=True)
+        out = fla_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed")
     for new in ([0, 1, 2, 3, 4, 5, 6, 0], [6, 6, 6, 2, 2, 0, 5, 6], [3] * 8):
         upload[:, 2] = torch.tensor(new, device=DEV)
         graph.replay()
-        ref = fla_ops.gdr_branch(q, k, v, gate, beta, bank, index.clone(), "gathered", qk_normed=True)
+        ref = fla_ops.gdr_branch(q, k, v, gate, beta, bank, index.clone(), "gathered")
         assert torch.equal(out, ref), new
 
 

@@ -26,9 +26,9 @@ def stages_and_fused(monkeypatch, inputs, launch: dict | None = None):
 
     q, k, v, gate, beta, bank, slots = inputs
     snapshot = bank.clone()
-    ref = fla_oracles.gdr_branch(q, k, v, gate, beta, bank, slots, "indexed", qk_normed=True)
+    ref = fla_oracles.gdr_branch(q, k, v, gate, beta, bank, slots, "indexed")
     monkeypatch.setattr(fla_ops, "FUSED_WY_LAUNCH", launch or {})
-    ours = fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, "indexed", qk_normed=True)
+    ours = fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, "indexed")
     assert torch.equal(bank, snapshot) and ours.dtype == ref.dtype and ours.shape == ref.shape
     return ref, ours
 
@@ -55,7 +55,7 @@ def test_fused_wy_keeps_paths_bitwise(t):
     from kevscore.kernels import fla_ops
 
     q, k, v, gate, beta, bank, slots = branch_inputs(8, t, *DIMS["kev4b"], torch.bfloat16, seed=t)
-    out = {p: fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, p, qk_normed=True) for p in ("indexed", "gathered")}
+    out = {p: fla_ops.gdr_branch(q, k, v, gate, beta, bank, slots, p) for p in ("indexed", "gathered")}
     assert torch.equal(out["indexed"], out["gathered"])
 
 
@@ -65,7 +65,7 @@ def test_graph_replays_read_new_slots():
     q, k, v, gate, beta, bank, _ = branch_inputs(8, 85, *DIMS["kev4b"], torch.bfloat16, seed=3)
     upload = torch.zeros(8, 5, dtype=torch.long, device=DEV)
     index = upload[:, 2]
-    run = lambda: fla_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed", qk_normed=True)  # noqa: E731
+    run = lambda: fla_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed")  # noqa: E731
     run()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -114,7 +114,7 @@ def prefill_stages_and_fused(monkeypatch, dims, dtype, launch: dict | None = Non
     def run(fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         gdr_prefill = fla_ops.gdr_prefill if fused else fla_oracles.gdr_prefill
         bank = torch.full((len(PREFILL_DOCS) + 3, hv, dk, dv), float("nan"), device=DEV)
-        o = gdr_prefill(q, k, v, gate, beta, ctx, bank, qk_normed=True)
+        o = gdr_prefill(q, k, v, gate, beta, ctx, bank)
         assert bank.isnan().sum() == 3 * hv * dk * dv  # the documents' entries written, no other
         return o, bank[slots]
 

@@ -97,8 +97,8 @@ def test_stages_after_the_inverse_equal_the_branch_stages(t):
     gate = (a, torch.randn(4) * 0.5, torch.randn(4))
     bank = torch.randn(5, 4, 32, 16) * 0.3
     index = torch.tensor([2, 0, 2])
-    ref = torch_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed")  # q and k l2-normalized there
-    q, k = gdr_ref.l2norm(q), gdr_ref.l2norm(k)
+    q, k = gdr_ref.l2norm(q), gdr_ref.l2norm(k)  # as the fronts leave them
+    ref = torch_ops.gdr_branch(q, k, v, gate, beta, bank, index, "indexed")
     gc = gdr_ref.chunk_cumsum(gdr_ref.gate_decay(*gate))
     a_inv = gdr_ref.chunk_inverse(k, gc, beta)
     own = torch.arange(t) % 64  # each row's position in its chunk: the inverse is unit lower triangular

@@ -80,19 +80,19 @@ def qk_norm_rotary(q: torch.Tensor | None, k: torch.Tensor, q_scale: torch.Tenso
 
 def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
                  hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(q, k, v, beta = sigmoid(b), True: q and k are l2-normalized) of the branch conv: one kernel reads the
-    conv states from the bank in place, normalizes q and k and computes beta (`kernels/branch_conv.py`)."""
-    return (*branch_conv(x, weight, bank_conv, slots, hk, dk, hv, dv, b=b), True)
+    """(q, k, v, beta = sigmoid(b)) of the branch conv: one kernel reads the conv states from the bank in place,
+    normalizes q and k and computes beta (`kernels/branch_conv.py`)."""
+    return branch_conv(x, weight, bank_conv, slots, hk, dk, hv, dv, b=b)
 
 
 def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
                   b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(q, k, v, beta = sigmoid(b), True: q and k are l2-normalized) of packed documents: one kernel reads
-    the projection output in place and writes them contiguous (`branch_conv.packed_conv`)."""
-    return (*packed_conv(x, weight, ctx.positions, hk, dk, hv, dv, b=b, **PREFILL_CONV), True)
+    """(q, k, v, beta = sigmoid(b)) of packed documents, q and k l2-normalized: one kernel reads the projection
+    output in place and writes them contiguous (`branch_conv.packed_conv`)."""
+    return packed_conv(x, weight, ctx.positions, hk, dk, hv, dv, b=b, **PREFILL_CONV)
 
 
-def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor, qk_normed: bool = False) -> torch.Tensor:
+def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
     """Packed documents from zero states (q and k l2-normalized, as `prefill_front` leaves them): the output;
     one kernel after FLA's solve writes each document's final state into its bank entry `bank[ctx.slots[d]]`
     (`branch_wy.prefill_wy`). gate = (a, A_log, dt_bias): the decay -exp(A_log) * softplus(a + dt_bias)."""
@@ -143,8 +143,7 @@ def _kkt_solve_fp32():
     return triton.jit(do_not_specialize=getattr(jit, "do_not_specialize", ["T"]))(clone)
 
 
-def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
-               qk_normed: bool = False) -> torch.Tensor:
+def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
     """gate = (a, A_log, dt_bias); q and k l2-normalized, as `branch_front` leaves them. The gate cumsum,
     FLA's solve, then one kernel that reads each row's state from the bank by slot (`branch_wy` for branches of
     up to 128 tokens, `rows_wy` beyond); `gathered` gives it the rows' states copied out and an identity index,

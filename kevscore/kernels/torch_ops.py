@@ -66,17 +66,18 @@ def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> to
     return F.silu(out).transpose(1, 2)
 
 
-def split_front(y: torch.Tensor, hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A conv output split into q, k [..., hk, dk] and v [..., hv, dv], and beta = sigmoid(b); False: q and k
-    are not l2-normalized yet (the gated delta rule does it)."""
+def split_front(y: torch.Tensor, hk: int, dk: int, hv: int, dv: int, b: torch.Tensor,
+                l2norm=gdr_ref.l2norm) -> tuple[torch.Tensor, ...]:
+    """A conv output split into q, k [..., hk, dk], each head l2-normalized by `l2norm` (here in fp32), and
+    v [..., hv, dv]; and beta = sigmoid(b)."""
     q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
     shape = y.shape[:-1]
-    return q.reshape(*shape, hk, dk), k.reshape(*shape, hk, dk), v.reshape(*shape, hv, dv), b.sigmoid(), False
+    return l2norm(q.reshape(*shape, hk, dk)), l2norm(k.reshape(*shape, hk, dk)), v.reshape(*shape, hv, dv), b.sigmoid()
 
 
 def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
                  hk: int, dk: int, hv: int, dv: int, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The branch conv from the rows' conv states, split (`split_front`)."""
+    """The branch conv from the rows' conv states, split, q and k l2-normalized (`split_front`)."""
     return split_front(conv_branch(x, weight, bank_conv.index_select(0, slots.long())), hk, dk, hv, dv, b)
 
 
@@ -112,17 +113,16 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
 
 def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
                   b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The conv of packed documents (each from zeros), split (`split_front`)."""
+    """The conv of packed documents (each from zeros), split, q and k l2-normalized (`split_front`)."""
     return split_front(conv_prefill(x, weight, ctx.cu_seqlens), hk, dk, hv, dv, b)
 
 
-def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor, qk_normed: bool = False) -> torch.Tensor:
+def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
     """The pack's documents from a zero state, as padded batches of documents with as many 64-token chunks
     (the engine sorts a pack by length, so these are runs): padding has k = 0 and a decay of 1 (g = 0), so
     it leaves each document's final state as it was. Returns the output [1, N, hv, dv]; document d's final
     state goes into `bank[ctx.slots[d]]`."""
-    assert not qk_normed
-    q, k = (gdr_ref.repeat_heads(gdr_ref.l2norm(x), v.shape[2]) for x in (q, k))  # once, not in every stage
+    q, k = (gdr_ref.repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
     g = gdn_decay(gate)
     outs, finals = [], []
     for s, e, cu in _runs(ctx.cu_seqlens):
@@ -149,13 +149,11 @@ def _runs(cu_seqlens: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
     return out
 
 
-def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
-               qk_normed: bool = False) -> torch.Tensor:
+def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
     """Rows start from bank entries `slots`; `gathered` copies them into a row buffer first.
     gate = (a, A_log, dt_bias), see `gdn_decay`."""
-    assert not qk_normed
     c = gdr_ref.chunk_size(q.shape[1])  # a short branch: one chunk of its own length
-    q, k = (gdr_ref.repeat_heads(gdr_ref.l2norm(x), v.shape[2]) for x in (q, k))  # once, not in every stage
+    q, k = (gdr_ref.repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
     gc = gdr_ref.chunk_cumsum(gdn_decay(gate), c)
     w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float(), c)
     if path == "gathered":

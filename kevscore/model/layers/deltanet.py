@@ -47,9 +47,9 @@ class DeltaNet(nn.Module):
             o = self._prefill(mixed, b, gate, ctx)
         else:
             assert isinstance(ctx, BranchContext)
-            q, k, v, beta, normed = self.ops.branch_front(mixed, self.conv_weight, self.bank_conv, ctx.slots,
-                                                          self.hk, self.dk, self.hv, self.dv, b)
-            o = self.ops.gdr_branch(q, k, v, gate, beta, self.bank_state, ctx.slots, ctx.path, normed)
+            q, k, v, beta = self.ops.branch_front(mixed, self.conv_weight, self.bank_conv, ctx.slots, self.hk, self.dk,
+                                                  self.hv, self.dv, b)
+            o = self.ops.gdr_branch(q, k, v, gate, beta, self.bank_state, ctx.slots, ctx.path)
         z = z.reshape(*shape, self.hv, self.dv)
         if keep is not None:
             o, z = o[keep], z[keep]
@@ -65,9 +65,8 @@ class DeltaNet(nn.Module):
     def _prefill(self, mixed: torch.Tensor, b: torch.Tensor, gate, ctx: PrefillContext) -> torch.Tensor:
         """Packed documents from zero states: their conv and recurrent states into the bank; returns the output."""
         self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx).to(self.bank_conv.dtype))
-        q, k, v, beta, normed = self.ops.prefill_front(mixed, self.conv_weight, ctx, self.hk, self.dk, self.hv,
-                                                       self.dv, b)
-        return self.ops.gdr_prefill(q, k, v, gate, beta, ctx, self.bank_state, normed)
+        q, k, v, beta = self.ops.prefill_front(mixed, self.conv_weight, ctx, self.hk, self.dk, self.hv, self.dv, b)
+        return self.ops.gdr_prefill(q, k, v, gate, beta, ctx, self.bank_state)
 
     def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")

@@ -47,18 +47,18 @@ class Ops(Protocol):
     # the gated delta rule
     def prefill_front(self, x: Tensor, weight: Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
                       b: Tensor) -> tuple[Tensor, ...]:
-        """(q, k, v, beta = sigmoid(b), whether q and k are already l2-normalized) of packed documents' conv."""
+        """(q, k, v, beta = sigmoid(b)) of packed documents' conv, q and k l2-normalized per head."""
 
     def branch_front(self, x: Tensor, weight: Tensor, bank_conv: Tensor, slots: Tensor, hk: int, dk: int, hv: int,
                      dv: int, b: Tensor) -> tuple[Tensor, ...]:
         """The same for branch rows, their conv continuing from the bank entries `slots`."""
 
     def gdr_prefill(self, q: Tensor, k: Tensor, v: Tensor, gate: tuple[Tensor, Tensor, Tensor], beta: Tensor, ctx,
-                    bank: Tensor, qk_normed: bool = False) -> Tensor:
-        """Packed documents from zero states: the output; document d's final state [HV, K, V] goes into the
-        bank's states at entry `ctx.slots[d]`."""
+                    bank: Tensor) -> Tensor:
+        """Packed documents from zero states (q and k l2-normalized, as the fronts leave them): the output;
+        document d's final state [HV, K, V] goes into the bank's states at entry `ctx.slots[d]`."""
 
     def gdr_branch(self, q: Tensor, k: Tensor, v: Tensor, gate: tuple[Tensor, Tensor, Tensor], beta: Tensor,
-                   bank: Tensor, slots: Tensor, path: str, qk_normed: bool = False) -> Tensor:
+                   bank: Tensor, slots: Tensor, path: str) -> Tensor:
         """Branch rows from the bank's states of entries `slots`, read in place (`indexed`) or copied out
         first (`gathered`, the --state-read mode): the same results."""
