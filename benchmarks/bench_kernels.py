@@ -183,12 +183,12 @@ def main() -> None:
         from fla.ops.utils import chunk_local_cumsum
         from fla.ops.utils.constant import RCP_LN2
 
-        from kevscore.kernels import torch_ops
+        from kevscore.kernels import gdr_ref
 
         a = proj[..., -hv:]
         g_args = (a, torch.randn(hv, device=DEV), torch.randn(hv, device=DEV))
         record("decay", "torch decay + fla cumsum", timed(lambda: chunk_local_cumsum(
-            torch_ops.gdn_decay(g_args), chunk_size=64, scale=RCP_LN2)), delta_layers)
+            gdr_ref.gate_decay(*g_args), chunk_size=64, scale=RCP_LN2)), delta_layers)
         from fla.ops.gated_delta_rule.gate import gdn_gate_chunk_cumsum
 
         record("decay", "fla gdn_gate_chunk_cumsum (on a copy)", timed(lambda: gdn_gate_chunk_cumsum(

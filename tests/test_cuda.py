@@ -332,14 +332,14 @@ def test_fla_gate_cumsum_close_to_torch_decay():
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    from kevscore.kernels import fla_ops, torch_ops
+    from kevscore.kernels import fla_ops, gdr_ref
 
     gen = torch.Generator(DEV).manual_seed(0)
     proj = (torch.randn(6, 130, 40, device=DEV, generator=gen) * 4).to(torch.bfloat16)
     a = proj[..., 8:40]  # a strided slice of the projection output, as in the layer
     gate = (a, torch.randn(32, device=DEV, generator=gen), torch.randn(32, device=DEV, generator=gen))
     ours = fla_ops.gate_cumsum(gate)
-    ref = chunk_local_cumsum(torch_ops.gdn_decay(gate), chunk_size=64, scale=RCP_LN2)
+    ref = chunk_local_cumsum(gdr_ref.gate_decay(*gate), chunk_size=64, scale=RCP_LN2)
     assert torch.allclose(ours, ref, rtol=1e-4, atol=1e-4)
 
 

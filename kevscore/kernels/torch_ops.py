@@ -54,11 +54,6 @@ def qk_norm_rotary(q: torch.Tensor | None, k: torch.Tensor, q_scale: torch.Tenso
     return None if q is None else norm(q, q_scale), norm(k, k_scale)
 
 
-def gdn_decay(gate) -> torch.Tensor:
-    """Log decay of each token and value head from gate = (a, A_log, dt_bias): -exp(A_log) * softplus(a + dt_bias)."""
-    return gdr_ref.gate_decay(*gate)
-
-
 def conv_branch(x: torch.Tensor, weight: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + silu of x [B, T, C] continuing from init [B, C, k-1] (earlier inputs)."""
     full = torch.cat([init.to(x.dtype), x.transpose(1, 2)], -1)
@@ -123,7 +118,7 @@ def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
     it leaves each document's final state as it was. Returns the output [1, N, hv, dv]; document d's final
     state goes into `bank[ctx.slots[d]]`."""
     q, k = (gdr_ref.repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
-    g = gdn_decay(gate)
+    g = gdr_ref.gate_decay(*gate)
     outs, finals = [], []
     for s, e, cu in _runs(ctx.cu_seqlens):
         docs = Padded(cu)
@@ -151,10 +146,10 @@ def _runs(cu_seqlens: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
     """Rows start from bank entries `slots`; `gathered` copies them into a row buffer first.
-    gate = (a, A_log, dt_bias), see `gdn_decay`."""
+    gate = (a, A_log, dt_bias), see `gdr_ref.gate_decay`."""
     c = gdr_ref.chunk_size(q.shape[1])  # a short branch: one chunk of its own length
     q, k = (gdr_ref.repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
-    gc = gdr_ref.chunk_cumsum(gdn_decay(gate), c)
+    gc = gdr_ref.chunk_cumsum(gdr_ref.gate_decay(*gate), c)
     w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float(), c)
     if path == "gathered":
         h0 = bank.index_select(0, slots.long())
