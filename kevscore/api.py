@@ -63,10 +63,9 @@ class Scorer:
         takes it; the others as `kevscore run`'s options of the same names."""
         with one_line():
             labels = parse_labels(labels) if isinstance(labels, str) else list(labels)
-            self.options = RunOptions(input=Path(), model=str(model), device=device, dtype=dtype,
-                                      state_read=state_read, labels=labels, template=_path(template),
-                                      batch_rows=batch_rows, bank=_path(bank), bank_max_gb=bank_max_gb,
-                                      bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant)
+            model, template, bank = str(model), _path(template), _path(bank)
+            given = locals()
+            self.options = RunOptions(input=Path(), **{name: given[name] for name in SCORER_OPTIONS})
             where = resolve_device(device)
             check_options(self.options)
             resolve_dtype(dtype, where)

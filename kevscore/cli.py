@@ -3,13 +3,14 @@
 `run` scores through a kevscore.api.Scorer (under torchrun, through kevscore.job.distributed)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -96,6 +97,7 @@ INTERRUPTED_RUN = ("interrupted; no output was written (completed windows are ke
                    "same command to resume)")
 IO, COLUMNS, MODEL, LONG, SPEED, SHOW = ("Input and output", "Column names", "Model and labels", "Long jobs",
                                         "Speed", "Display")
+T = TypeVar("T")
 MODEL_HELP = "A checkpoint directory, a hub id (ORG/NAME, ORG/NAME@REV), demo, kev-0.8b or kev-4b."  # run's, compare's
 
 
@@ -107,6 +109,12 @@ def option(default, *flags: str, panel: str | None = None, metavar: str | None =
 def column_option(name: str, help: str):
     """The option naming the input's column for kevscore's column `name`: --NAME-column, default NAME."""
     return option(name, f"--{name.replace('_', '-')}-column", panel=COLUMNS, metavar="NAME", help=help)
+
+
+def options_of(cls: type[T], params: dict, **values) -> T:
+    """A command's options object (a dataclass): each field from the command's parameter of the same name,
+    or from `values` (fields whose value the command works out)."""
+    return cls(**{f.name: params[f.name] for f in dataclasses.fields(cls) if f.name in params} | values)
 
 
 @app.command(cls=Command)
@@ -177,19 +185,16 @@ def run(
     from kevscore.job.formats import file_format
     from kevscore.job.labels import parse_labels
     from kevscore.job.options import RunOptions
+    from kevscore.job.scan import COLUMNS
 
     if path is not None:
         console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)
         state_read = path
     with _failing():
         label_list = parse_labels(labels)
-    opts = RunOptions(input=input, documents=documents, output=output, model=model, device=device, dtype=dtype,
-                      state_read=state_read, labels=label_list, template=template, batch_rows=batch_rows,
-                      overwrite=overwrite, bank_capacity=bank_capacity, eager=eager, batch_invariant=batch_invariant,
-                      bank=bank, bank_max_gb=bank_max_gb, window=window, restart=restart, skip_invalid=skip_invalid,
-                      limit=limit, carry=carry, rename={question_column: "question", document_column: "document",
-                                                        doc_id_column: "doc_id", question_id_column: "question_id",
-                                                        labels_column: "labels"})
+    given = locals()
+    rename = {given[f"{name}_column"]: name for name in COLUMNS}  # the input's column name -> kevscore's
+    opts = options_of(RunOptions, given, labels=label_list, rename=rename)
     if str(output) == "-" and log_json:
         _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
     if dry_run:
@@ -348,9 +353,7 @@ def compare(
     from kevscore.compare import CompareOptions
     from kevscore.compare import compare as run_compare
 
-    opts = CompareOptions(model=model, data=data, documents=documents,
-                          cases=cases.split(",") if cases else None, reps=reps, warmup=warmup, device=device,
-                          batch_rows=batch_rows, baseline=baseline, json_path=json_path, plot=plot)
+    opts = options_of(CompareOptions, locals(), cases=cases.split(",") if cases else None)
     with _failing():
         report = run_compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
     (console if console.is_terminal else Console(stderr=True, width=80)).print(display.compare_table(report))
