@@ -43,6 +43,13 @@ ERRORS_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("quest
                            ("reason", pa.string())])
 
 
+def errors_table(rows, reasons: list[str], doc_ids: list | None = None, question_ids: list | None = None) -> pa.Table:
+    """Rows that are not scored, with their ids (None: the input has no such column) and why (ERRORS_SCHEMA)."""
+    nulls = [None] * len(rows)
+    return pa.table({"row": rows, "doc_id": doc_ids or nulls, "question_id": question_ids or nulls,
+                     "reason": reasons}, schema=ERRORS_SCHEMA)
+
+
 def parts_dir(output: Path) -> Path:
     return output.with_name(output.name + ".parts")
 

@@ -40,7 +40,7 @@ from kevscore.job.formats import STDOUT, Carry, file_format
 from kevscore.job.inputs import Inputs, opened_inputs, output_path, to_stdout
 from kevscore.job.labels import LabelTally, low_mass_warning
 from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, carries, check_options
-from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, merged_output, parts_dir
+from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, errors_table, merged_output, parts_dir
 from kevscore.job.provenance import job_digest, job_identity, output_job
 from kevscore.job.rows import Cursor, RowReader
 from kevscore.job.scan import InputScan, scan_input
@@ -382,11 +382,9 @@ def bank_documents(windows: Windows, doc_of_row: np.ndarray, doc_tokens: np.ndar
 def set_aside_table(scan: InputScan) -> pa.Table:
     """The rows the scan set aside, with their ids and reasons."""
     rows = np.asarray(sorted(scan.invalid), dtype=np.int64)
-    ids = {"doc_id": [None] * len(rows), "question_id": [None] * len(rows)}
     cols = [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id)) if has]
-    if cols and len(rows):
-        ids.update(Cursor(scan.path, cols).take(rows))
-    return pa.table({"row": rows, **ids, "reason": [scan.invalid[int(r)] for r in rows]}, schema=ERRORS_SCHEMA)
+    ids = Cursor(scan.path, cols).take(rows) if cols and len(rows) else {}
+    return errors_table(rows, [scan.invalid[int(r)] for r in rows], ids.get("doc_id"), ids.get("question_id"))
 
 
 def open_store(opts: RunOptions, fingerprint, progress: Reporter) -> BankStore:

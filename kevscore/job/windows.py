@@ -15,7 +15,7 @@ from kevscore.engine.pipeline import Engine, Reporter, RunStats, Scores
 from kevscore.engine.plan import Windows
 from kevscore.job.data import output_table
 from kevscore.job.options import RunOptions
-from kevscore.job.parts import ERRORS_SCHEMA, PartStore
+from kevscore.job.parts import PartStore, errors_table
 from kevscore.job.rows import RowReader
 from kevscore.job.scan import InputScan
 from kevscore.model.prompt import encode
@@ -96,11 +96,9 @@ def part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table | None]:
                         [scores.label_mass[i] for i in ok])
     if not scores.failed:
         return part, None
-    failed = sorted(scores.failed)
-    return part, pa.table({"row": [table.rows[i] for i in failed],
-                           "doc_id": [table.doc_ids[i] if table.doc_ids else None for i in failed],
-                           "question_id": [table.question_ids[i] if table.question_ids else None for i in failed],
-                           "reason": [scores.failed[i] for i in failed]}, schema=ERRORS_SCHEMA)
+    positions = sorted(scores.failed)
+    failed = table.take(positions)
+    return part, errors_table(failed.rows, [scores.failed[i] for i in positions], failed.doc_ids, failed.question_ids)
 
 
 def doc_ids(table, enc) -> list[list[str]]:
