@@ -130,3 +130,34 @@ def test_triton_hashes_its_files_on_a_thread():
     triton_key.cache_clear()
     hash_triton()()  # start, then wait
     assert triton_key.cache_info().currsize == 1
+
+
+def test_patches_of_overlapping_threads_end_in_any_order():
+    """Two threads' blocks on one attribute, ended first-in first-out: each thread sees its own replacement,
+    others the original, and afterwards the attribute is its own object again, for any thread."""
+    import threading
+    import types
+
+    owner = types.SimpleNamespace(f=lambda: "original")
+    own = owner.f
+    entered, release, seen = threading.Barrier(2), {0: threading.Event(), 1: threading.Event()}, {}
+
+    def hold(i: int) -> None:
+        with pc.on_this_thread(owner, "f", lambda: f"thread {i}") as original:
+            assert original is own
+            entered.wait()
+            seen[i] = owner.f()
+            release[i].wait()
+
+    threads = [threading.Thread(target=hold, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    while len(seen) < 2:
+        threading.Event().wait(0.01)
+    assert owner.f() == "original"  # this thread holds no block
+    release[0].set()  # the first to enter ends first
+    threads[0].join()
+    assert owner.f() == "original" and seen == {0: "thread 0", 1: "thread 1"}
+    release[1].set()
+    threads[1].join()
+    assert owner.f is own

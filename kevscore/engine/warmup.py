@@ -119,17 +119,10 @@ def attention_stubbed(device: torch.device):
         yield
         return
     from kevscore.kernels import fla_ops
+    from kevscore.kernels.precompile import on_this_thread
 
-    real, warm_up = fla_ops.sdpa_causal, threading.get_ident()
-
-    def sdpa_causal(q, k, v):
-        return torch.zeros_like(q) if threading.get_ident() == warm_up else real(q, k, v)
-
-    fla_ops.sdpa_causal = sdpa_causal
-    try:
+    with on_this_thread(fla_ops, "sdpa_causal", lambda q, k, v: torch.zeros_like(q)):
         yield
-    finally:
-        fla_ops.sdpa_causal = real
 
 
 def long_attention(cfg: KevConfig, device: torch.device) -> None:

@@ -38,6 +38,43 @@ class Precompiled:
     slowest: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
 
+# (owner, attribute) -> {thread ident: its replacement}, for `on_this_thread`
+_PATCHES: dict[tuple[int, str], dict[int, Callable]] = {}
+_PATCHES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def on_this_thread(owner, name: str, replacement: Callable):
+    """Within the block, `owner.name` (a function of a module, or of a class: a method) calls `replacement` on
+    this thread and its own code on every other. Blocks of several threads may overlap and end in any order:
+    the attribute goes back to its own object when the last one ends. Not re-entrant on one thread. Yields the
+    original."""
+    key, me = (id(owner), name), threading.get_ident()
+    with _PATCHES_LOCK:
+        threads = _PATCHES.setdefault(key, {})
+        if not threads:
+            setattr(owner, name, _dispatcher(key, getattr(owner, name)))
+        original = getattr(owner, name).original
+        threads[me] = replacement
+    try:
+        yield original
+    finally:
+        with _PATCHES_LOCK:
+            del threads[me]
+            if not threads:
+                setattr(owner, name, original)
+                del _PATCHES[key]
+
+
+def _dispatcher(key: tuple[int, str], original: Callable) -> Callable:
+    """What `on_this_thread` puts in the attribute's place: each call goes to its thread's replacement, if any."""
+    def dispatch(*args, **kwargs):
+        return _PATCHES.get(key, {}).get(threading.get_ident(), original)(*args, **kwargs)
+
+    dispatch.original = original
+    return dispatch
+
+
 @contextlib.contextmanager
 def _recording(found: dict):
     """This thread's Triton launches record their compilation instead of compiling, and launch nothing; other
@@ -45,27 +82,19 @@ def _recording(found: dict):
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    do_compile, tune = JITFunction._do_compile, Autotuner.run
-    recorder = threading.get_ident()
-
     def record(self, key, signature, device, constexprs, options, attrs, warmup):
-        if threading.get_ident() != recorder:
-            return do_compile(self, key, signature, device, constexprs, options, attrs, warmup)
         target = self.device_caches[device][2]
         found.setdefault((self.module, self.fn.__qualname__, str(key)),
                          (self, signature, constexprs, options, attrs, target, time.perf_counter()))
         # Triton's launcher returns without launching when there is no kernel
 
     def refuse_timing(self, *args, **kwargs):
-        if len(self.configs) > 1 and threading.get_ident() == recorder:
+        if len(self.configs) > 1:
             raise Unpinned(getattr(self.fn, "__name__", str(self.fn)))
         return tune(self, *args, **kwargs)
 
-    JITFunction._do_compile, Autotuner.run = record, refuse_timing
-    try:
+    with on_this_thread(JITFunction, "_do_compile", record), on_this_thread(Autotuner, "run", refuse_timing) as tune:
         yield
-    finally:
-        JITFunction._do_compile, Autotuner.run = do_compile, tune
 
 
 def _compile_one(i: int) -> float | None:
