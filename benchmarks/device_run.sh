@@ -3,7 +3,7 @@
 # Usage (repo root): bash benchmarks/device_run.sh [pytest args...]; logs go to $OUT (or ./device-out).
 # SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (14 took 457 s with Triton's cache cold, 2026-11-30),
 # BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with FLA's branch conv: bench_score.py --fla conv),
-# KERNELS=1|name (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
+# KERNELS=1|names (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
 # NCU=1 (Nsight Compute, --clock-control none, on the branch conv and attention; report in $OUT),
 # JOB=1 (benchmarks/bench_job.py: issue 17's whole job cold and warm, baselines, scoring budgets, prefill alone; JOB_ARGS='...'),
@@ -15,8 +15,8 @@ OUT="${OUT:-device-out}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.triton-cache}"
 python3 -c "import torch, triton, transformers, fla; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, transformers.__version__, fla.__version__)"
-if [ "${KERNELS:-0}" != 0 ]; then  # KERNELS=1: all of them; KERNELS=conv (or another name): that one
-  only=(); [ "$KERNELS" = 1 ] || only=(--only $KERNELS)  # names separated by spaces
+if [ "${KERNELS:-0}" != 0 ]; then  # KERNELS=1: all of them; KERNELS='conv,kkt solve': those (commas between names)
+  only=(); [ "$KERNELS" = 1 ] || { IFS=, read -ra names <<< "$KERNELS"; only=(--only "${names[@]}"); }
   python3 benchmarks/bench_kernels.py "${only[@]}" --json "$OUT/kernels-kev-4b.json" > "$OUT/kernels.log" 2>&1
   echo "kernels rc=$?"; grep -E "^conv" "$OUT/kernels.log"
   sed -n '/best per kernel/,$p' "$OUT/kernels.log"
