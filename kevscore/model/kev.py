@@ -74,19 +74,21 @@ class KevModel(nn.Module):
     @classmethod
     def from_weights(cls, cfg: KevConfig, weights: dict[str, torch.Tensor], ops: Ops,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "KevModel":
-        # shapes first (the meta device), then each parameter allocated once, where it runs, in its dtype; not
-        # through torch's default dtype, which is process-wide while the warm-up builds a model on its thread
+        # shapes first (the meta device), then each parameter allocated once, where it runs, in its dtype: not
+        # through torch's default dtype, which is process-wide while the warm-up builds a model on its thread, and
+        # not through ops on meta tensors (to_empty, empty_like), which torch runs through its Python references:
+        # their first call imports its compiler stack and sympy (seconds, holding the import lock)
         with torch.device("meta"):
             model = cls(cfg, ops)
         for module in model.modules():
-            for name, param in module.named_parameters(recurse=False):
-                param.data = torch.empty_like(param, dtype=torch.float32 if name.endswith(FP32_PARAMS) else dtype)
-        if cfg.tie_word_embeddings:
-            model.lm_head = None  # tied again below: materialized, it would get a tensor of its own
-        model = model.to_empty(device=device)
+            for name, param in list(module.named_parameters(recurse=False)):
+                kind = torch.float32 if name.endswith(FP32_PARAMS) else dtype
+                setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
+                                                   requires_grad=False))
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buffer.to(device))  # computed on the CPU (Rotary)
         if cfg.tie_word_embeddings:
             model.lm_head = model.embed
-        model.rotary.inv_freq.copy_(Rotary(cfg.rotary_dim, cfg.rope_theta).inv_freq)
         model.load(weights)
         return model
 
