@@ -101,13 +101,39 @@ def test_a_kernel_the_workers_cannot_compile_is_left_to_the_run(cache):
     assert (report.kernels, report.compiled, report.skipped) == (2, 1, None)
 
 
-def test_before_fork_runs_between_the_dry_pass_and_the_workers(cache):
+def test_before_fork_runs_once_before_the_first_compile_process(cache):
     order = []
-    report = pc.precompile(lambda: (order.append("dry"), launch_miss(128)), lambda: order.append("before fork"))
-    assert order == ["dry", "before fork"] and report.compiled == 1
+    report = pc.precompile(lambda: (order.append("dry"), launch_miss(128), launch_miss(256)),
+                           lambda: order.append("before fork"))
+    assert order == ["dry", "before fork"] and report.compiled == 2
     order.clear()
     pc.precompile(lambda: order.append("dry"), lambda: order.append("before fork"))
-    assert order == ["dry"]  # nothing to compile: no workers, nothing to prepare for them
+    assert order == ["dry"]  # nothing to compile: no process, nothing to prepare for one
+
+
+def test_a_kernel_compiles_while_the_dry_pass_goes_on(cache):
+    """The process for a kernel is forked when the pass meets it: its result reaches Triton's cache before
+    the pass ends."""
+    import time
+
+    seen = []
+
+    def dry_run() -> None:
+        launch_miss(128)
+        deadline = time.perf_counter() + 60
+        while not any(p.is_dir() for p in cache.glob("*")) and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        seen.append(any(p.is_dir() for p in cache.glob("*")))
+
+    report = pc.precompile(dry_run)
+    assert seen == [True] and report.compiled == 1
+
+
+def test_kernels_past_the_free_slots_wait_for_one(cache, monkeypatch):
+    monkeypatch.setattr(pc, "workers_for", lambda: 1)
+    report = pc.precompile(lambda: [launch_miss(b) for b in (32, 64, 128)])
+    assert (report.kernels, report.compiled, report.workers) == (3, 3, 1)
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 3
 
 
 def test_the_workers_take_the_longest_kernels_first(cache):

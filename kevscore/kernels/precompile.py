@@ -1,12 +1,13 @@
-"""A run's Triton kernels compiled side by side in forked workers before the run launches them.
+"""A run's Triton kernels compiled side by side in forked processes while the run's dry pass meets them.
 
-Triton kernels compiled side by side: a dry pass of a run records every kernel it would compile (nothing
-is compiled or launched), forked worker processes compile them into Triton's cache, and the run itself
-then finds each one there.
+A dry pass of a run records every kernel it would compile (nothing is compiled or launched); each one is
+compiled into Triton's cache by a process forked for it the moment the pass meets it (at most one per core at
+a time, the others queued longest first), and the run itself then finds each one there.
 
 Triton compiles one kernel at a time and holds the GIL while it does, so a cold start compiles ~40 kernels
-in a row; the workers spread them over the CPU's cores. Everything here is an optimization: a kernel the
-workers could not compile is compiled by the run as usual, and any surprise ends the dry pass early.
+in a row; the forked processes spread them over the CPU's cores, and the slowest start before the pass ends.
+Everything here is an optimization: a kernel no process could compile is compiled by the run as usual, and any
+surprise ends the dry pass early.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import threading
 import time
 from typing import Callable
 
-# the kernels the dry pass met, read by the forked workers from their copy of this process's memory
+# the kernels the dry pass met, read by each forked process from its copy of this process's memory
 _PENDING: list[tuple] = []
 
 
@@ -29,12 +30,12 @@ class Unpinned(RuntimeError):
 @dataclasses.dataclass(slots=True)
 class Precompiled:
     kernels: int = 0        # specializations the dry pass met
-    compiled: int = 0       # of those, compiled (or found in the cache) by the workers
-    workers: int = 0
+    compiled: int = 0       # of those, compiled (or found in the cache) by the forked processes
+    workers: int = 0        # compile processes at once, at most
     dry_s: float = 0.0      # the dry pass
-    compile_s: float = 0.0  # the workers, start to end
+    compile_s: float = 0.0  # from the first fork to the last compile's end (it overlaps the dry pass)
     skipped: str | None = None  # why there was no parallel compilation
-    # the slowest compiles: (kernel, seconds its worker took, seconds into the dry pass it was met)
+    # the slowest compiles: (kernel, seconds its process took, seconds into the dry pass it was met)
     slowest: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
 
@@ -76,16 +77,17 @@ def _dispatcher(key: tuple[int, str], original: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _recording(found: dict):
-    """This thread's Triton launches record their compilation instead of compiling, and launch nothing; other
-    threads' launches run as usual."""
+def _recording(found: dict, met: Callable[[tuple], None] = lambda key: None):
+    """This thread's Triton launches record their compilation in `found` (and call `met` with each new key)
+    instead of compiling, and launch nothing; other threads' launches run as usual."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
     def record(self, key, signature, device, constexprs, options, attrs, warmup):
-        target = self.device_caches[device][2]
-        found.setdefault((self.module, self.fn.__qualname__, str(key)),
-                         (self, signature, constexprs, options, attrs, target, time.perf_counter()))
+        target, name = self.device_caches[device][2], (self.module, self.fn.__qualname__, str(key))
+        if name not in found:
+            found[name] = (self, signature, constexprs, options, attrs, target, time.perf_counter())
+            met(name)
         # Triton's launcher returns without launching when there is no kernel
 
     def refuse_timing(self, *args, **kwargs):
@@ -98,8 +100,8 @@ def _recording(found: dict):
 
 
 def _compile_one(i: int) -> float | None:
-    """In a worker: compile pending kernel `i` into Triton's cache (a hit there returns at once); returns the
-    seconds it took, None if it failed."""
+    """In a forked process: compile pending kernel `i` into Triton's cache (a hit there returns at once);
+    returns the seconds it took, None if it failed."""
     from triton.compiler import ASTSource, compile
     jit, signature, constexprs, options, attrs, target, _ = _PENDING[i]
     t0 = time.perf_counter()
@@ -115,56 +117,129 @@ def _compile_one(i: int) -> float | None:
     return time.perf_counter() - t0
 
 
+def _compile_into(i: int, results) -> None:
+    results.put((i, _compile_one(i)))
+
+
+def _source_length(kernel: tuple) -> int:
+    return len(getattr(kernel[0], "src", ""))
+
+
 def longest_first(pending) -> list[tuple]:
-    """Recorded kernels, those of the longest source first: the workers' wall is set by the last compile to
-    end, so the slowest start before the quick ones fill the gaps."""
-    return sorted(pending, key=lambda kernel: -len(getattr(kernel[0], "src", "")))
+    """Recorded kernels, those of the longest source first: the compiles' wall is set by the last to end, so
+    the slowest start before the quick ones fill the gaps."""
+    return sorted(pending, key=lambda kernel: -_source_length(kernel))
+
+
+class _Compiles:
+    """Pending kernel `i` compiled in a process forked for it (which holds this process's memory as it was: the
+    kernel's JIT function and everything it refers to), at most `slots` at a time; the others queued, the longest
+    first when a slot frees. `before_fork` runs once, before the first fork. Driven by the dry pass's thread:
+    `add` as it meets each kernel, then `finish`."""
+
+    def __init__(self, slots: int, before_fork: Callable[[], None]):
+        self.context = multiprocessing.get_context("fork")  # the processes never touch the GPU
+        self.results = self.context.SimpleQueue()
+        self.slots, self.before_fork = slots, before_fork
+        self.queued: list[int] = []
+        self.running: dict[int, multiprocessing.Process] = {}
+        self.seconds: dict[int, float | None] = {}
+        self.started: float | None = None  # the first fork
+        self.most = 0                      # processes at once, at most
+
+    def add(self, i: int) -> None:
+        self.queued.append(i)
+        self._fill()
+
+    def _fill(self) -> None:
+        self._collect()
+        while self.queued and len(self.running) < self.slots:
+            if self.started is None:
+                self.before_fork()
+                # a tokenizer used before the fork would print a warning in each process unless this is set
+                os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+                self.started = time.perf_counter()
+            i = max(self.queued, key=lambda i: _source_length(_PENDING[i]))
+            self.queued.remove(i)
+            self.running[i] = self.context.Process(target=_compile_into, args=(i, self.results), daemon=True)
+            self.running[i].start()
+            self.most = max(self.most, len(self.running))
+
+    def _collect(self) -> None:
+        while not self.results.empty():
+            i, took = self.results.get()
+            self.seconds[i] = took
+        for i, process in list(self.running.items()):
+            if process.exitcode is not None:
+                del self.running[i]
+
+    def finish(self, timeout_s: float) -> list[float | None]:
+        """Wait for every compile (queued ones forked as slots free); each one's seconds, None where it failed."""
+        from multiprocessing.connection import wait
+
+        deadline = time.perf_counter() + timeout_s
+        self._fill()
+        while self.running:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise TimeoutError(f"{len(self.running) + len(self.queued)} compiles left after {timeout_s:.0f} s")
+            wait([p.sentinel for p in self.running.values()], timeout=left)
+            self._fill()
+        self._collect()
+        return [self.seconds.get(i) for i in range(len(_PENDING))]
+
+    def stop(self) -> None:
+        self.queued.clear()
+        for process in self.running.values():
+            process.kill()
+            process.join()
+        self.running.clear()
 
 
 def _slowest(pending, seconds, dry_start: float, most: int = 5) -> list[tuple[str, float, float]]:
-    """The `most` longest compiles: (kernel name, its worker's seconds, seconds into the dry pass it was met)."""
+    """The `most` longest compiles: (kernel name, its process's seconds, seconds into the dry pass it was met)."""
     compiles = [(kernel[0].fn.__name__, round(took, 3), round(kernel[-1] - dry_start, 3))
                 for kernel, took in zip(pending, seconds) if took is not None]
     return sorted(compiles, key=lambda c: -c[1])[:most]
 
 
-def workers_for(kernels: int) -> int:
-    return max(0, min(kernels, (os.cpu_count() or 1) - 1, 16))
+def workers_for() -> int:
+    """Compile processes at once: one core is the run's."""
+    return max(0, min((os.cpu_count() or 1) - 1, 16))
 
 
 def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = lambda: None,
                timeout_s: float = 120.0) -> Precompiled:
-    """Call `dry_run` (a run whose output is thrown away) with compilation recorded, then `before_fork` (what
-    the workers should inherit), then compile what it met in forked workers. On a surprise (an autotuner to
-    time, an error in the dry run, a worker stuck) it stops and says why in `skipped`; the caller's real run
-    then compiles what is left."""
+    """Call `dry_run` (a run whose output is thrown away) with compilation recorded, each kernel it meets
+    compiled in a forked process from then on (`before_fork` first: what the processes should inherit), and wait
+    for the compiles. On a surprise (an autotuner to time, an error in the dry run, a compile stuck) it stops and
+    says why in `skipped`; the caller's real run then compiles what is left."""
     global _PENDING
-    report, found = Precompiled(), {}
+    report, found, compiles = Precompiled(), {}, _Compiles(workers_for(), before_fork)
+
+    def met(name: tuple) -> None:
+        _PENDING.append(found[name])
+        compiles.add(len(_PENDING) - 1)
+
     t0 = time.perf_counter()
     try:
-        with _recording(found):
-            dry_run()
-    except Exception as exc:  # noqa: BLE001 - the dry run's output is garbage anyway; the real run decides
-        report.skipped = f"dry pass: {type(exc).__name__}: {exc}".splitlines()[0]
-    report.dry_s, report.kernels = time.perf_counter() - t0, len(found)
-    report.workers = workers_for(len(found))
-    if report.skipped or not report.workers:
-        report.skipped = report.skipped or "no kernels to compile"
-        return report
-    before_fork()
-    t1 = time.perf_counter()
-    _PENDING = longest_first(found.values())
-    # a tokenizer used before the fork would print a warning in each worker unless this is set (its default)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    try:
-        # fork: the workers share this process's imported kernels; they never touch the GPU
-        with multiprocessing.get_context("fork").Pool(report.workers) as pool:
-            seconds = pool.map_async(_compile_one, range(len(_PENDING)), chunksize=1).get(timeout_s)
-        report.compiled = sum(s is not None for s in seconds)
-        report.slowest = _slowest(_PENDING, seconds, t0)
+        try:
+            with _recording(found, met if compiles.slots else lambda name: None):
+                dry_run()
+        except Exception as exc:  # noqa: BLE001 - the dry run's output is garbage anyway; the real run decides
+            report.skipped = f"dry pass: {type(exc).__name__}: {exc}".splitlines()[0]
+        report.dry_s, report.kernels = time.perf_counter() - t0, len(found)
+        if not report.skipped and not (compiles.slots and found):
+            report.skipped = "no kernels to compile" if compiles.slots else "one core: no compile processes"
+        if not report.skipped:
+            seconds = compiles.finish(timeout_s)
+            report.compiled = sum(s is not None for s in seconds)
+            report.slowest = _slowest(_PENDING, seconds, t0)
     except Exception as exc:  # noqa: BLE001 - a timeout or a failed fork: the run compiles the rest
         report.skipped = f"workers: {type(exc).__name__}: {exc}".splitlines()[0]
     finally:
+        compiles.stop()
         _PENDING = []
-    report.compile_s = time.perf_counter() - t1
+    report.workers = compiles.most
+    report.compile_s = time.perf_counter() - compiles.started if compiles.started else 0.0
     return report
