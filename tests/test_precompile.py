@@ -109,6 +109,10 @@ def test_before_fork_runs_once_before_the_first_compile_process(cache):
     order.clear()
     pc.precompile(lambda: order.append("dry"), lambda: order.append("before fork"))
     assert order == ["dry"]  # nothing to compile: no process, nothing to prepare for one
+    order.clear()  # not ready during the pass: its kernels wait, and the pass goes on
+    report = pc.precompile(lambda: (launch_miss(128), order.append("dry")), lambda: order.append("before fork"),
+                           ready=lambda: False)
+    assert order == ["dry", "before fork"] and report.compiled == 1
 
 
 def test_a_kernel_compiles_while_the_dry_pass_goes_on(cache):

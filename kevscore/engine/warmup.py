@@ -39,12 +39,12 @@ def small_model(cfg: KevConfig) -> KevConfig:
 
 
 def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None = None,
-                    triton_hashed: Callable[[], None] = lambda: None) -> dict:
+                    triton_hashed: Callable[..., bool] = lambda wait=True: True) -> dict:
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` in the model's `dtype` (on a CPU:
     the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile), and a
     GPU whose Triton cache holds this warm-up's finished marker runs nothing: every kernel is in the cache, and
-    the job loads each at its first launch. `triton_hashed` waits for `hash_triton` before the first compile or
-    cache lookup. Returns seconds by step."""
+    the job loads each at its first launch. `triton_hashed` is `hash_triton`'s, waited for before the first
+    compile or cache lookup. Returns seconds by step."""
     from kevscore.kernels.precompile import Precompiled, precompile
 
     steps = {}
@@ -60,7 +60,8 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         run_each_shape = shape_pass(cfg, device, path, dtype)
         with attention_stubbed(device):
             if marker is not None:
-                steps["precompile"] = dataclasses.asdict(precompile(run_each_shape, triton_hashed))
+                steps["precompile"] = dataclasses.asdict(
+                    precompile(run_each_shape, triton_hashed, lambda: triton_hashed(wait=False)))
             triton_hashed()
             t0 = time.perf_counter()
             steps["real_pass"] = run_each_shape()
@@ -126,32 +127,40 @@ def attention_stubbed(device: torch.device):
 
 
 def long_attention(cfg: KevConfig, device: torch.device) -> None:
-    """Prefill's attention (SDPA through cuDNN) on padded batches of a few long documents and of many: cuDNN
-    builds a kernel at a process's first call and, it seems, another for batches of about 40 documents or more
-    (a job's groups of 1,700-token documents): seconds each, with the GIL released, so this thread does it
-    beside the warm-up's compiles rather than the job's first prefill groups."""
+    """Prefill's attention (SDPA through cuDNN) on padded batches of a few long documents and of many, at a
+    length that is a multiple of 128 and one that is not: cuDNN builds a kernel at a process's first call and
+    another for lengths off that multiple, which a job's documents nearly always are (perhaps also for batches
+    of about 40 documents or more): seconds each, with the GIL released, so this thread does it beside the
+    warm-up's compiles rather than the job's first prefill group."""
     from kevscore.kernels.fla_ops import sdpa_causal
 
     with contextlib.suppress(Exception):  # the job's own first group builds it then; it reports any real error
-        for docs, length in ((2, 2048), (48, 512)):
+        for docs, length in ((2, 2048), (48, 500)):
             q = torch.zeros(docs, length, cfg.num_attention_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
             kv = torch.zeros(docs, length, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=torch.bfloat16)
             sdpa_causal(q, kv, kv)
         torch.cuda.synchronize(device)
 
 
-def hash_triton() -> Callable[[], None]:
+def hash_triton() -> Callable[..., bool]:
     """Triton keys its cache by a hash of its own files (libtriton alone is ~500 MB), computed once per process
     at its first compile or cache lookup: 0.5-1.5 s. Hashing releases the GIL, so a thread does it while the
     job reads its input and the warm-up builds its model and records its kernels, and the forked compile
-    workers inherit it. Returns what waits for it."""
+    processes inherit it. Returns `hashed(wait=True)`: whether the hash is done, after waiting for it unless
+    `wait` is false."""
     try:
         from triton.runtime.cache import triton_key
     except ImportError:  # another Triton layout: the first compile hashes, as it would anyway
-        return lambda: None
+        return lambda wait=True: True
     thread = threading.Thread(target=triton_key, name="kevscore-triton-key", daemon=True)
     thread.start()
-    return thread.join
+
+    def hashed(wait: bool = True) -> bool:
+        if wait:
+            thread.join()
+        return not thread.is_alive()
+
+    return hashed
 
 
 def finished_marker(small: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Path:

@@ -134,13 +134,13 @@ def longest_first(pending) -> list[tuple]:
 class _Compiles:
     """Pending kernel `i` compiled in a process forked for it (which holds this process's memory as it was: the
     kernel's JIT function and everything it refers to), at most `slots` at a time; the others queued, the longest
-    first when a slot frees. `before_fork` runs once, before the first fork. Driven by the dry pass's thread:
-    `add` as it meets each kernel, then `finish`."""
+    first when a slot frees. The first fork waits until `ready()` (kernels queue meanwhile, and the dry pass goes
+    on), then runs `before_fork`. Driven by the dry pass's thread: `add` as it meets each kernel, then `finish`."""
 
-    def __init__(self, slots: int, before_fork: Callable[[], None]):
+    def __init__(self, slots: int, before_fork: Callable[[], None], ready: Callable[[], bool]):
         self.context = multiprocessing.get_context("fork")  # the processes never touch the GPU
         self.results = self.context.SimpleQueue()
-        self.slots, self.before_fork = slots, before_fork
+        self.slots, self.before_fork, self.ready = slots, before_fork, ready
         self.queued: list[int] = []
         self.running: dict[int, multiprocessing.Process] = {}
         self.seconds: dict[int, float | None] = {}
@@ -155,6 +155,8 @@ class _Compiles:
         self._collect()
         while self.queued and len(self.running) < self.slots:
             if self.started is None:
+                if not self.ready():
+                    return
                 self.before_fork()
                 # a tokenizer used before the fork would print a warning in each process unless this is set
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
@@ -178,6 +180,7 @@ class _Compiles:
         from multiprocessing.connection import wait
 
         deadline = time.perf_counter() + timeout_s
+        self.ready = lambda: True  # before_fork waits for what `ready` waited for
         self._fill()
         while self.running:
             left = deadline - time.perf_counter()
@@ -204,18 +207,20 @@ def _slowest(pending, seconds, dry_start: float, most: int = 5) -> list[tuple[st
 
 
 def workers_for() -> int:
-    """Compile processes at once: one core is the run's."""
-    return max(0, min((os.cpu_count() or 1) - 1, 16))
+    """Compile processes at once: two cores are the dry pass's and the job's (its load beside the warm-up)."""
+    cores = os.cpu_count() or 1
+    return max(0, min(cores - (2 if cores > 2 else 1), 16))
 
 
 def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = lambda: None,
-               timeout_s: float = 120.0) -> Precompiled:
+               ready: Callable[[], bool] = lambda: True, timeout_s: float = 120.0) -> Precompiled:
     """Call `dry_run` (a run whose output is thrown away) with compilation recorded, each kernel it meets
-    compiled in a forked process from then on (`before_fork` first: what the processes should inherit), and wait
-    for the compiles. On a surprise (an autotuner to time, an error in the dry run, a compile stuck) it stops and
-    says why in `skipped`; the caller's real run then compiles what is left."""
+    compiled in a forked process from then on, and wait for the compiles. The first fork waits until `ready()`
+    holds (or the pass ends), then calls `before_fork`: what the processes should inherit. On a surprise (an
+    autotuner to time, an error in the dry run, a compile stuck) it stops and says why in `skipped`; the caller's
+    real run then compiles what is left."""
     global _PENDING
-    report, found, compiles = Precompiled(), {}, _Compiles(workers_for(), before_fork)
+    report, found, compiles = Precompiled(), {}, _Compiles(workers_for(), before_fork, ready)
 
     def met(name: tuple) -> None:
         _PENDING.append(found[name])
