@@ -80,9 +80,8 @@ def differences(old: dict, new: dict) -> list[str]:
         out.append(f"model {was.get('name')} ({str(was.get('fingerprint'))[:12]}) -> "
                    f"{now.get('name')} ({str(now.get('fingerprint'))[:12]})")
     was, now = old.get("options") or {}, new.get("options") or {}
-    for key in sorted(set(was) | set(now)):
-        if was.get(key) != now.get(key):
-            out.append(f"{OPTION_FLAGS.get(key, key)} {was.get(key)} -> {now.get(key)}")
+    out += [f"{OPTION_FLAGS.get(key, key)} {was.get(key)} -> {now.get(key)}"
+            for key in sorted(set(was) | set(now)) if was.get(key) != now.get(key)]
     if not out and old.get("plan") != new.get("plan"):
         out.append("the window plan")
     return out or ["the parts' format"]

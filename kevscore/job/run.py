@@ -18,6 +18,7 @@ import resource
 import sys
 import time
 from concurrent.futures import Future
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -302,16 +303,11 @@ def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> 
     """Score `rank`'s windows that have no part yet (with the on-disk bank when asked), writing their parts."""
     opts, p = job.opts, job.prep
     store = open_store(opts, job.fingerprint, progress) if opts.bank is not None else None
-    try:
+    with closing(store) if store is not None else nullcontext(), StopSignals(progress.warn) as stop:
         result = new_result(job, parts, rank)
-        engine = make_engine(opts, job.runner, store)
-        with StopSignals(progress.warn) as stop:
-            engine.stop = stop
-            score_windows(opts, p.scan, p.windows, engine, parts, p.ckpt.tokenizer, p.template,
-                          p.ckpt.config.max_position_embeddings, result.stats, progress, rank, job.first_window)
-    finally:
-        if store is not None:
-            store.close()
+        engine = make_engine(opts, job.runner, store, stop)
+        score_windows(opts, p.scan, p.windows, engine, parts, p.ckpt.tokenizer, p.template,
+                      p.ckpt.config.max_position_embeddings, result.stats, progress, rank, job.first_window)
     result.bank = store.stats if store is not None else None
     return result
 

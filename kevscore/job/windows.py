@@ -13,6 +13,7 @@ import pyarrow as pa
 from kevscore.engine.bank_store import BankStore
 from kevscore.engine.pipeline import Engine, Reporter, RunStats, Scores
 from kevscore.engine.plan import Windows
+from kevscore.faults import StopSignals
 from kevscore.job.data import output_table
 from kevscore.job.options import RunOptions
 from kevscore.job.parts import PartStore, errors_table
@@ -21,10 +22,10 @@ from kevscore.job.scan import InputScan
 from kevscore.model.prompt import encode
 
 
-def make_engine(opts: RunOptions, runner, store: BankStore | None = None) -> Engine:
+def make_engine(opts: RunOptions, runner, store: BankStore | None = None, stop: StopSignals | None = None) -> Engine:
     """The engine a job scores with: one row per batch and one document per prefill with --batch-invariant."""
     return Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
-                  prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, store=store,
+                  prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, store=store, stop=stop,
                   skip_failed=opts.skip_invalid)
 
 
