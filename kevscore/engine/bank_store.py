@@ -111,10 +111,8 @@ class BankStore:
 
     def close(self) -> None:
         """Commit the last uses of loaded entries, remove this process's temporary directory."""
-        if self._owner_fd is None:
-            return
         try:
-            if self._touched:
+            if self._touched and self._owner_fd is not None:
                 self._commit_or_warn([])
         finally:
             self._release()

@@ -323,12 +323,10 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
     path, names = scan.path, file.schema_arrow.names
     _check_type(path, file, "question")
     scan.has_question_id, scan.has_labels = "question_id" in names, "labels" in names
-    qid_ok = _typed(file, "question_id")
-    labels_ok = _typed(file, "labels")
-    columns = ["question"] + (["question_id"] if qid_ok else []) + (["labels"] if labels_ok else [])
+    columns = ["question"] + [c for c in ("question_id", "labels") if _typed(file, c)]
     null_q, null_qid = [], []
     bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
-    qhash = np.zeros(scan.rows if qid_ok else 0, dtype=np.int64)
+    qhash = np.zeros(scan.rows if "question_id" in columns else 0, dtype=np.int64)
     qchars = np.zeros(scan.documents, dtype=np.int64)
     for start, cols in batches(path, file, columns):
         qids, labels = cols.get("question_id"), cols.get("labels")

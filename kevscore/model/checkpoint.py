@@ -25,6 +25,7 @@ HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "tokenize
 MODEL_NAMES = ("demo", *SHAPES)  # --model values that name no directory
 
 TokenizerReady = Callable[[object, KevConfig], None]  # (tokenizer, config), called before the weights load
+NOTHING_TO_DO: TokenizerReady = lambda tokenizer, config: None  # noqa: E731
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # config.json's model_type in a checkpoint kevscore loads
 # AutoTokenizer.from_pretrained as `auto_class` mirrors it: the transformers versions (major, minor) read, the tables
 # of models/auto/tokenization_auto.py it consults, the generic classes it sets aside for TokenizersBackend
@@ -56,7 +57,7 @@ class Checkpoint:
 
 
 def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0,
-                    tokenizer_ready: TokenizerReady | None = None) -> Checkpoint:
+                    tokenizer_ready: TokenizerReady = NOTHING_TO_DO) -> Checkpoint:
     """`demo`, a benchmark shape name (`kev-0.8b`, `kev-4b`) or a checkpoint directory. The tokenizer loads
     first: `tokenizer_ready(tokenizer, config)` is called before the weights load (a job tokenizes its input
     meanwhile)."""
@@ -64,8 +65,7 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
 
     if spec in SHAPES:
         tok, cfg = load_tokenizer(demo_checkpoint_dir()), SHAPES[spec]
-        if tokenizer_ready is not None:
-            tokenizer_ready(tok, cfg)
+        tokenizer_ready(tok, cfg)
         return Checkpoint(spec, cfg, random_weights(cfg, seed, torch.bfloat16, device), tok)
     directory = model_directory(spec)
     return load_directory(directory, device, tokenizer_ready, None if directory == Path(spec) else spec)
@@ -128,7 +128,7 @@ def peek_config(spec: str) -> KevConfig | None:
         return None
 
 
-def load_directory(path: Path, device: str | torch.device = "cpu", tokenizer_ready: TokenizerReady | None = None,
+def load_directory(path: Path, device: str | torch.device = "cpu", tokenizer_ready: TokenizerReady = NOTHING_TO_DO,
                    name: str | None = None) -> Checkpoint:
     """A checkpoint directory's config, tokenizer and weights; `name` (default: the path) is what runs report."""
     cfg_file = path / "config.json"
@@ -139,8 +139,7 @@ def load_directory(path: Path, device: str | torch.device = "cpu", tokenizer_rea
         raise KevscoreError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not qwen3_5 / qwen3_5_text")
     cfg = KevConfig.from_hf(raw)
     tokenizer = load_tokenizer(path)
-    if tokenizer_ready is not None:
-        tokenizer_ready(tokenizer, cfg)
+    tokenizer_ready(tokenizer, cfg)
     weights = normalize_names(read_safetensors(path, device), cfg, path)
     return Checkpoint(name or str(path), cfg, weights, tokenizer, path)
 
