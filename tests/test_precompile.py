@@ -140,15 +140,21 @@ def test_kernels_past_the_free_slots_wait_for_one(cache, monkeypatch):
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 3
 
 
-def test_the_workers_take_the_longest_kernels_first(cache):
-    found = {}
-    with pc._recording(found):
-        launch_miss(64, _double)
-        launch_miss(64, _broken)
-        launch_miss(128, _double)
-    assert len(_double.src) > len(_broken.src)
-    assert [(k[0], k[2]) for k in pc.longest_first(found.values())] == [
-        (_double, {(3,): 64}), (_double, {(3,): 128}), (_broken, {(3,): 64})]
+def test_queued_kernels_compile_longest_first(cache, tmp_path, monkeypatch):
+    """Kernels met while no process may start (one slot, not ready) start, once it frees, longest source first."""
+    started = tmp_path / "started"
+
+    def note(i, results):
+        with started.open("a") as f:
+            f.write(f"{pc._PENDING[i][0].fn.__name__}:{pc._PENDING[i][2][(3,)]}\n")
+        results.put((i, 0.01))
+
+    monkeypatch.setattr(pc, "workers_for", lambda: 1)
+    monkeypatch.setattr(pc, "_compile_one", note)
+    report = pc.precompile(lambda: (launch_miss(64, _broken), launch_miss(64), launch_miss(128)), ready=lambda: False)
+    assert report.compiled == 3 and len(_double.src) > len(_broken.src)
+    assert started.read_text().split() in (["_double:64", "_double:128", "_broken:64"],
+                                           ["_double:128", "_double:64", "_broken:64"])
 
 
 def test_triton_hashes_its_files_on_a_thread():

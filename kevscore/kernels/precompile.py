@@ -99,36 +99,25 @@ def _recording(found: dict, met: Callable[[tuple], None] = lambda key: None):
         yield
 
 
-def _compile_one(i: int) -> float | None:
-    """In a forked process: compile pending kernel `i` into Triton's cache (a hit there returns at once);
-    returns the seconds it took, None if it failed."""
+def _compile_one(i: int, results) -> None:
+    """In a forked process: compile pending kernel `i` into Triton's cache (a hit there returns at once); put
+    (i, the seconds it took) in `results`, None for seconds if it failed."""
     from triton.compiler import ASTSource, compile
     jit, signature, constexprs, options, attrs, target, _ = _PENDING[i]
-    t0 = time.perf_counter()
-    try:
+    t0, took = time.perf_counter(), None
+    with contextlib.suppress(Exception):  # the run compiles it in its own process and reports any error there
         kernel = compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
-    except Exception:  # noqa: BLE001 - the run compiles it in its own process and reports any error there
-        return None
-    try:  # Triton versions that build a C launcher per signature (3.6) keep it in the same cache
-        from triton.runtime import driver
-        driver.active.launcher_cls(kernel.src, kernel.metadata)
-    except Exception:  # noqa: BLE001 - the run builds it
-        pass
-    return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        from triton.runtime import driver  # Triton versions that build a C launcher per signature (3.6) keep it
+        driver.active.launcher_cls(kernel.src, kernel.metadata)  # in the same cache
+        took = time.perf_counter() - t0
+    results.put((i, took))
 
 
-def _compile_into(i: int, results) -> None:
-    results.put((i, _compile_one(i)))
-
-
-def _source_length(kernel: tuple) -> int:
+def source_length(kernel: tuple) -> int:
+    """A recorded kernel's source length: the longest compile first, so the compiles' wall (set by the last to
+    end) is not a slow one begun after the quick ones."""
     return len(getattr(kernel[0], "src", ""))
-
-
-def longest_first(pending) -> list[tuple]:
-    """Recorded kernels, those of the longest source first: the compiles' wall is set by the last to end, so
-    the slowest start before the quick ones fill the gaps."""
-    return sorted(pending, key=lambda kernel: -_source_length(kernel))
 
 
 class _Compiles:
@@ -149,6 +138,7 @@ class _Compiles:
 
     def add(self, i: int) -> None:
         self.queued.append(i)
+        self.queued.sort(key=lambda j: source_length(_PENDING[j]))
         self._fill()
 
     def _fill(self) -> None:
@@ -161,9 +151,8 @@ class _Compiles:
                 # a tokenizer used before the fork would print a warning in each process unless this is set
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
                 self.started = time.perf_counter()
-            i = max(self.queued, key=lambda i: _source_length(_PENDING[i]))
-            self.queued.remove(i)
-            self.running[i] = self.context.Process(target=_compile_into, args=(i, self.results), daemon=True)
+            i = self.queued.pop()
+            self.running[i] = self.context.Process(target=_compile_one, args=(i, self.results), daemon=True)
             self.running[i].start()
             self.most = max(self.most, len(self.running))
 
