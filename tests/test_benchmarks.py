@@ -99,6 +99,33 @@ def test_the_floor_counts_the_weight_matmuls_the_model_runs(shape):
     assert 0.01 < 1 - expected / (2 * (per_token * tokens + cfg.hidden_size * cfg.vocab_size * rows)) < 0.04
 
 
+def test_attention_flops_count_the_pairs_the_masks_allow():
+    """Attention's FLOPs against the allowed (query, key) pairs counted off explicit masks: a branch token sees
+    the whole document and its own branch up to itself, a prefill token its document up to itself; 4 x head_dim
+    FLOPs per pair and query head, in every attention layer (a prefill's last one, when attention, in none)."""
+    import dataclasses
+
+    import torch
+
+    from kevscore.model.config import SHAPES
+
+    bench = bench_score()
+    cfg = SHAPES["kev-4b"]
+    doc, q, rows = 37, 11, 3
+    branch_mask = torch.cat([torch.ones(q, doc), torch.ones(q, q).tril()], 1)
+    per_pair = 4 * cfg.head_dim * cfg.num_attention_heads
+    layers = cfg.layer_types.count("full_attention")
+    assert bench.attention_flops(cfg, doc, q, rows) == per_pair * layers * rows * int(branch_mask.sum())
+    assert cfg.layer_types[-1] == "full_attention"
+    prefill_pairs = int(torch.ones(doc, doc).tril().sum())
+    assert bench.prefill_attention_flops(cfg, doc, 2) == per_pair * (layers - 1) * 2 * prefill_pairs
+    linear_last = dataclasses.replace(cfg, layer_types=cfg.layer_types[:-1] + ("linear_attention",))
+    assert bench.prefill_attention_flops(linear_last, doc, 2) == per_pair * (layers - 1) * 2 * prefill_pairs
+    # W2 (8 documents of 8,192 tokens, 12 questions of 64 tokens each): 15% on top of the weight matmuls
+    ratio = bench.attention_flops(cfg, 8192, 64, 96) / bench.matmul_flops(cfg, 96 * 64, 96)
+    assert 0.14 < ratio < 0.17
+
+
 def test_kernels_compile_for_the_h200(tmp_path):
     """benchmarks/sm90_build.py compiles every kernel variant for sm_90a without a GPU (Triton's own ptxas):
     a kernel that does not compile fails here, not on the device; every variant fits in 255 registers."""
