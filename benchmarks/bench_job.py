@@ -119,18 +119,25 @@ def child(args) -> None:
 
     class Timeline(Reporter):
         """CUDA events around each phase and after each prefill group and scoring batch's launches, read after
-        the job: no synchronization while it runs."""
+        the job: no synchronization while it runs (but one after the first group when it is traced)."""
 
         def __init__(self):
             self.marks: list[tuple[str, object, object]] = []
             self.steps: list[tuple[str, object]] = []
+            self.traced = False
 
         def advance(self, phase: str, n: int) -> None:
             self.steps.append((phase, torch.cuda.Event(enable_timing=True)))
             self.steps[-1][1].record()
+            if tracer is not None and phase == "prefill" and sum(p == "prefill" for p, _ in self.steps) == 1:
+                torch.cuda.synchronize()  # the first group's kernels, all of them in the trace
+                tracer.stop()
 
         @contextmanager
         def phase(self, name: str):
+            if tracer is not None and name == "prefill" and not self.traced:
+                self.traced = True
+                tracer.start()  # the job's first prefill group, up to its first `advance`
             start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             start.record()
             yield
@@ -144,6 +151,10 @@ def child(args) -> None:
     timeline = Timeline() if cuda else Reporter()
     compiles = compile_log(t0) if cuda else []
     sampling = sample_stacks(t0, args.sample_stacks) if args.sample_stacks else None
+    tracer = None
+    if args.trace and cuda:  # the first prefill group's kernels and launches (torch's profiler)
+        tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA])
     if cuda:
         torch.cuda.init()
         origin = torch.cuda.Event(enable_timing=True)
@@ -165,9 +176,31 @@ def child(args) -> None:
            "branch_tokens": s.branch_tokens, "batches": s.batches, "waves": s.waves,
            "gpu_idle_between_phases_s": idle_between(phases), "phases": phases, "steps": steps,
            "peak_gpu_bytes": result.peak_gpu, "compiles": compiles}
+    if tracer is not None and timeline.traced:
+        tracer.export_chrome_trace(str(args.trace))
+        out["first_group_kernels"] = kernel_summary(json.loads(Path(args.trace).read_text()))
     Path(args.child).write_text(json.dumps(out))
     if sampling is not None and args.logs:
         args.logs.write_text("".join(json.dumps(s) + "\n" for s in sampling()))
+
+
+def kernel_summary(trace: dict, top: int = 8) -> dict:
+    """From a chrome trace of a job's first prefill group: the span from its first kernel to its last, the time
+    some kernel ran within it (against the span: the GPU's idle share) and the kernels that took longest."""
+    kernels = sorted((e["ts"], e["dur"], e["name"]) for e in trace.get("traceEvents", [])
+                     if e.get("cat") == "kernel" and "dur" in e)
+    if not kernels:
+        return {}
+    busy, reach = 0.0, kernels[0][0]
+    for ts, dur, _ in kernels:  # the union of the kernels' intervals (streams may overlap)
+        busy += max(0.0, ts + dur - max(reach, ts))
+        reach = max(reach, ts + dur)
+    totals: dict[str, float] = {}
+    for _, dur, name in kernels:
+        totals[name] = totals.get(name, 0.0) + dur
+    longest = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {"span_ms": (reach - kernels[0][0]) / 1000, "busy_ms": busy / 1000, "kernels": len(kernels),
+            "longest_ms": [(name[:80], round(us / 1000, 2)) for name, us in longest]}
 
 
 # ---- the parent ----------------------------------------------------------------------------------------
@@ -197,6 +230,8 @@ def run_start(args, start: str, data: Path, folder: Path, cache: Path) -> dict:
     if args.sample_stacks and args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
         cmd += ["--logs", str(args.logs / f"stacks-{start}.jsonl")]
+    if args.trace_first_group:
+        cmd += ["--trace", str((args.logs or folder) / f"trace-{start}.json")]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if args.logs:
@@ -381,7 +416,11 @@ def main() -> None:
     ap.add_argument("--logs", type=Path, help="keep each job's output here (e.g. with TRITON_PRINT_AUTOTUNING=1)")
     ap.add_argument("--sample-stacks", type=float, default=0.0,
                     help="sample every thread's stack each 20 ms for a job's first SECONDS, into --logs")
+    ap.add_argument("--trace-first-group", action="store_true",
+                    help="trace each job's first prefill group with torch's profiler (chrome trace in --logs) and "
+                         "summarize its kernels: GPU busy against the group's span")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--input", help=argparse.SUPPRESS)
     ap.add_argument("--output", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -484,6 +523,12 @@ def print_table(r: dict) -> None:
             slow = ", ".join(f"{k} {took:.1f} s (met at {met:.1f})" for k, took, met in pre.get("slowest", []))
             print(f"{name} job, warm-up: dry pass {pre['dry_s']:.2f} s, {pre['workers']} workers {pre['compile_s']:.2f} s;"
                   f" slowest compiles {slow}")
+    for name, j in jobs.items():
+        k = j.get("first_group_kernels")
+        if k:
+            print(f"{name} job, first prefill group traced: kernels busy {k['busy_ms']:.0f} ms of a "
+                  f"{k['span_ms']:.0f} ms span ({k['kernels']} kernels); longest: "
+                  + ", ".join(f"{n[:40]} {ms:.0f}" for n, ms in k["longest_ms"][:4]))
     base = r.get("baselines")
     if base:
         for name in ("naive", "prefix_cached"):

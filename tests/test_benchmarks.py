@@ -211,3 +211,18 @@ def test_job_benchmark_runs_a_job_on_the_cpu(tmp_path):
     assert 0 < job["prefill_s"] + job["score_s"] < job["wall_s"] < job["process_s"]
     assert set(job["load_phases"]) == {"gpu imports", "scan", "checkpoint", "tokens", "runner", "identity"}
     assert "warm" in res.stdout and "rows/s" in res.stdout
+
+
+def test_the_first_groups_trace_summary_counts_busy_time_once():
+    """Kernels on two streams overlap: busy time is their union, the span first start to last end."""
+    job = benchmark("bench_job")
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "gemm", "ts": 1000, "dur": 400},
+        {"cat": "kernel", "name": "norm", "ts": 1200, "dur": 400},   # overlaps gemm by 200 us
+        {"cat": "kernel", "name": "gemm", "ts": 2000, "dur": 1000},  # after a 400 us gap
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+    ]}
+    summary = job.kernel_summary(trace)
+    assert summary["span_ms"] == 2.0 and summary["busy_ms"] == 1.6 and summary["kernels"] == 3
+    assert summary["longest_ms"] == [("gemm", 1.4), ("norm", 0.4)]
+    assert job.kernel_summary({"traceEvents": []}) == {}
