@@ -144,9 +144,9 @@ def test_queued_kernels_compile_longest_first(cache, tmp_path, monkeypatch):
     """Kernels met while no process may start (one slot, not ready) start, once it frees, longest source first."""
     started = tmp_path / "started"
 
-    def note(i, results):
+    def note(i, kernel, results):
         with started.open("a") as f:
-            f.write(f"{pc._PENDING[i][0].fn.__name__}:{pc._PENDING[i][2][(3,)]}\n")
+            f.write(f"{kernel[0].fn.__name__}:{kernel[2][(3,)]}\n")
         results.put((i, 0.01))
 
     monkeypatch.setattr(pc, "workers_for", lambda: 1)

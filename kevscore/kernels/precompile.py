@@ -19,9 +19,6 @@ import threading
 import time
 from typing import Callable
 
-# the kernels the dry pass met, read by each forked process from its copy of this process's memory
-_PENDING: list[tuple] = []
-
 
 class Unpinned(RuntimeError):
     """The dry pass met an autotuner with several configurations: timing them needs real launches."""
@@ -99,17 +96,18 @@ def _recording(found: dict, met: Callable[[tuple], None] = lambda key: None):
         yield
 
 
-def _compile_one(i: int, results) -> None:
-    """In a forked process: compile pending kernel `i` into Triton's cache (a hit there returns at once); put
-    (i, the seconds it took) in `results`, None for seconds if it failed."""
+def _compile_one(i: int, kernel: tuple, results) -> None:
+    """In a forked process: compile recorded `kernel` (which the fork hands over in memory, not pickled) into
+    Triton's cache (a hit there returns at once); put (i, the seconds it took) in `results`, None for seconds if
+    it failed."""
     from triton.compiler import ASTSource, compile
-    jit, signature, constexprs, options, attrs, target, _ = _PENDING[i]
+    jit, signature, constexprs, options, attrs, target, _ = kernel
     t0, took = time.perf_counter(), None
     with contextlib.suppress(Exception):  # the run compiles it in its own process and reports any error there
-        kernel = compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
-        took = time.perf_counter() - t0
+        compiled = compile(ASTSource(jit, signature, constexprs, attrs), target=target, options=options.__dict__)
+        took = time.perf_counter() - t0  # compiled, whether or not the launcher below builds
         from triton.runtime import driver  # Triton versions that build a C launcher per signature (3.6) keep it
-        driver.active.launcher_cls(kernel.src, kernel.metadata)  # in the same cache
+        driver.active.launcher_cls(compiled.src, compiled.metadata)  # in the same cache
         took = time.perf_counter() - t0
     results.put((i, took))
 
@@ -121,24 +119,27 @@ def source_length(kernel: tuple) -> int:
 
 
 class _Compiles:
-    """Pending kernel `i` compiled in a process forked for it (which holds this process's memory as it was: the
-    kernel's JIT function and everything it refers to), at most `slots` at a time; the others queued, the longest
-    first when a slot frees. The first fork waits until `ready()` (kernels queue meanwhile, and the dry pass goes
-    on), then runs `before_fork`. Driven by the dry pass's thread: `add` as it meets each kernel, then `finish`."""
+    """Each recorded kernel (`pending`, in the order met) compiled in a process forked for it (which holds this
+    process's memory as it was: the kernel's JIT function and everything it refers to), at most `slots` at a
+    time; the others queued, the longest first when a slot frees. The first fork waits until `ready()` (kernels
+    queue meanwhile, and the dry pass goes on), then runs `before_fork`. Driven by the dry pass's thread: `add`
+    as it meets each kernel, then `finish`."""
 
     def __init__(self, slots: int, before_fork: Callable[[], None], ready: Callable[[], bool]):
         self.context = multiprocessing.get_context("fork")  # the processes never touch the GPU
         self.results = self.context.SimpleQueue()
         self.slots, self.before_fork, self.ready = slots, before_fork, ready
-        self.queued: list[int] = []
+        self.pending: list[tuple] = []
+        self.queued: list[int] = []  # indices into pending, the longest source last
         self.running: dict[int, multiprocessing.Process] = {}
         self.seconds: dict[int, float | None] = {}
         self.started: float | None = None  # the first fork
         self.most = 0                      # processes at once, at most
 
-    def add(self, i: int) -> None:
-        self.queued.append(i)
-        self.queued.sort(key=lambda j: source_length(_PENDING[j]))
+    def add(self, kernel: tuple) -> None:
+        self.pending.append(kernel)
+        self.queued.append(len(self.pending) - 1)
+        self.queued.sort(key=lambda j: source_length(self.pending[j]))
         self._fill()
 
     def _fill(self) -> None:
@@ -152,7 +153,8 @@ class _Compiles:
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
                 self.started = time.perf_counter()
             i = self.queued.pop()
-            self.running[i] = self.context.Process(target=_compile_one, args=(i, self.results), daemon=True)
+            self.running[i] = self.context.Process(target=_compile_one, args=(i, self.pending[i], self.results),
+                                                   daemon=True)
             self.running[i].start()
             self.most = max(self.most, len(self.running))
 
@@ -178,7 +180,7 @@ class _Compiles:
             wait([p.sentinel for p in self.running.values()], timeout=left)
             self._fill()
         self._collect()
-        return [self.seconds.get(i) for i in range(len(_PENDING))]
+        return [self.seconds.get(i) for i in range(len(self.pending))]
 
     def stop(self) -> None:
         self.queued.clear()
@@ -208,17 +210,11 @@ def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = la
     holds (or the pass ends), then calls `before_fork`: what the processes should inherit. On a surprise (an
     autotuner to time, an error in the dry run, a compile stuck) it stops and says why in `skipped`; the caller's
     real run then compiles what is left."""
-    global _PENDING
     report, found, compiles = Precompiled(), {}, _Compiles(workers_for(), before_fork, ready)
-
-    def met(name: tuple) -> None:
-        _PENDING.append(found[name])
-        compiles.add(len(_PENDING) - 1)
-
     t0 = time.perf_counter()
     try:
         try:
-            with _recording(found, met if compiles.slots else lambda name: None):
+            with _recording(found, (lambda name: compiles.add(found[name])) if compiles.slots else lambda name: None):
                 dry_run()
         except Exception as exc:  # noqa: BLE001 - the dry run's output is garbage anyway; the real run decides
             report.skipped = f"dry pass: {type(exc).__name__}: {exc}".splitlines()[0]
@@ -228,12 +224,11 @@ def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = la
         if not report.skipped:
             seconds = compiles.finish(timeout_s)
             report.compiled = sum(s is not None for s in seconds)
-            report.slowest = _slowest(_PENDING, seconds, t0)
+            report.slowest = _slowest(compiles.pending, seconds, t0)
     except Exception as exc:  # noqa: BLE001 - a timeout or a failed fork: the run compiles the rest
         report.skipped = f"workers: {type(exc).__name__}: {exc}".splitlines()[0]
     finally:
         compiles.stop()
-        _PENDING = []
     report.workers = compiles.most
     report.compile_s = time.perf_counter() - compiles.started if compiles.started else 0.0
     return report
