@@ -185,9 +185,15 @@ class Engine:
             with progress.phase("score"):
                 for scoring in scorings(enc, rows):
                     lengths, docs, scored = scoring.sizes(scoring.units, prefix_len)
+                    pending = None  # the batch launched before: finished while the GPU runs the next one
                     for batch in plan_batches(scoring.units, lengths, docs, self.max_rows, self.max_tokens, scored):
-                        self._score_batch(enc, scoring, batch, slot_of, prefix_len, path, scores, progress)
+                        launched = self._score_batch(enc, scoring, batch, slot_of, prefix_len, path, scores, progress)
+                        if pending is not None:
+                            self._finish_batch(scoring, *pending, scores, progress)
+                        pending = launched
                         self._between("score")
+                    if pending is not None:
+                        self._finish_batch(scoring, *pending, scores, progress)
         finally:
             synchronize(self.runner.device)
             scores.stats.score_s += time.perf_counter() - t0
@@ -195,9 +201,11 @@ class Engine:
             scores.stats.captures += len(getattr(self.runner, "graphs", ())) - graphs
 
     def _score_batch(self, enc: Encoded, scoring: Scoring, batch: Batch, slot_of: dict[int, int],
-                     prefix_len: dict[int, int], path: str, scores: Scores, progress: Reporter) -> None:
-        """Score one batch of a scoring's units; out of memory, score it as two smaller batches (and plan later
-        ones no larger), down to one unit, whose row then fails: reported with skip_failed, else the run stops."""
+                     prefix_len: dict[int, int], path: str, scores: Scores, progress: Reporter):
+        """Launch one batch of a scoring's units and its scores' copy to the host; returns what `_finish_batch`
+        takes once the copy is done (None when this call finished the batch itself). Out of memory, score it as
+        two smaller batches (and plan later ones no larger), down to one unit, whose row then fails: reported
+        with skip_failed, else the run stops."""
         rows = [scoring.row(u) for u in batch.rows]
         try:
             faults.inject_oom("rows", len(batch.rows))
@@ -217,7 +225,7 @@ class Engine:
                 scores.failed[r] = why
                 progress.warn(f"{why}; reported in the errors file")
                 progress.advance("score", scoring.fail(batch.rows[0]))
-                return
+                return None
             half = n // 2
             self.max_rows = min(self.max_rows, max(half, n - half))
             scores.stats.oom_retries += 1
@@ -227,9 +235,24 @@ class Engine:
             for part in (batch.rows[:half], batch.rows[half:]):
                 lengths, docs, scored = scoring.sizes(part, prefix_len)
                 sub = make_batch(part, lengths, docs, self.max_rows, scored)
-                self._score_batch(enc, scoring, sub, slot_of, prefix_len, path, scores, progress)
-            return
-        done = scoring.finish(batch, out.cpu().double())  # one read back, then float64 on the host
+                launched = self._score_batch(enc, scoring, sub, slot_of, prefix_len, path, scores, progress)
+                if launched is not None:
+                    self._finish_batch(scoring, *launched, scores, progress)
+            return None
+        if not out.is_cuda:
+            return batch, out.clone(), None  # the runner may reuse its output buffer for the next batch
+        # one read back, queued behind the batch (so before a next replay overwrites the graph's output)
+        copied = torch.cuda.Event()
+        host = out.to("cpu", non_blocking=True)
+        copied.record()
+        return batch, host, copied
+
+    def _finish_batch(self, scoring: Scoring, batch: Batch, host: torch.Tensor, copied, scores: Scores,
+                      progress: Reporter) -> None:
+        """A launched batch's scores, once its copy to the host is done: into `scores`, float64 on the host."""
+        if copied is not None:
+            copied.synchronize()
+        done = scoring.finish(batch, host.double())
         for r, probs, mass in done:
             if r not in scores.failed:  # a row of several branches, one of which failed alone
                 scores.probs[r], scores.label_mass[r] = probs, mass
