@@ -120,10 +120,6 @@ def main() -> None:
             record("conv", f"ours block_t {bt} warps {wp} tiles {tiles}", timed(lambda: branch_conv(
                 x, w, bank_conv, slots, hk, dk, hv, dv, b=b, block_t=bt, num_warps=wp, tiles=tiles)), delta_layers,
                 floor)
-        for bt, wp, tiles in ((4, 1, 1), (8, 1, 1), (8, 1, 4)) if not args.defaults else ():
-            record("conv", f"ours block_t {bt} warps {wp} tiles {tiles} heads first", timed(lambda: branch_conv(
-                x, w, bank_conv, slots, hk, dk, hv, dv, b=b, block_t=bt, num_warps=wp, tiles=tiles,
-                heads_first=True)), delta_layers, floor)
         record("conv", "ours default without beta", timed(lambda: branch_conv(
             x, w, bank_conv, slots, hk, dk, hv, dv)), delta_layers, floor)
         record("conv", "ours at the launch before NOTES 10 (32, 4 warps)", timed(lambda: branch_conv(
@@ -145,12 +141,9 @@ def main() -> None:
         record("prefill conv", "fla causal_conv1d + copies", timed(lambda: [
             t_.contiguous() for t_ in fla_oracles.conv_prefill(x, w, cu).split([hk * dk, hk * dk, hv * dv], -1)]),
             delta_layers, floor)
-        launches = ((4, 1, 1, False), (4, 1, 1, True), (8, 2, 1, True), (16, 4, 1, True), (32, 4, 1, True),
-                    (8, 1, 1, False), (8, 2, 1, False), (16, 4, 1, False))
-        for bt, wp, tiles, first in sweep(launches):
-            record("prefill conv", f"ours block_t {bt} warps {wp} tiles {tiles}{' heads first' * first}",
-                   timed(lambda: packed_conv(x, w, pos, hk, dk, hv, dv, b=b, block_t=bt, num_warps=wp, tiles=tiles,
-                                             heads_first=first)), delta_layers, floor)
+        for bt, wp, tiles in sweep(((8, 2, 1), (4, 1, 1), (8, 1, 1), (16, 4, 1), (32, 4, 1), (8, 1, 4))):
+            record("prefill conv", f"ours block_t {bt} warps {wp} tiles {tiles}", timed(lambda: packed_conv(
+                x, w, pos, hk, dk, hv, dv, b=b, block_t=bt, num_warps=wp, tiles=tiles)), delta_layers, floor)
 
     if "qk norm+rope" in args.only:
         # q/k RMSNorm + rotary

@@ -3,8 +3,8 @@
 Getting the GPU ready while a job reads its input and loads its weights: the CUDA context and the
 compilation of every GPU kernel, by a two-layer model of the job's shapes that prefills and scores a few
 tiny batches on a thread. Triton keeps what it compiles, so the job's own first launches find every
-kernel built and loaded (the same shapes give the same specializations); a warm cache makes this about a
-second of thread time that the load hides."""
+kernel built (the same shapes give the same specializations); a warm cache makes this a few seconds of
+thread time that the load hides."""
 from __future__ import annotations
 
 import contextlib
@@ -41,11 +41,10 @@ def small_model(cfg: KevConfig) -> KevConfig:
 def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None = None,
                     triton_hashed: Callable[..., bool] = lambda wait=True: True) -> dict:
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` in the model's `dtype` (on a CPU:
-    the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile), unless
-    its Triton cache holds this warm-up's finished marker (every kernel is in the cache); either way the pass
-    then runs, so the process's first launches (Triton's launchers, each kernel's module, cuBLAS's setup) are
-    paid here and not by the job's first prefill group. `triton_hashed` is `hash_triton`'s, waited for before
-    the first compile or cache lookup. Returns seconds by step."""
+    the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile), and a
+    GPU whose Triton cache holds this warm-up's finished marker runs nothing: every kernel is in the cache, and
+    the job loads each at its first launch. `triton_hashed` is `hash_triton`'s, waited for before the first
+    compile or cache lookup. Returns seconds by step."""
     from kevscore.kernels.precompile import Precompiled, precompile
 
     steps = {}
@@ -54,17 +53,19 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         attention = threading.Thread(target=long_attention, args=(cfg, device), name="kevscore-attention", daemon=True)
         attention.start()
     marker = finished_marker(small_model(cfg), device, path, dtype) if device.type == "cuda" else None
-    run_each_shape = shape_pass(cfg, device, path, dtype)
-    with attention_stubbed(device):
-        if marker is not None and marker.is_file():
-            steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache"))
-        elif marker is not None:
-            steps["precompile"] = dataclasses.asdict(
-                precompile(run_each_shape, triton_hashed, lambda: triton_hashed(wait=False)))
+    if marker is not None and marker.is_file():
+        steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache"))
         triton_hashed()
-        t0 = time.perf_counter()
-        steps["real_pass"] = run_each_shape()
-    steps["run_s"] = time.perf_counter() - t0
+    else:
+        run_each_shape = shape_pass(cfg, device, path, dtype)
+        with attention_stubbed(device):
+            if marker is not None:
+                steps["precompile"] = dataclasses.asdict(
+                    precompile(run_each_shape, triton_hashed, lambda: triton_hashed(wait=False)))
+            triton_hashed()
+            t0 = time.perf_counter()
+            steps["real_pass"] = run_each_shape()
+        steps["run_s"] = time.perf_counter() - t0
     if attention is not None:
         attention.join()
     if marker is not None:

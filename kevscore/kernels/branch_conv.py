@@ -115,11 +115,9 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
                         QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
                         C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr,
                         EVEN: tl.constexpr, TILES: tl.constexpr, NCB: tl.constexpr,
-                        HB: tl.constexpr, BH: tl.constexpr, PACKED: tl.constexpr, HEADS_FIRST: tl.constexpr = False):
-    # HEADS_FIRST: programs side by side take one tile's heads, whole rows of x and q, k, v in flight at once
-    i_g = tl.program_id(0) // (NCB + (HB > 0)) if HEADS_FIRST else tl.program_id(0)
-    i_c = tl.program_id(0) % (NCB + (HB > 0)) if HEADS_FIRST else tl.program_id(1)
-    i_r = tl.program_id(2)
+                        HB: tl.constexpr, BH: tl.constexpr, PACKED: tl.constexpr):
+    # programs side by side take one time tile's heads: whole rows of x and of q, k, v in flight at once
+    i_g, i_c, i_r = tl.program_id(0) // (NCB + (HB > 0)), tl.program_id(0) % (NCB + (HB > 0)), tl.program_id(1)
     if i_c == NCB:  # past the NCB channel blocks (only launched with HB > 0): the tiles' beta
         _beta_tiles(b, sb_r, sb_t, beta, i_g, i_r, T, HB, BH, BT, TILES)
     else:
@@ -129,29 +127,28 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
 
 def branch_conv(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
                 hk: int, dk: int, hv: int, dv: int, b: torch.Tensor | None = None, block_t: int = 4,
-                num_warps: int = 1, tiles: int = 1, heads_first: bool = False) -> tuple[torch.Tensor, ...]:
+                num_warps: int = 1, tiles: int = 1) -> tuple[torch.Tensor, ...]:
     """x [R, T, C] (channel stride 1; C = 2*hk*dk + hv*dv), weight [C, W], bank_conv [E, C, W-1] (the
     document's last W-1 conv inputs), slots: the rows' entries (any stride) -> (q [R,T,hk,dk] and
     k [R,T,hk,dk] l2-normalized, v [R,T,hv,dv], beta), all contiguous; beta = sigmoid(b) [R, T, H] for
     b [R, T, H] (channel stride 1, any row and token strides), None without b. Launch: tiles of `block_t`
-    tokens x one head, `tiles` consecutive tiles per program, side by side over time or (`heads_first`)
-    heads; only tiles that reach before the branch read the bank. Defaults from `benchmarks/bench_kernels.py
-    --only conv` (NOTES.md 10, 12)."""
+    tokens x one head, `tiles` consecutive tiles per program, neighbouring programs over one tile's heads;
+    only tiles that reach before the branch read the bank. Defaults from `benchmarks/bench_kernels.py --only
+    conv` (NOTES.md 10, 12, 63)."""
     assert bank_conv.stride()[1:] == (weight.shape[1] - 1, 1)
-    return _launch(x, weight, bank_conv, slots, None, hk, dk, hv, dv, b, block_t, num_warps, tiles, heads_first)
+    return _launch(x, weight, bank_conv, slots, None, hk, dk, hv, dv, b, block_t, num_warps, tiles)
 
 
 def packed_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, hk: int, dk: int, hv: int,
                 dv: int, b: torch.Tensor | None = None, block_t: int = 4, num_warps: int = 1,
-                tiles: int = 1, heads_first: bool = False) -> tuple[torch.Tensor, ...]:
+                tiles: int = 1) -> tuple[torch.Tensor, ...]:
     """The same front end for documents packed in one row x [1, N, C], each starting from a zero conv state:
     `positions` [N] (contiguous) gives each token's position within its document. Prefill's front end."""
     assert positions.is_contiguous() and x.shape[0] == 1
-    return _launch(x, weight, weight, positions, positions, hk, dk, hv, dv, b, block_t, num_warps, tiles,
-                   heads_first)
+    return _launch(x, weight, weight, positions, positions, hk, dk, hv, dv, b, block_t, num_warps, tiles)
 
 
-def _launch(x, weight, conv, slots, positions, hk, dk, hv, dv, b, block_t, num_warps, tiles, heads_first):
+def _launch(x, weight, conv, slots, positions, hk, dk, hv, dv, b, block_t, num_warps, tiles):
     r, t, c = x.shape
     width = weight.shape[1]
     assert x.stride(2) == 1 and weight.is_contiguous() and c == 2 * hk * dk + hv * dv
@@ -167,12 +164,10 @@ def _launch(x, weight, conv, slots, positions, hk, dk, hv, dv, b, block_t, num_w
     b_arg, beta_arg = (q, q) if b is None else (b, beta)  # without b: placeholders no program touches
     packed = positions is not None
     bd = triton.next_power_of_2(max(dk, dv))
-    n_t, n_c = triton.cdiv(t, block_t * tiles), blocks + (hb > 0)
-    grid = (n_t * n_c, 1, r) if heads_first else (n_t, n_c, r)
+    grid = (triton.cdiv(t, block_t * tiles) * (blocks + (hb > 0)), r)
     _branch_conv_kernel[grid](x, x.stride(0), x.stride(1), weight, conv, conv.stride(0), slots,
                               slots.stride(0), q, k, v, t, positions if packed else slots, b_arg, b_arg.stride(0),
                               b_arg.stride(1), beta_arg, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
                               BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd, TILES=tiles, NCB=blocks,
-                              HB=hb, BH=triton.next_power_of_2(max(hb, 1)), num_warps=num_warps, PACKED=packed,
-                              HEADS_FIRST=heads_first)
+                              HB=hb, BH=triton.next_power_of_2(max(hb, 1)), num_warps=num_warps, PACKED=packed)
     return q, k, v, beta

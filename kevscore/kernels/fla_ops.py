@@ -37,7 +37,7 @@ from kevscore.kernels.gdr_ref import CHUNK  # noqa: E402
 
 NAME = "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
 GATHERS_KV = False  # attn_branch reads each row's document K/V in place (kernels/branch_attn.py)
-PREFILL_CONV = {"block_t": 4, "num_warps": 1}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
+PREFILL_CONV = {"block_t": 8, "num_warps": 2}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
 # kernels/branch_wy.py's launches (its keywords): branches of up to 128 tokens with FUSED_WY_LAUNCH
 # (bench_kernels.py --only 'fused wy'), longer ones and prefill with CHUNKS_WY_LAUNCH ('prefill wy')
 FUSED_WY_LAUNCH: dict = {}

@@ -22,9 +22,8 @@ for (hk, dk, hv, dv), (rows, t) in [((2, 64, 4, 64), (3, 1)), ((2, 64, 4, 64), (
     assert beta.is_contiguous() and (beta - torch.sigmoid(b)).abs().max() < 1e-6
     # other tile sizes (so other tiles that read the bank) and programs of several tiles, with and without
     # the beta programs: the same bits
-    for bt, tiles, first in ((2, 1, False), (16, 1, False), (4, 3, False), (16, 2, False), (4, 3, True)):
-        *other, other_beta = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b, block_t=bt, tiles=tiles,
-                                         heads_first=first)
+    for bt, tiles in ((2, 1), (16, 1), (4, 3), (16, 2)):
+        *other, other_beta = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b, block_t=bt, tiles=tiles)
         assert all(torch.equal(a, c) for a, c in zip((q, k, v, beta), (*other, other_beta))), bt
     *plain, none = branch_conv(x, w, bank, slots, hk, dk, hv, dv)
     assert none is None and all(torch.equal(a, c) for a, c in zip((q, k, v), plain))
@@ -44,8 +43,8 @@ for (hk, dk, hv, dv), lens in [((2, 64, 4, 64), (1, 2, 7, 37)), ((2, 64, 4, 32),
     positions = torch.cat([torch.arange(m) for m in lens])
     cu = torch.tensor([0, *lens]).cumsum(0)
     q, k, v, beta = packed_conv(x, w, positions, hk, dk, hv, dv, b=b)
-    for bt, tiles, first in ((2, 1, False), (16, 2, False), (2, 1, True)):
-        other = packed_conv(x, w, positions, hk, dk, hv, dv, b=b, block_t=bt, tiles=tiles, heads_first=first)
+    for bt, tiles in ((2, 1), (16, 2)):
+        other = packed_conv(x, w, positions, hk, dk, hv, dv, b=b, block_t=bt, tiles=tiles)
         assert all(torch.equal(a, c) for a, c in zip((q, k, v, beta), other)), bt
     assert (beta - torch.sigmoid(b)).abs().max() < 1e-6
     ref = torch_ops.conv_prefill(x, w, cu)
