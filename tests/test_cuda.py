@@ -243,11 +243,13 @@ def test_fused_branch_conv_matches_fla_conv_and_l2norm(dims, t):
     slots = upload[:, 3]
     b = proj[..., c + 5: c + 5 + hv]  # the layer's b columns, also a strided slice
     q, k, v, beta = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b)
-    # the beta programs change nothing else, nor other tile sizes (programs of other tiles, side by side)
+    # the beta programs change nothing else
     *plain, _ = branch_conv(x, w, bank, slots, hk, dk, hv, dv)
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), plain))
+    # programs of two 8-token tiles over 2 warps (prefill's launch, side by side over heads): the same values up to
+    # a rounding, since the l2 norm's sum runs in another order over another warp layout
     other = branch_conv(x, w, bank, slots, hk, dk, hv, dv, b=b, block_t=8, num_warps=2, tiles=2)
-    assert all(torch.equal(a, b) for a, b in zip((q, k, v, beta), other))
+    assert all(torch.allclose(a.float(), c.float(), rtol=2 ** -7, atol=2 ** -7) for a, c in zip((q, k, v, beta), other))
     # beta: Triton's exp is an approximation where torch's is exact to the float, so one bf16 rounding apart at most
     ref_beta = torch.sigmoid(b)
     assert beta.is_contiguous() and torch.allclose(beta.float(), ref_beta.float(), rtol=2 ** -7, atol=0)

@@ -42,10 +42,9 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
                     triton_hashed: Callable[..., bool] = lambda wait=True: True) -> dict:
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` in the model's `dtype` (on a CPU:
     the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile), and a
-    GPU whose Triton cache holds this warm-up's finished marker runs no pass: every kernel is in the cache, and
-    the job loads each at its first launch, after `first_launches` set up what all of them share.
-    `triton_hashed` is `hash_triton`'s, waited for before the first compile or cache lookup. Returns seconds by
-    step."""
+    GPU whose Triton cache holds this warm-up's finished marker runs nothing: every kernel is in the cache, and
+    the job loads each at its first launch. `triton_hashed` is `hash_triton`'s, waited for before the first
+    compile or cache lookup. Returns seconds by step."""
     from kevscore.kernels.precompile import Precompiled, precompile
 
     steps = {}
@@ -57,9 +56,6 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
     if marker is not None and marker.is_file():
         steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache"))
         triton_hashed()
-        t0 = time.perf_counter()
-        first_launches(cfg, device, dtype or torch.bfloat16)
-        steps["first_launches_s"] = time.perf_counter() - t0
     else:
         run_each_shape = shape_pass(cfg, device, path, dtype)
         with attention_stubbed(device):
@@ -77,19 +73,6 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
     return steps
-
-
-def first_launches(cfg: KevConfig, device: torch.device, dtype: torch.dtype) -> None:
-    """A warm start's process-wide set-up, which the job's first prefill group would otherwise wait for on the
-    GPU's time: Triton's driver and launchers (at a process's first Triton kernel), cuBLAS's (its first matmul) and
-    torch's index copy, each called once at a small shape. The job's own kernels still load at their first
-    launch: a pass over every shape would make the load wait for all of them (NOTES 62)."""
-    from kevscore.kernels.fla_ops import rms_norm
-
-    x = torch.ones(64, cfg.hidden_size, device=device, dtype=dtype)
-    rms_norm(x, torch.ones(cfg.hidden_size, device=device), cfg.rms_norm_eps)
-    torch.nn.functional.linear(x, x[:16]), x.index_copy_(0, torch.arange(16, device=device), x[:16])
-    torch.cuda.synchronize(device)
 
 
 def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Callable[[], dict]:
