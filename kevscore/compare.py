@@ -1,7 +1,7 @@
 """`kevscore compare`: the gathered and indexed paths timed against each other and checked for parity.
 
-`kevscore compare`: the gathered and indexed paths on the same weights, inputs and device, in one
-process, timed in alternating order and checked for exact parity.
+Both paths run on the same weights, inputs and device, in one process, timed in alternating order and
+checked for exact parity.
 
 A case is a workload (documents, rows) and a prefix temperature: the share of its documents already in
 the bank before the timed call. `warm` cases time scoring alone; in `cold` and `mixed` cases the timed
@@ -22,12 +22,14 @@ import torch
 
 from kevscore.baselines import naive_call
 from kevscore.durable import write_atomic, write_json
-from kevscore.engine.backend import synchronize
+from kevscore.engine.backend import build_runner, resolve_device, synchronize
 from kevscore.engine.pipeline import Engine, Scores
 from kevscore.errors import KevscoreError, rows_phrase
-from kevscore.job.data import argmax
+from kevscore.job.data import argmax, read_input
 from kevscore.measure import environment, events_ms, quantile, timed
-from kevscore.model.prompt import Encoded, first_and_tails
+from kevscore.model.checkpoint import load_checkpoint
+from kevscore.model.prompt import Encoded, encode, first_and_tails, label_token_ids, load_template
+from kevscore.reference import reference_model
 
 PATHS = ("gathered", "indexed")
 SHAPE_CASES = ("shared", "distinct", "padded", "long-branch", "long-document")
@@ -93,15 +95,12 @@ class CaseResult:
     fp32_max_abs_diff: float | None = None      # max |p_bf16 - p_fp32| over the rows (indexed path)
     fp32_flipped: list[int] | None = None       # rows whose prediction differs between bf16 and fp32
 
-    def median(self, path: str) -> float:
-        return statistics.median(self.latency_ms[path])
-
     @property
     def parity(self) -> bool:
         return self.flips == 0 and self.max_abs_diff == 0.0 and self.bank_unchanged
 
     def summary(self) -> dict:
-        out = {p: {"median_ms": self.median(p), "p10_ms": quantile(self.latency_ms[p], 0.1),
+        out = {p: {"median_ms": statistics.median(self.latency_ms[p]), "p10_ms": quantile(self.latency_ms[p], 0.1),
                    "p90_ms": quantile(self.latency_ms[p], 0.9), "rows_per_s": self.rows / statistics.median(self.wall_s[p])}
                for p in PATHS}
         g, i = out["gathered"], out["indexed"]
@@ -110,7 +109,7 @@ class CaseResult:
         for base in ("hf", "fp32"):
             if samples := getattr(self, f"{base}_ms"):
                 out[f"{base}_median_ms"] = statistics.median(samples)
-                out[f"{base}_over_indexed"] = out[f"{base}_median_ms"] / self.median("indexed")
+                out[f"{base}_over_indexed"] = out[f"{base}_median_ms"] / i["median_ms"]
         return out
 
 
@@ -231,9 +230,6 @@ def _one_token_labels(enc: Encoded, source: str) -> None:
 
 def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -> dict:
     """Run the cases; returns the report (also written to `opts.json_path` when given)."""
-    from kevscore.engine.backend import build_runner, resolve_device
-    from kevscore.model.checkpoint import load_checkpoint
-
     cases = _check(opts)
     device = resolve_device(opts.device)
     if opts.baseline == "fp32" and device.type != "cuda":
@@ -255,8 +251,6 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     load_s = time.perf_counter() - t0
     hf = None  # the transformers baseline's call on a case's rows
     if opts.baseline == "hf":
-        from kevscore.reference import reference_model
-
         hf_model = reference_model(ckpt, device=str(device),
                                    dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         hf = lambda enc: naive_call(hf_model, enc, device, batch=16)  # noqa: E731
@@ -284,14 +278,11 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
 
 def _workloads(opts: CompareOptions, ckpt, cases: list[str], small: bool) -> dict[str, tuple[Encoded, float, dict]]:
     """Per case: its encoded rows, its warm-up share and what defines it (the --data rows, else synthetic)."""
-    from kevscore.model.prompt import encode, label_token_ids, load_template
-
     if not opts.data:
         labels = label_token_ids(ckpt.tokenizer, ["Yes", "No"], "compare")
         specs = case_specs(small)
         return {c: (synthetic(specs[c], ckpt.config.vocab_size, labels), specs[c].warm, asdict(specs[c]))
                 for c in cases}
-    from kevscore.job.data import read_input
 
     table = read_input(Path(opts.data), Path(opts.documents) if opts.documents else None)
     enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],

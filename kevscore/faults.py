@@ -92,7 +92,7 @@ class StopSignals:
     """While active (main thread only), the first SIGINT/SIGTERM sets `requested`; a second one raises
     KeyboardInterrupt at once. `warn` is told when a stop is requested."""
 
-    def __init__(self, warn=None):
+    def __init__(self, warn):
         self.requested: str | None = None
         self._warn = warn
         self._old: dict[int, object] = {}
@@ -113,8 +113,7 @@ class StopSignals:
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = name
-        if self._warn is not None:
-            self._warn(f"{name}: stopping after the current batch (send it again to stop at once)")
+        self._warn(f"{name}: stopping after the current batch (send it again to stop at once)")
 
     def check(self) -> None:
         """Raise Interrupted when a stop was requested (the engine calls this between batches)."""
