@@ -93,7 +93,7 @@ class Scorer:
                 self.score_file(given["questions"], output, documents=given["documents"], columns=columns,
                                 carry=carry, limit=limit, window=window, progress=progress)
             except KevscoreError as exc:
-                raise type(exc)(_told_as_tables(str(exc), given, tmp)) from None
+                raise type(exc)(_told_as_tables(str(exc), Path(tmp))) from None
             except Interrupted:  # its parts were in the temporary directory: nothing to resume from
                 raise Interrupted("interrupted; nothing was kept (score_file's parts resume a stopped job)") from None
             return pq.read_table(output)
@@ -195,9 +195,8 @@ def _as_input(data: Tabular | PathLike | None, tmp: Path, role: str) -> str | No
     return str(path)
 
 
-def _told_as_tables(message: str, given: dict[str, str | None], tmp: str) -> str:
-    """A message about the temporary Parquet files of tables passed in, told about the tables."""
-    for role, path in given.items():
-        if path is not None and path.startswith(tmp):
-            message = message.replace(path, TABLE_NAMES[role])
+def _told_as_tables(message: str, tmp: Path) -> str:
+    """A message about the temporary Parquet files of tables passed in (`_as_input`), told about the tables."""
+    for role, name in TABLE_NAMES.items():
+        message = message.replace(str(tmp / f"{role}.parquet"), name)
     return message
