@@ -24,54 +24,41 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "js
 STDOUT = "-"  # `-o -`: JSON Lines on stdout
 
 
-def file_format(path: Path | str, default: str = "parquet") -> str:
-    """parquet, csv or jsonl from the file's extension (`default` for another one)."""
+def file_format(path: Path | str) -> str:
+    """parquet, csv or jsonl from the file's extension (parquet for another one)."""
     suffix = Path(str(path)).suffix.lower()
     if suffix == ".json":
         raise KevscoreError(f"{path}: .json is not a format kevscore reads or writes; use .jsonl (JSON Lines)")
-    return FORMATS.get(suffix, default)
+    return FORMATS.get(suffix, "parquet")
 
 
-class TableWriter:
-    """Writes a stream of tables of one schema to an open binary file: Parquet, CSV (list columns as JSON
-    arrays) or JSON Lines (one object per row)."""
-
-    def __init__(self, file: BinaryIO, fmt: str, metadata: dict[bytes, bytes] | None = None):
-        self.file, self.fmt, self.metadata, self.writer = file, fmt, metadata, None
-
-    def write(self, table: pa.Table) -> None:
-        if self.fmt == "jsonl":
-            lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
-            self.file.write(lines.encode("utf-8"))
-            return
-        if self.fmt == "csv":
-            table = lists_as_json(table)
-        if self.writer is None and self.fmt == "parquet":
-            schema = table.schema if self.metadata is None else table.schema.with_metadata(self.metadata)
-            self.writer = pq.ParquetWriter(self.file, schema)
-        elif self.writer is None:
-            self.writer = pacsv.CSVWriter(self.file, table.schema)
-        self.writer.write_table(table)
-
-    def __enter__(self) -> TableWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.writer is not None:
-            self.writer.close()
+def write_tables(file: BinaryIO, tables: Iterable[pa.Table], fmt: str = "parquet",
+                 metadata: dict[bytes, bytes] | None = None, hook: str | None = None) -> None:
+    """Write a stream of tables of one schema to an open binary file: Parquet (with `metadata` when given), CSV
+    (list columns as JSON arrays) or JSON Lines (one object per row); `hook` is a fault point after each table."""
+    writer = None
+    try:
+        for table in tables:
+            if fmt == "jsonl":
+                lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
+                file.write(lines.encode("utf-8"))
+            else:
+                table = lists_as_json(table) if fmt == "csv" else table
+                if writer is None:
+                    schema = table.schema if metadata is None else table.schema.with_metadata(metadata)
+                    writer = pq.ParquetWriter(file, schema) if fmt == "parquet" else pacsv.CSVWriter(file, table.schema)
+                writer.write_table(table)
+            if hook:
+                faults.point(hook)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dict[bytes, bytes] | None = None,
                  hook: str | None = None) -> Filler:
-    """A `write_new` filler writing `tables` in `fmt` (Parquet, with `metadata` when given, CSV, JSON Lines);
-    `hook` is a fault point after each table."""
-    def fill(f: BinaryIO) -> None:
-        with TableWriter(f, fmt, metadata) as writer:
-            for table in tables:
-                writer.write(table)
-                if hook:
-                    faults.point(hook)
-    return fill
+    """A `write_new` filler: `write_tables` of `tables` in `fmt`."""
+    return lambda f: write_tables(f, tables, fmt, metadata, hook)
 
 
 def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], tmp_dir: Path,
@@ -164,11 +151,9 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
     fmt = file_format(paths[0]) if len(paths) == 1 else "parquet"
     staged = stage_dir / f"{Path(paths[0]).name if len(paths) == 1 else 'input'}.staged.parquet"
     try:
-        reader = _reader(paths, fmt, rename, fs)
-        with open(staged, "xb") as f, TableWriter(f, "parquet", {}) as writer:
-            writer.write(_as_kevscore(reader.schema.empty_table(), rename))
-            for table in _first_rows(reader, limit):
-                writer.write(_as_kevscore(table, rename))
+        tables = _tables(_reader(paths, fmt, rename, fs), limit)
+        with open(staged, "xb") as f:
+            write_tables(f, (_as_kevscore(table, rename) for table in tables), "parquet", {})
     except (pa.ArrowException, OSError, ValueError) as e:
         what = {"parquet": "Parquet", "csv": "CSV", "jsonl": "JSON Lines"}[fmt]
         raise KevscoreError(f"{given}: not readable as {what} ({first_line(e)})") from e
@@ -187,7 +172,10 @@ def _reader(paths: list[str], fmt: str, rename: dict[str, str], fs: pafs.FileSys
     return pacsv.open_csv(stream, convert_options=pacsv.ConvertOptions(column_types=types))
 
 
-def _first_rows(reader, limit: int | None) -> Iterator[pa.Table]:
+def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
+    """The reader's rows as tables, only the first `limit` of them; its schema's empty table first (an input
+    of no rows still has its columns)."""
+    yield reader.schema.empty_table()
     left = limit
     for batch in reader:
         if left is not None:

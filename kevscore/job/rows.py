@@ -59,13 +59,10 @@ class Cursor:
         i = 0
         while i < len(rows):
             r = int(rows[i])
-            if self.batch is None or r < self.start:
-                self._seek(r)
+            if self.batch is None or r < self.start or self._group(r) > self._group(self.start + self.batch.num_rows):
+                self._seek(r)  # behind, or whole row groups ahead: those are skipped without decoding them
             while r >= self.start + self.batch.num_rows:
-                if self._group(r) > self._group(self.start + self.batch.num_rows):
-                    self._seek(r)  # skip whole row groups without decoding them
-                else:
-                    self._next()
+                self._next()
             j = int(np.searchsorted(rows, self.start + self.batch.num_rows, side="left"))
             pieces.append(self.batch.take(pa.array(rows[i:j] - self.start, pa.int64())))
             i = j

@@ -125,16 +125,12 @@ def _nulls(path: Path, column: str, rows: list[int], scan: InputScan | None = No
 def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str]) -> Iterator[tuple[int, dict[str, list]]]:
     """(first input row, {column: values}) per record batch of `columns`, dictionaries decoded."""
     start = 0
-    it = file.iter_batches(batch_size=BATCH_ROWS, columns=list(columns), use_threads=False)
-    while True:
-        try:
-            batch = next(it, None)
-        except (pa.ArrowException, OSError) as e:
-            raise KevscoreError(f"{path}: cannot read the Parquet data ({first_line(e)})") from e
-        if batch is None:
-            return
-        yield start, decoded(path, batch, columns, lambda j, start=start: start + j)
-        start += batch.num_rows
+    try:
+        for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=list(columns), use_threads=False):
+            yield start, decoded(path, batch, columns, lambda j, start=start: start + j)
+            start += batch.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise KevscoreError(f"{path}: cannot read the Parquet data ({first_line(e)})") from e
 
 
 def decoded(path: Path, data: pa.RecordBatch | pa.Table, columns: Sequence[str], row_of) -> dict[str, list]:
@@ -353,7 +349,6 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
         _check_type(path, file, "question_id")
         _nulls(path, "question_id", null_qid)
         _check_duplicates(path, file, qhash)
-    del qhash
     if scan.has_labels:
         _check_type(path, file, "labels")
         t = _type(file, "labels")

@@ -21,32 +21,29 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
 
     check = PromptCheck(tokenizer, scan.path.name, max_positions)
     doc_tokens = np.full(scan.documents, -1, dtype=np.int32)
+
+    def measure(texts: dict[int, str]) -> None:  # document -> its text
+        for d, ids in zip(texts, tokenize(tokenizer, [template.prefix(t) for t in texts.values()])):
+            doc_tokens[d] = len(ids)
+
     if scan.documents_path is not None:
         wanted = {int(r): d for d, r in enumerate(scan.doc_row) if r >= 0}
-        file = open_parquet(scan.documents_path)
-        for start, cols in batches(scan.documents_path, file, ["document"]):
-            todo = [(wanted[start + j], t) for j, t in enumerate(cols["document"]) if start + j in wanted]
-            for (d, _), ids in zip(todo, tokenize(tokenizer, [template.prefix(t) for _, t in todo])):
-                doc_tokens[d] = len(ids)
+        for start, cols in batches(scan.documents_path, open_parquet(scan.documents_path), ["document"]):
+            measure({wanted[start + j]: t for j, t in enumerate(cols["document"]) if start + j in wanted})
     tail = 0 if scan.has_labels else longest_tail(label_token_ids(tokenizer, default_labels, "--labels"))
-    file = open_parquet(scan.path)
     columns = ["question"] + (["document"] if scan.documents_path is None else []) + (
         ["labels"] if scan.has_labels else [])
-    for start, cols in batches(scan.path, file, columns):
-        docs = scan.doc_of_row[start:start + len(cols["question"])]
+    for start, cols in batches(scan.path, open_parquet(scan.path), columns):
+        docs = scan.doc_of_row[start:start + len(cols["question"])]  # a view: rows set aside below read -1
         live = [j for j in range(len(docs)) if docs[j] >= 0]
-        if scan.documents_path is None:
-            new = list(dict.fromkeys(int(docs[j]) for j in live if doc_tokens[docs[j]] < 0))
-            first = {int(docs[j]): j for j in reversed(live)}  # each document's first row in the batch
-            texts = [template.prefix(cols["document"][first[d]]) for d in new]
-            for d, ids in zip(new, tokenize(tokenizer, texts)):
-                doc_tokens[d] = len(ids)
+        if scan.documents_path is None:  # each document's text, from its rows in this batch (one text a document)
+            measure({int(docs[j]): cols["document"][j] for j in live if doc_tokens[docs[j]] < 0})
         for j in live if scan.has_labels else ():
             if (reason := check.labels(cols["labels"][j])[0]) and not skip_invalid:
                 raise check.label_error(start + j, reason)
             if reason:
                 scan.set_aside([start + j], reason)
-        live = [j for j in live if scan.doc_of_row[start + j] >= 0]
+        live = [j for j in live if docs[j] >= 0]
         branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
         for j, ids in zip(live, branches):
             row_tail = check.labels(cols["labels"][j])[1] if scan.has_labels else tail
