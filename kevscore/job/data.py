@@ -28,7 +28,7 @@ OUTPUT_SCHEMA = pa.schema([
 def read_input(path: Path, documents: Path | None = None) -> InputTable:
     """Read the one-file form, or the questions file plus a documents file joined on doc_id: the whole
     input in memory (`kevscore.job.scan` validates it; a job reads it a window at a time instead)."""
-    scan = scan_input(Path(path), Path(documents) if documents is not None else None)
+    scan = scan_input(path, documents)
     table = RowReader(scan).read(np.arange(scan.rows, dtype=np.int64))
     table.rows = None
     return table

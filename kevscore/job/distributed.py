@@ -26,7 +26,7 @@ from kevscore.errors import KevscoreError
 from kevscore.job.inputs import opened_inputs, output_path
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.parts import PartStore
-from kevscore.job.run import Job, finished_job, merge_job, open_parts, score_job, start_job
+from kevscore.job.run import Job, LoadedModel, finished_job, merge_job, open_parts, score_job, start_job
 
 TIMEOUT = datetime.timedelta(hours=24)  # ranks wait this long for each other at a status exchange
 T = TypeVar("T")
@@ -60,8 +60,6 @@ class Ranks:
     def step(self, work: Callable[[], T], message: Callable[[str], str] = str) -> T:
         """Run `work` on this rank, then learn every rank's outcome: when any failed, raise on every rank a
         KevscoreError naming each failed rank and its error (`message` rewords this rank's error)."""
-        import torch.distributed as dist
-
         value, error = None, None
         try:
             value = work()
@@ -69,19 +67,18 @@ class Ranks:
             error = message(str(exc))
         except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks
             error = f"{type(exc).__name__}: {exc}"
-        errors: list[str | None] = [None] * self.world
-        dist.all_gather_object(errors, error)
-        if any(errors):
+        if any(errors := self.gather(error)):
             raise KevscoreError("; ".join(f"rank {r} failed: {e}" for r, e in enumerate(errors) if e)
                                 + "; no output was written (completed parts are kept and reused by a rerun)")
         return value
 
-    def gather(self, status: RankStatus) -> list[RankStatus]:
+    def gather(self, value: T) -> list[T]:
+        """Every rank's `value`, by rank."""
         import torch.distributed as dist
 
-        statuses: list[RankStatus | None] = [None] * self.world
-        dist.all_gather_object(statuses, status)
-        return statuses
+        values: list = [None] * self.world
+        dist.all_gather_object(values, value)
+        return values
 
 
 def world_from_env() -> tuple[int, int, int] | None:
@@ -109,8 +106,7 @@ def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> Distr
         result = DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
         summary = os.environ.get("KEVSCORE_SUMMARY_JSON")  # for benchmarks: the job's figures as JSON
         if summary and rank == 0:
-            Path(summary).write_text(json.dumps({"output": str(result.output), "seconds": result.seconds,
-                                                 "rows": result.rows, "ranks": [dataclasses.asdict(s) for s in statuses]}))
+            Path(summary).write_text(json.dumps(dataclasses.asdict(result), default=str))
         return result
     finally:
         dist.destroy_process_group()
@@ -158,7 +154,7 @@ def _start(opts: RunOptions, inputs, world: int, local: int) -> Job:
     check_options(opts)
     if opts.device != "cpu" and torch.cuda.is_available():
         torch.cuda.set_device(local % torch.cuda.device_count())
-    return start_job(opts, inputs, output_path(opts), world)
+    return start_job(opts, inputs, output_path(opts), LoadedModel(), world)
 
 
 def launch(argv: list[str], nproc: int) -> None:

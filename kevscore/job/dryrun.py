@@ -48,7 +48,8 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
     model `loaded` holds, when given)."""
     check_options(opts)
     with opened_inputs(opts) as inputs:
-        p = prepare(opts, inputs, loaded=loaded)
+        loaded = loaded or LoadedModel()
+        p = prepare(opts, inputs, loaded)
         runner = job_runner(opts, p, loaded)
         if p.warm_up is not None:
             p.warm_up.join(WARM_UP_WAIT_S)

@@ -149,6 +149,7 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
            stage_dir: Path) -> Path:
     """The files (one CSV or JSON Lines file, or Parquet files) as one Parquet file in stage_dir."""
     fmt = file_format(paths[0]) if len(paths) == 1 else "parquet"
+    stage_dir.mkdir(exist_ok=True)
     staged = stage_dir / f"{Path(paths[0]).name if len(paths) == 1 else 'input'}.staged.parquet"
     try:
         tables = _tables(_reader(paths, fmt, rename, fs), limit)

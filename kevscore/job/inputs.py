@@ -43,8 +43,6 @@ def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
     not (kevscore.job.formats); errors about them name the input as given."""
     with tempfile.TemporaryDirectory(prefix="kevscore-") as tmp:
         stage = Path(tmp)
-        (stage / "input").mkdir()
-        (stage / "documents").mkdir()
         questions = open_source(opts.input, stage / "input", opts.rename, opts.limit)
         documents = open_source(opts.documents, stage / "documents", opts.rename) if opts.documents else None
         inputs = Inputs(questions, documents, stage)

@@ -34,15 +34,6 @@ def parse_labels(text: str) -> list[str]:
         rest = rest[1:]  # the comma
 
 
-def check_labels(labels: list[str], where: str = "--labels") -> None:
-    """At least two labels, distinct and non-empty (one label would always get probability 1)."""
-    shown = ",".join(labels)
-    if len(labels) < 2:
-        raise KevscoreError(f"{where} {shown}: give at least two labels (one label always gets probability 1)")
-    if any(not label for label in labels) or len(set(labels)) != len(labels):
-        raise KevscoreError(f"{where} {shown}: give distinct, non-empty labels")
-
-
 @dataclass(slots=True)
 class LabelTally:
     """Label mass and predictions over an output's rows, counted as its chunks go by (4 bytes a row)."""

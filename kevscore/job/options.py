@@ -6,7 +6,6 @@ from pathlib import Path
 
 from kevscore.engine.bank_dir import check_bank_dir
 from kevscore.errors import KevscoreError
-from kevscore.job.labels import check_labels
 
 STATE_READS = ("indexed", "gathered")  # --state-read: a row's document state read in place, or copied out
 WINDOW_DOCS = 1024          # documents per window (--window)
@@ -50,7 +49,11 @@ def check_options(opts: RunOptions) -> None:
                         ("--limit", opts.limit), ("--window", opts.window)):
         if value is not None and value < 1:
             raise KevscoreError(f"{flag} {value}: must be at least 1")
-    check_labels(list(opts.labels))
+    labels = ",".join(opts.labels)  # at least two, distinct and non-empty
+    if len(opts.labels) < 2:
+        raise KevscoreError(f"--labels {labels}: give at least two labels (one label always gets probability 1)")
+    if not all(opts.labels) or len(set(opts.labels)) != len(opts.labels):
+        raise KevscoreError(f"--labels {labels}: give distinct, non-empty labels")
     if opts.bank_max_gb is not None and opts.bank is None:
         raise KevscoreError("--bank-max-gb needs --bank DIR")
     if opts.bank_max_gb is not None and not opts.bank_max_gb > 0:

@@ -126,24 +126,19 @@ class PartStore:
         for p in self.dir.glob(".*.tmp"):
             p.unlink(missing_ok=True)  # writes of a run that was killed
         manifest = read_json_object(self.dir / MANIFEST)
-        self.manifest = None
-        if manifest is not None:
-            same = (manifest.get("format") == FORMAT and manifest.get("version") == VERSION
-                    and manifest.get("identity") == self.identity)
-            done = self._parts()
-            if restart:
-                if done:
-                    self.warn(f"{self.dir}: --restart: discarding {len(done)} completed part(s)")
-                self._clear()
-            elif not same and done:
+        resume = manifest is not None and not restart and (
+            manifest.get("format"), manifest.get("version"), manifest.get("identity")) == (FORMAT, VERSION, self.identity)
+        if manifest is not None and not resume:
+            if (done := self._parts()) and not restart:
                 what = "; ".join(differences(manifest.get("identity") or {}, self.identity))
                 raise KevscoreError(f"{self.output}: {len(done)} completed part(s) in {self.dir} belong to another "
                                     f"job ({what}); rerun with --restart to discard them, or choose another --output")
-            elif not same:
-                self._clear()  # another job's leftovers with nothing completed: nothing to lose
-            else:
-                self.manifest = manifest
-        if self.manifest is None:
+            if done:
+                self.warn(f"{self.dir}: --restart: discarding {len(done)} completed part(s)")
+            self._clear()  # --restart, or another job's leftovers with nothing completed: nothing to lose
+        if resume:
+            self.manifest = manifest
+        else:
             self.manifest = {"format": FORMAT, "version": VERSION, "identity": self.identity, "job": self.job,
                              "created": time.time(), "done": []}
             self._write_manifest()
@@ -228,7 +223,7 @@ class PartStore:
                 replace_into(tmp, target)
 
     def merge(self, of_row: np.ndarray, set_aside: pa.Table | None,
-              finish: Callable[[Iterator[pa.Table]], Iterator[pa.Table]] | None = None) -> int:
+              finish: Callable[[Iterator[pa.Table]], Iterator[pa.Table]]) -> int:
         """Merge the parts into the output in input order (and the errors file when `set_aside` is given:
         the rows the scan set aside); then remove the parts. Returns the output's row count. `finish`
         turns the merged chunks into the output's (columns added, rows observed); the output's format
@@ -247,10 +242,9 @@ class PartStore:
             names["errors"] = temp_path(errors_path(self.output)).name
             errors = pa.concat_tables([set_aside.cast(ERRORS_SCHEMA), failed]).sort_by("row")
             write_new(self.dir / names["errors"], table_filler([errors]), errors_path(self.output))
-        chunks = self._merged(of_row)
         # in a Parquet output's metadata: the job, so a rerun finds it complete, and how it was made
         job = {JOB_KEY: self.job.encode(), PROVENANCE_KEY: json.dumps(provenance(self.identity)).encode()}
-        fill = table_filler(finish(chunks) if finish else chunks, file_format(self.output), job, "merge")
+        fill = table_filler(finish(self._merged(of_row)), file_format(self.output), job, "merge")
         write_new(self.dir / names["output"], fill, self.output)
         self.manifest["merged"] = {"tmp": names, "rows": expected,
                                    "sha256": {n: file_sha256(self.dir / n) for n in names.values()}}

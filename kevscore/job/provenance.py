@@ -37,10 +37,9 @@ def job_digest(identity: dict) -> str:
 def output_job(output: Path) -> str | None:
     """The job digest a merged output records (None: not a kevscore output, or unreadable)."""
     try:
-        meta = pq.read_schema(output).metadata or {}
+        job = (pq.read_schema(output).metadata or {}).get(JOB_KEY)
     except (OSError, pa.ArrowException):
         return None
-    job = meta.get(JOB_KEY)
     return job.decode("ascii", "replace") if job else None
 
 
@@ -69,12 +68,11 @@ def differences(old: dict, new: dict) -> list[str]:
     """What changed between two job identities, in words."""
     out = []
     for name in ("input", "documents", "template"):
-        if old.get(name) != new.get(name):
-            was, now = old.get(name), new.get(name)
-            if was and now and was.get("name") == now.get("name"):
-                out.append(f"{name} {now['name']} changed (SHA-256 {was['sha256'][:12]} -> {now['sha256'][:12]})")
-            else:
-                out.append(f"{name} {(was or {}).get('name', 'none')} -> {(now or {}).get('name', 'none')}")
+        was, now = old.get(name), new.get(name)
+        if was != now and was and now and was.get("name") == now.get("name"):
+            out.append(f"{name} {now['name']} changed (SHA-256 {was['sha256'][:12]} -> {now['sha256'][:12]})")
+        elif was != now:
+            out.append(f"{name} {(was or {}).get('name', 'none')} -> {(now or {}).get('name', 'none')}")
     if old.get("model") != new.get("model"):
         was, now = old.get("model") or {}, new.get("model") or {}
         out.append(f"model {was.get('name')} ({str(was.get('fingerprint'))[:12]}) -> "

@@ -99,7 +99,7 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
         file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end
         with opened_inputs(opts) as inputs:
             result = _run_job(opts, inputs, output or inputs.stage / "stdout.jsonl", progress or Reporter(), started,
-                              loaded)
+                              loaded or LoadedModel())
             if stdout:
                 to_stdout(result.output)
                 result.output = Path(STDOUT)
@@ -132,18 +132,16 @@ class Prepared:
     finished: str | None = None   # the job digest an existing output records (kevscore.job.provenance.output_job)
 
 
-def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks: int = 1,
-            loaded: LoadedModel | None = None) -> Prepared:
-    """Scan and check the input (and the output, when given), load the model (unless `loaded` holds it),
+def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path | None = None, ranks: int = 1) -> Prepared:
+    """Scan and check the input (and the output, when given), load the model into `loaded` (unless it holds it),
     measure every prompt's tokens and cut the documents into windows (of `ranks` ranks, each window scored
     by one of them)."""
     laps = Laps()
     device = resolve_device(opts.device)
     dtype = resolve_dtype(opts.dtype, device)
-    held = loaded.ckpt if loaded is not None else None
     # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights
     # load: for a model's first job only (a loaded model's kernels are compiled)
-    warm_up = prepare_device(device, peek_config(opts.model), opts.state_read, dtype) if held is None else None
+    warm_up = prepare_device(device, peek_config(opts.model), opts.state_read, dtype) if loaded.ckpt is None else None
     laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
                       opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1)
@@ -163,11 +161,9 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
         token_pass = in_background(measure_tokens, scan, tokenizer, template, opts.labels,
                                    cfg.max_position_embeddings, opts.skip_invalid)
 
-    if held is not None:
-        measure(held.tokenizer, held.config)
-    ckpt = held or load_checkpoint(opts.model, device, tokenizer_ready=measure)
-    if loaded is not None:
-        loaded.ckpt = ckpt
+    if loaded.ckpt is not None:
+        measure(loaded.ckpt.tokenizer, loaded.ckpt.config)
+    loaded.ckpt = loaded.ckpt or load_checkpoint(opts.model, device, tokenizer_ready=measure)
     laps.lap("checkpoint")
     doc_tokens = token_pass.result()
     laps.lap("tokens")
@@ -176,7 +172,7 @@ def prepare(opts: RunOptions, inputs: Inputs, output: Path | None = None, ranks:
     # each rank's documents cut into windows as its shard would be, rank 0's first
     windows = join_windows([plan_windows(shard_documents(scan, r, ranks) if ranks > 1 else doc_of_row, doc_tokens,
                                          opts.window, WINDOW_ROWS, WINDOW_TOKENS) for r in range(ranks)])
-    return Prepared(scan, device, dtype, ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
+    return Prepared(scan, device, dtype, loaded.ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
 
 
 @dataclass(slots=True)
@@ -194,10 +190,10 @@ class Job:
     first_window: tuple[int, Future] | None = None  # (window, its read_window) begun while the runner was built
 
 
-def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1, loaded: LoadedModel | None = None) -> Job:
+def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedModel, ranks: int = 1) -> Job:
     """Prepare the job, build its runner (or reuse the loaded model's; then join the GPU warm-up) and
     compute its identity."""
-    p = prepare(opts, inputs, output, ranks, loaded)
+    p = prepare(opts, inputs, loaded, output, ranks)
     first = None
     if ranks == 1 and p.finished is None and len(p.windows) and not parts_dir(output).exists():  # a new job
         w = int(p.windows.of_rank(0)[0])  # its first window, read and tokenized while the runner is built
@@ -214,20 +210,18 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, ranks: int = 1, lo
     return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up, first)
 
 
-def job_runner(opts: RunOptions, p: Prepared, loaded: LoadedModel | None):
+def job_runner(opts: RunOptions, p: Prepared, loaded: LoadedModel):
     """The runner for a prepared job: the loaded model's last one when its bank serves the job, else a new
     one (which the loaded model then keeps)."""
     docs = bank_documents(p.windows, p.doc_of_row, p.doc_tokens)
-    if loaded is not None and loaded.runner is not None:
+    if loaded.runner is not None:
         if reusable(loaded.runner.bank.layout, p.ckpt, docs, opts.bank_capacity):
             return loaded.runner
         loaded.runner = None  # its memory is freed before the new bank is sized from what is free
         gc.collect()
         release_cache(p.device)
-    runner = build_runner(p.ckpt, p.device, docs, opts.bank_capacity, opts.eager, p.dtype)
-    if loaded is not None:
-        loaded.runner = runner
-    return runner
+    loaded.runner = build_runner(p.ckpt, p.device, docs, opts.bank_capacity, opts.eager, p.dtype)
+    return loaded.runner
 
 
 def reusable(layout: BankLayout, ckpt: Checkpoint, doc_tokens: list[int], capacity: int | None) -> bool:
@@ -239,8 +233,8 @@ def reusable(layout: BankLayout, ckpt: Checkpoint, doc_tokens: list[int], capaci
 
 
 def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter, started: float,
-             loaded: LoadedModel | None = None) -> RunResult:
-    job = start_job(opts, inputs, output, loaded=loaded)
+             loaded: LoadedModel) -> RunResult:
+    job = start_job(opts, inputs, output, loaded)
     p = job.prep
     if p.finished is not None:
         return finished_job(job, time.perf_counter() - started)
@@ -253,10 +247,9 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
             result = score_job(job, parts, progress)
             merge_job(job, parts, result, progress)
     except Interrupted as exc:
-        if parts.created and not parts.done:
-            parts.remove()
+        parts.abandon()  # a directory this run created, holding no part yet, is removed
+        if not parts.dir.exists():
             raise Interrupted(f"interrupted ({exc}) before any window was complete; nothing was written") from None
-        parts.close()
         done = sum(parts.done.values())
         raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(p.windows)} windows ({done:,} rows) are "
                           f"kept in {parts.dir}; rerun the same command to resume") from None

@@ -197,10 +197,9 @@ def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = F
                keep_texts: bool = False) -> InputScan:
     """Validate the input (one file, or questions plus a documents file) and index its rows by document.
     `keep_texts`: without doc_id, key documents by their text (as kevscore.job.shard does), not a digest."""
-    path = Path(path)
     if documents is None:
-        return _scan_one(path, skip_invalid, keep_texts)
-    return _scan_two(path, Path(documents), skip_invalid)
+        return _scan_one(Path(path), skip_invalid, keep_texts)
+    return _scan_two(Path(path), Path(documents), skip_invalid)
 
 
 def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
