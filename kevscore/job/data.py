@@ -39,9 +39,8 @@ def read_input(path: Path, documents: Path | None = None) -> InputTable:
 def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, within: Sequence[Path] = ()) -> None:
     """Refuse an output that is an input (a file of `inputs`, or anything inside a directory of `within`:
     the model's, the bank's), that is not a regular file, that exists (unless overwrite) or has no directory."""
-    output = Path(output)
     for source in inputs:
-        if _same_file(output, Path(source)):
+        if _same_file(output, source):
             raise KevscoreError(f"{output}: the output is the input file {source}; choose another --output")
     for directory in map(Path, within):
         if directory.is_dir() and output.resolve().is_relative_to(directory.resolve()):

@@ -91,10 +91,6 @@ class Source:
     staged: bool = False
     rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
 
-    def message(self, text: str) -> str:
-        """An error message about the staged copy, told about the input as given."""
-        return text.replace(str(self.path), self.given) if self.staged else text
-
 
 def input_files(given: str) -> list[Path]:
     """The files an input names: a file, every *.parquet file under a directory, or a glob's matches."""
@@ -218,9 +214,7 @@ class Carry:
         self.cursor = Cursor(source.path, [c for c, _ in self.columns]) if self.columns else None
 
     def add(self, chunk: pa.Table) -> pa.Table:
-        if self.cursor is None:
-            return chunk
-        values = self.cursor.take(chunk.column("row").to_numpy()) if chunk.num_rows else {}
+        values = self.cursor.take(chunk.column("row").to_numpy()) if self.cursor is not None else {}
         for column, f in self.columns:
-            chunk = chunk.append_column(f, pa.array(values.get(column, []), f.type))
+            chunk = chunk.append_column(f, pa.array(values[column], f.type))
         return chunk

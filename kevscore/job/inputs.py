@@ -31,7 +31,8 @@ class Inputs:
     def message(self, text: str) -> str:
         """An error message about staged copies and renamed columns, told about the input as given."""
         for source in (self.questions, self.documents):
-            text = source.message(text) if source is not None else text
+            if source is not None and source.staged:
+                text = text.replace(str(source.path), source.given)
         for theirs, ours in self.questions.rename.items():
             text = text.replace(f"column {ours!r}", f"column {theirs!r}")
         return text

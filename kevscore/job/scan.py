@@ -265,11 +265,11 @@ class _Documents:
     first_rows: list[int] = field(default_factory=list)
     null_ids: list[int] = field(default_factory=list)
     null_texts: list[int] = field(default_factory=list)
-    clashes: list[int] = field(default_factory=list)
+    clashes: dict[int, None] = field(default_factory=dict)  # in first-seen order
 
     def check_clashes(self, path: Path) -> None:
         if self.clashes:
-            rows = np.flatnonzero(np.isin(self.doc_of_row, np.asarray(self.clashes, np.int32))).tolist()
+            rows = np.flatnonzero(np.isin(self.doc_of_row, np.asarray(list(self.clashes), np.int32))).tolist()
             raise KevscoreError(f"{path}: column 'doc_id' maps {few(self.keys[d] for d in self.clashes)} to "
                                 f"different 'document' texts at {rows_phrase(rows)}")
 
@@ -281,7 +281,6 @@ def _index_documents(path: Path, file: pq.ParquetFile, keep_texts: bool = False)
     docs = _Documents(np.full(file.metadata.num_rows, -1, dtype=np.int32))
     index: dict = {}  # document key -> its index
     digests: list[bytes] = []
-    clashes: dict[int, None] = {}
     for start, cols in batches(path, file, columns):
         ids, texts = cols.get("doc_id"), cols.get("document")
         for j in range(len(cols[columns[0]])):
@@ -299,10 +298,9 @@ def _index_documents(path: Path, file: pq.ParquetFile, keep_texts: bool = False)
                 docs.chars.append(len(text))
                 docs.first_rows.append(i)
             elif digests[d] != digest:
-                clashes[d] = None
+                docs.clashes[d] = None
             docs.doc_of_row[i] = d
     docs.keys = [k if isinstance(k, str) else k.hex() for k in index]
-    docs.clashes = list(clashes)
     return docs
 
 
@@ -322,7 +320,7 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
     null_q, null_qid = [], []
     bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
     qhash = np.zeros(scan.rows if "question_id" in columns else 0, dtype=np.int64)
-    qchars = np.zeros(scan.documents, dtype=np.int64)
+    scan.question_chars = np.zeros(scan.documents, dtype=np.int64)
     for start, cols in batches(path, file, columns):
         qids, labels = cols.get("question_id"), cols.get("labels")
         docs = scan.doc_of_row[start:start + len(cols["question"])]
@@ -331,7 +329,7 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
             if q is None:
                 null_q.append(i)
             elif docs[j] >= 0:
-                qchars[docs[j]] += len(q)
+                scan.question_chars[docs[j]] += len(q)
             if qids is not None:
                 if qids[j] is None:
                     null_qid.append(i)
@@ -342,7 +340,6 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
                     if bad(labels[j]):
                         rows.append(i)
                         break
-    scan.question_chars = qchars
     _nulls(path, "question", null_q, scan if skip_invalid else None)
     if scan.has_question_id:
         _check_type(path, file, "question_id")

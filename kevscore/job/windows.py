@@ -46,8 +46,8 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
     todo = [w for w in mine if w not in parts.done]
     resumed_rows = sum(parts.done[w] for w in mine if w in parts.done)
     total_rows = int(windows.rows[mine].sum())
-    progress.start("prefill", int(windows.docs[todo].sum()) if todo else 0)
-    progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()) if todo else total_rows)
+    progress.start("prefill", int(windows.docs[todo].sum()))
+    progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()))
     progress.event("start", rows=total_rows, windows=len(mine), windows_done=len(mine) - len(todo),
                    rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
     load = partial(read_window, RowReader(scan), windows, tokenizer=tokenizer, template=template, labels=opts.labels,
@@ -64,13 +64,10 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
     writing = ThreadPoolExecutor(1, thread_name_prefix="kevscore-write")
     last_write = None
     try:
-        if first is not None and todo and todo[0] == first[0]:
-            upcoming = first[1]  # read while the runner was built
-        else:
-            upcoming = reading.submit(load, todo[0]) if todo else None
+        upcoming = first[1] if first is not None and todo[:1] == [first[0]] else None  # read while the runner was built
         for k, w in enumerate(todo):
             t0 = time.perf_counter()
-            table, enc = upcoming.result()
+            table, enc = (upcoming if upcoming is not None else reading.submit(load, w)).result()
             stats.read_s += time.perf_counter() - t0  # the time scoring waited for its window
             upcoming = reading.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
             progress.event("window", window=w, rows=len(enc), documents=len(enc.prefixes))
