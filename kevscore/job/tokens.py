@@ -34,20 +34,17 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
     columns = ["question"] + (["document"] if scan.documents_path is None else []) + (
         ["labels"] if scan.has_labels else [])
     for start, cols in batches(scan.path, open_parquet(scan.path), columns):
-        docs = scan.doc_of_row[start:start + len(cols["question"])]  # a view: rows set aside below read -1
+        docs = scan.doc_of_row[start:start + len(cols["question"])]
         live = [j for j in range(len(docs)) if docs[j] >= 0]
         if scan.documents_path is None:  # each document's text, from its rows in this batch (one text a document)
             measure({int(docs[j]): cols["document"][j] for j in live if doc_tokens[docs[j]] < 0})
-        for j in live if scan.has_labels else ():
-            if (reason := check.labels(cols["labels"][j])[0]) and not skip_invalid:
-                raise check.label_error(start + j, reason)
-            if reason:
-                scan.set_aside([start + j], reason)
-        live = [j for j in live if docs[j] >= 0]
         branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
         for j, ids in zip(live, branches):
-            row_tail = check.labels(cols["labels"][j])[1] if scan.has_labels else tail
-            reason = check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids), row_tail)
+            reason, row_tail = check.labels(cols["labels"][j]) if scan.has_labels else (None, tail)
+            if reason and not skip_invalid:
+                raise check.label_error(start + j, reason)
+            # a row whose labels cannot be scored is not measured
+            reason = reason or check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids), row_tail)
             if reason and skip_invalid:
                 scan.set_aside([start + j], reason)
     if (error := check.error()) and not skip_invalid:
