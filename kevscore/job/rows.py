@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from kevscore.errors import KevscoreError, first_line
-from kevscore.job.scan import BATCH_ROWS, InputScan, InputTable, decoded, open_parquet
+from kevscore.errors import KevscoreError
+from kevscore.job.scan import InputScan, InputTable, decoded, open_parquet, record_batches
 
 
 class Cursor:
@@ -32,20 +32,17 @@ class Cursor:
 
     def _seek(self, row: int) -> None:
         group = self._group(row)
-        self.it = self.file.iter_batches(batch_size=BATCH_ROWS, columns=self.columns, use_threads=False,
-                                         row_groups=list(range(group, len(self.starts) - 1)))
+        self.it = record_batches(self.path, self.file, columns=self.columns,
+                                 row_groups=list(range(group, len(self.starts) - 1)))
         self.batch, self.start = None, int(self.starts[group])
         self._next()
 
     def _next(self) -> None:
         if self.batch is not None:
             self.start += self.batch.num_rows
-        try:
-            self.batch = next(self.it)
-        except StopIteration:
-            raise KevscoreError(f"{self.path}: fewer rows than when it was scanned; was it changed?") from None
-        except (pa.ArrowException, OSError) as e:
-            raise KevscoreError(f"{self.path}: cannot read the Parquet data ({first_line(e)})") from e
+        self.batch = next(self.it, None)
+        if self.batch is None:
+            raise KevscoreError(f"{self.path}: fewer rows than when it was scanned; was it changed?")
 
     def take(self, rows: np.ndarray) -> dict[str, list]:
         """The values of `rows` (ascending input rows) per column, in that order."""

@@ -122,15 +122,21 @@ def _nulls(path: Path, column: str, rows: list[int], scan: InputScan | None = No
         scan.set_aside(rows, f"column {column!r} is null")
 
 
+def record_batches(path: Path, file: pq.ParquetFile, **chosen) -> Iterator[pa.RecordBatch]:
+    """The file's record batches of BATCH_ROWS rows (`chosen`: columns, row groups); a read that fails stops
+    the run naming the file."""
+    try:
+        yield from file.iter_batches(batch_size=BATCH_ROWS, use_threads=False, **chosen)
+    except (pa.ArrowException, OSError) as e:
+        raise KevscoreError(f"{path}: cannot read the Parquet data ({first_line(e)})") from e
+
+
 def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str]) -> Iterator[tuple[int, dict[str, list]]]:
     """(first input row, {column: values}) per record batch of `columns`, dictionaries decoded."""
     start = 0
-    try:
-        for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=list(columns), use_threads=False):
-            yield start, decoded(path, batch, columns, lambda j, start=start: start + j)
-            start += batch.num_rows
-    except (pa.ArrowException, OSError) as e:
-        raise KevscoreError(f"{path}: cannot read the Parquet data ({first_line(e)})") from e
+    for batch in record_batches(path, file, columns=list(columns)):
+        yield start, decoded(path, batch, columns, lambda j, start=start: start + j)
+        start += batch.num_rows
 
 
 def decoded(path: Path, data: pa.RecordBatch | pa.Table, columns: Sequence[str], row_of) -> dict[str, list]:
