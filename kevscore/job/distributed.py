@@ -104,8 +104,7 @@ def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> Distr
             ranks.step(lambda: stack.enter_context(invariant_threads(resolve_device(opts.device), opts.batch_invariant)))
             statuses = _run(opts, progress or Reporter(), ranks, status, local, stack)
         result = DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
-        summary = os.environ.get("KEVSCORE_SUMMARY_JSON")  # for benchmarks: the job's figures as JSON
-        if summary and rank == 0:
+        if (summary := os.environ.get("KEVSCORE_SUMMARY_JSON")) and rank == 0:  # for benchmarks: the job's figures
             Path(summary).write_text(json.dumps(dataclasses.asdict(result), default=str))
         return result
     finally:

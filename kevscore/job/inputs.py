@@ -50,8 +50,7 @@ def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
         try:
             yield inputs
         except KevscoreError as exc:
-            message = inputs.message(str(exc))
-            if message == str(exc):
+            if (message := inputs.message(str(exc))) == str(exc):
                 raise
             raise type(exc)(message) from exc
 

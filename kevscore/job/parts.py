@@ -151,8 +151,7 @@ class PartStore:
         """Window -> rows of each complete part of this job; other part files are removed (or ignored)."""
         done = {}
         for w, path in self._parts().items():
-            rows = self._check_part(w, path)
-            if rows is not None:
+            if (rows := self._check_part(w, path)) is not None:
                 done[w] = rows
             elif remove_others:
                 self.warn(f"{path}: not a complete part of this job; recomputing window {w}")
@@ -208,8 +207,7 @@ class PartStore:
 
     def finished(self) -> bool:
         """True when a merge of this job was renamed into place and only the clean-up was left."""
-        merged = self.manifest.get("merged")
-        if not merged:
+        if not (merged := self.manifest.get("merged")):
             return False
         self._put_in_place(merged["tmp"], merged["sha256"])  # killed between recording the merge and renaming it
         return _is_merge(merged, self.output)
@@ -273,11 +271,10 @@ class PartStore:
                 if taken[w] >= self.done[w]:
                     del readers[w]
             chunk = pa.concat_tables(pieces).replace_schema_metadata(None).sort_by("row")
-            want = np.flatnonzero(live) + a
-            if not np.array_equal(chunk.column("row").to_numpy(), want):
+            if not np.array_equal(chunk.column("row").to_numpy(), np.flatnonzero(live) + a):
                 raise KevscoreFailure(f"{self.dir}: the parts do not hold the rows the plan expects; rerun with --restart")
             yield chunk
-        if not len(of_row) or not (of_row >= 0).any():
+        if not (of_row >= 0).any():
             yield OUTPUT_SCHEMA.empty_table()
 
     def abandon(self) -> None:

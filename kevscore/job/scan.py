@@ -173,8 +173,8 @@ class InputScan:
     doc_of_row: np.ndarray                 # int32 [rows]: index into doc_keys; -1 for a row set aside
     doc_keys: list[str]                    # doc_id, else the text (keep_texts) or its digest (hex)
     doc_chars: np.ndarray                  # int64 per document: its text's length in characters
-    question_chars: np.ndarray             # int64 per document: its questions' lengths, summed
     doc_row: np.ndarray                    # int64 per document: a row holding its text (input, or documents file)
+    question_chars: np.ndarray | None = None  # int64 per document: its questions' lengths, summed (_scan_questions)
     has_doc_id: bool = False
     has_question_id: bool = False
     has_labels: bool = False
@@ -215,7 +215,7 @@ def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
     _check_type(path, file, "document")
     docs = _index_documents(path, file, keep_texts)
     scan = InputScan(path, None, file.metadata.num_rows, docs.doc_of_row, docs.keys, np.asarray(docs.chars, np.int64),
-                     np.zeros(0, np.int64), np.asarray(docs.first_rows, np.int64), has_doc_id="doc_id" in names)
+                     np.asarray(docs.first_rows, np.int64), has_doc_id="doc_id" in names)
     _nulls(path, "document", docs.null_texts, scan if skip_invalid else None)
     if scan.has_doc_id:
         _check_type(path, file, "doc_id")
@@ -235,8 +235,7 @@ def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
     found = _documents_file(documents)
     unknown = [d for d, k in enumerate(keys) if k not in found]
     doc_row, doc_chars = np.array([found.get(k, (-1, 0)) for k in keys], np.int64).reshape(-1, 2).T
-    scan = InputScan(path, documents, len(doc_of_row), doc_of_row, keys, doc_chars, np.zeros(len(keys), np.int64),
-                     doc_row, has_doc_id=True)
+    scan = InputScan(path, documents, len(doc_of_row), doc_of_row, keys, doc_chars, doc_row, has_doc_id=True)
     if unknown:
         rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(unknown, np.int32))).tolist()
         if not skip_invalid:
@@ -336,11 +335,10 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
                 null_q.append(i)
             elif docs[j] >= 0:
                 scan.question_chars[docs[j]] += len(q)
-            if qids is not None:
-                if qids[j] is None:
-                    null_qid.append(i)
-                else:
-                    qhash[i] = hash(qids[j])
+            if qids is not None and qids[j] is None:
+                null_qid.append(i)
+            elif qids is not None:
+                qhash[i] = hash(qids[j])
             if labels is not None:
                 for rows, (_, _, bad) in zip(bad_labels, LABEL_PROBLEMS):
                     if bad(labels[j]):
@@ -363,8 +361,7 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
 def _check_duplicates(path: Path, file: pq.ParquetFile, qhash: np.ndarray) -> None:
     """Duplicate question ids: equal hashes first (8 bytes a row), then the values of those rows only."""
     values, counts = np.unique(qhash, return_counts=True)
-    suspects = set(values[counts > 1].tolist())
-    if not suspects:
+    if not (suspects := set(values[counts > 1].tolist())):
         return
     seen: dict[str, list[int]] = {}
     for start, cols in batches(path, file, ["question_id"]):
