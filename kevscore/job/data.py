@@ -71,15 +71,11 @@ def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[flo
         if len(ls) != len(ps):
             raise ValueError(f"row {i}: {len(ls)} labels but {len(ps)} probs")
     nulls = [None] * n
-    return pa.Table.from_arrays([
-        pa.array(rows.rows if rows.rows is not None else range(n), pa.int64()),
-        pa.array(rows.doc_ids if rows.doc_ids is not None else nulls, pa.string()),
-        pa.array(rows.question_ids if rows.question_ids is not None else nulls, pa.string()),
-        pa.array(labels, pa.list_(pa.string())),
-        pa.array([[float(p) for p in ps] for ps in probs], pa.list_(pa.float64())),
-        pa.array([ls[argmax(ps)] if ls else None for ls, ps in zip(labels, probs)], pa.string()),  # prediction
-        pa.array([float(m) for m in label_mass], pa.float64()),
-    ], schema=OUTPUT_SCHEMA)
+    return pa.table({"row": range(n) if rows.rows is None else rows.rows, "doc_id": rows.doc_ids or nulls,
+                     "question_id": rows.question_ids or nulls, "labels": labels,
+                     "probs": [[float(p) for p in ps] for ps in probs],
+                     "prediction": [ls[argmax(ps)] if ls else None for ls, ps in zip(labels, probs)],
+                     "label_mass": [float(m) for m in label_mass]}, schema=OUTPUT_SCHEMA)
 
 
 def argmax(values: Sequence[float]) -> int:

@@ -197,8 +197,8 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedMode
     first = None
     if ranks == 1 and p.finished is None and len(p.windows) and not parts_dir(output).exists():  # a new job
         w = int(p.windows.of_rank(0)[0])  # its first window, read and tokenized while the runner is built
-        first = w, in_background(read_window, RowReader(p.scan), p.windows, w, p.ckpt.tokenizer, p.template,
-                                 opts.labels, p.ckpt.config.max_position_embeddings)
+        first = w, in_background(read_window, RowReader(p.scan), p.windows, p.ckpt.tokenizer, p.template, opts.labels,
+                                 p.ckpt.config.max_position_embeddings, w)
     # a checkpoint's first job hashes its weights' files (gigabytes): beside the runner's build and the warm-up
     weights = in_background(weights_digest, p.ckpt)
     runner = job_runner(opts, p, loaded)

@@ -29,7 +29,7 @@ def make_engine(opts: RunOptions, runner, store: BankStore | None = None, stop: 
                   skip_failed=opts.skip_invalid)
 
 
-def read_window(reader: RowReader, windows: Windows, w: int, tokenizer, template, labels, max_positions: int):
+def read_window(reader: RowReader, windows: Windows, tokenizer, template, labels, max_positions: int, w: int):
     """Window w's rows and their encoding (kevscore.model.prompt.encode)."""
     table = reader.read(windows.rows_of(w))
     return table, encode(table, tokenizer, template, labels, max_positions)
@@ -50,8 +50,7 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
     progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()))
     progress.event("start", rows=total_rows, windows=len(mine), windows_done=len(mine) - len(todo),
                    rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
-    load = partial(read_window, RowReader(scan), windows, tokenizer=tokenizer, template=template, labels=opts.labels,
-                   max_positions=max_positions)
+    load = partial(read_window, RowReader(scan), windows, tokenizer, template, opts.labels, max_positions)
 
     def write(w: int, table, enc, scores: Scores) -> None:  # on the writing thread
         t0 = time.perf_counter()
