@@ -124,8 +124,7 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, status: RankStatus,
         ranks.step(lambda: finished_job(job, 0.0), inputs.message)
         status.reused = True
         return ranks.gather(status)
-    parts: PartStore | None = ranks.step(lambda: open_parts(job, progress) if ranks.rank == 0 else None,
-                                         inputs.message)
+    parts: PartStore | None = ranks.step(lambda: open_parts(job, progress) if ranks.rank == 0 else None, inputs.message)
     try:
         def score():
             nonlocal parts

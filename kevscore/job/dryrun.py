@@ -55,10 +55,10 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
             p.warm_up.join(WARM_UP_WAIT_S)
         live = p.windows.of_row >= 0
         docs = np.unique(p.doc_of_row[live])
+        layout = runner.bank.layout
         plan = Plan(p.ckpt.name, str(p.device), int(live.sum()), len(p.scan.invalid), len(docs),
-                    int(p.doc_tokens[docs].sum()) if len(docs) else 0, len(p.windows),
-                    count_waves(p, runner.bank.layout.entries, runner.bank.layout.tokens),
-                    runner.bank.layout.entries, sum(p.laps.phases.values()))
+                    int(p.doc_tokens[docs].sum()), len(p.windows), count_waves(p, layout.entries, layout.tokens),
+                    layout.entries, sum(p.laps.phases.values()))
         if plan.rows:
             calibrate(plan, opts, p, make_engine(opts, runner))
     return plan
@@ -81,12 +81,10 @@ def calibrate(plan: Plan, opts: RunOptions, p: Prepared, engine: Engine) -> None
     reader = RowReader(p.scan)
     for group in (docs[:1], docs[1:] or docs[:1]):  # the warm-up, then the measured documents
         picked = rows[np.isin(p.doc_of_row[rows], group)][:CALIBRATION_ROWS]
-        enc = encode(reader.read(picked), p.ckpt.tokenizer, p.template, opts.labels,
-                     p.ckpt.config.max_position_embeddings)
+        enc = encode(reader.read(picked), p.ckpt.tokenizer, p.template, opts.labels, p.ckpt.config.max_position_embeddings)
         stats = engine.run(enc, opts.state_read).stats
     plan.calibration_docs, plan.calibration_rows = len(enc.prefixes), len(enc)
     plan.prefill_tokens_per_s = stats.prefix_tokens / stats.prefill_s if stats.prefill_s > 0 else None
     plan.score_rows_per_s = len(enc) / stats.score_s if stats.score_s > 0 else None
     if plan.prefill_tokens_per_s and plan.score_rows_per_s:
-        plan.estimate_s = (plan.load_s + plan.prefix_tokens / plan.prefill_tokens_per_s
-                           + plan.rows / plan.score_rows_per_s)
+        plan.estimate_s = plan.load_s + plan.prefix_tokens / plan.prefill_tokens_per_s + plan.rows / plan.score_rows_per_s

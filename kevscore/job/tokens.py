@@ -31,8 +31,7 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
         for start, cols in batches(scan.documents_path, open_parquet(scan.documents_path), ["document"]):
             measure({wanted[start + j]: t for j, t in enumerate(cols["document"]) if start + j in wanted})
     tail = 0 if scan.has_labels else longest_tail(label_token_ids(tokenizer, default_labels, "--labels"))
-    columns = ["question"] + (["document"] if scan.documents_path is None else []) + (
-        ["labels"] if scan.has_labels else [])
+    columns = ["question"] + (["document"] if scan.documents_path is None else []) + (["labels"] if scan.has_labels else [])
     for start, cols in batches(scan.path, open_parquet(scan.path), columns):
         docs = scan.doc_of_row[start:start + len(cols["question"])]
         live = [j for j in range(len(docs)) if docs[j] >= 0]

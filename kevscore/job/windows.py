@@ -89,8 +89,7 @@ def part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table | None]:
     """A window's scores in output form, and its rows that failed on their own (or None)."""
     ok = [i for i in range(len(enc)) if i not in scores.failed]
     kept = table if len(ok) == len(enc) else table.take(ok)
-    part = output_table(kept, [enc.labels[i] for i in ok], [scores.probs[i] for i in ok],
-                        [scores.label_mass[i] for i in ok])
+    part = output_table(kept, [enc.labels[i] for i in ok], [scores.probs[i] for i in ok], [scores.label_mass[i] for i in ok])
     if not scores.failed:
         return part, None
     positions = sorted(scores.failed)
