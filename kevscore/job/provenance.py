@@ -54,8 +54,7 @@ def provenance(identity: dict) -> dict:
 
 def output_provenance(output: Path) -> dict | None:
     """The provenance a kevscore Parquet output records (None: a Parquet file without it)."""
-    fmt = file_format(output)
-    if fmt != "parquet":
+    if (fmt := file_format(output)) != "parquet":
         raise KevscoreError(f"{output}: a {fmt} file; only Parquet outputs record how they were made")
     try:
         meta = pq.read_schema(output).metadata or {}
