@@ -180,9 +180,8 @@ class PartStore:
             failed = pq.read_metadata(self._file("errors", w)).num_rows if self._file("errors", w).exists() else 0
         except (OSError, pa.ArrowException):
             return None
-        if (schema.metadata or {}).get(JOB_KEY) != self.job.encode() or not schema.equals(OUTPUT_SCHEMA):
-            return None
-        return meta.num_rows if meta.num_rows + failed == int(self.planned[w]) else None
+        ours = (schema.metadata or {}).get(JOB_KEY) == self.job.encode() and schema.equals(OUTPUT_SCHEMA)
+        return meta.num_rows if ours and meta.num_rows + failed == int(self.planned[w]) else None
 
     def _file(self, kind: str, w: int) -> Path:
         """Window w's `part` (its scores) or `errors` (its rows that failed on their own) file."""
