@@ -78,15 +78,16 @@ def compile_log(t0: float) -> list[list]:
 
 
 def sample_stacks(t0: float, seconds: float, every: float = 0.02):
-    """A sampling profiler of this process's threads for its first `seconds`: returns a function that stops it
-    and gives the samples, each [seconds since t0, thread name, its innermost frames as file:line function]."""
+    """A sampling profiler of this process's threads for `seconds` from now (the job's start: the imports before
+    it are `import_s`): returns a function that stops it and gives the samples, each [seconds since t0, thread
+    name, its innermost frames as file:line function]."""
     import threading
     import traceback
 
-    samples, stop = [], threading.Event()
+    samples, stop, begin = [], threading.Event(), time.perf_counter()
 
     def run() -> None:
-        while not stop.is_set() and time.perf_counter() - t0 < seconds:
+        while not stop.is_set() and time.perf_counter() - begin < seconds:
             names = {t.ident: t.name for t in threading.enumerate()}
             now = round(time.perf_counter() - t0, 3)
             for ident, frame in sys._current_frames().items():

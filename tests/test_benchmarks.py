@@ -199,6 +199,28 @@ def test_job_benchmark_arithmetic():
     assert job.group_times(8, []) == "not recorded"  # a report from before the groups were timed
 
 
+def test_job_stack_sampling_covers_its_seconds_from_its_start():
+    """bench_job's stack sampler runs for its SECONDS from when it starts (the job's start), however long the
+    process ran before: a window counted from the process's start would have closed during the imports."""
+    import threading
+    import time
+
+    job = benchmark("bench_job")
+    gate = threading.Event()
+    sleeper = threading.Thread(target=gate.wait, name="sampled-sleeper")
+    sleeper.start()
+    try:
+        finish = job.sample_stacks(time.perf_counter() - 100.0, 0.3, every=0.01)  # its process began 100 s ago
+        time.sleep(0.6)
+        samples = finish()
+    finally:
+        gate.set()
+        sleeper.join()
+    times = [t for t, name, _ in samples if name == "sampled-sleeper"]
+    assert len(times) >= 3 and all(100.0 <= t <= 100.45 for t in times), times  # from its start, for ~0.3 s
+    assert any("wait" in frame for t, name, stack in samples if name == "sampled-sleeper" for frame in stack)
+
+
 def test_job_benchmark_runs_a_job_on_the_cpu(tmp_path):
     """bench_job.py runs `kevscore run`'s job in a child process and reports its phases (CPU, demo model)."""
     out = tmp_path / "job.json"
