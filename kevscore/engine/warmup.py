@@ -49,25 +49,27 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
 
     steps = {}
     attention = None
+    marker = finished_marker(small_model(cfg), device, path, dtype) if device.type == "cuda" else None
     if device.type == "cuda" and dtype != torch.float32:
         attention = threading.Thread(target=long_attention, args=(cfg, device), name="kevscore-attention", daemon=True)
         attention.start()
-    marker = finished_marker(small_model(cfg), device, path, dtype) if device.type == "cuda" else None
-    if marker is not None and marker.is_file():
-        steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache"))
-        triton_hashed()
-    else:
-        run_each_shape = shape_pass(cfg, device, path, dtype)
-        with attention_stubbed(device):
-            if marker is not None:
-                steps["precompile"] = dataclasses.asdict(
-                    precompile(run_each_shape, triton_hashed, lambda: triton_hashed(wait=False)))
+    try:
+        if marker is not None and marker.is_file():
+            steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache"))
             triton_hashed()
-            t0 = time.perf_counter()
-            steps["real_pass"] = run_each_shape()
-        steps["run_s"] = time.perf_counter() - t0
-    if attention is not None:
-        attention.join()
+        else:
+            run_each_shape = shape_pass(cfg, device, path, dtype)
+            with attention_stubbed(device):
+                if marker is not None:
+                    steps["precompile"] = dataclasses.asdict(
+                        precompile(run_each_shape, triton_hashed, lambda: triton_hashed(wait=False)))
+                triton_hashed()
+                t0 = time.perf_counter()
+                steps["real_pass"] = run_each_shape()
+            steps["run_s"] = time.perf_counter() - t0
+    finally:  # even when the pass fails: the job's own first SDPA never runs beside this thread's
+        if attention is not None:
+            attention.join()
     if marker is not None:
         with contextlib.suppress(OSError):
             marker.parent.mkdir(parents=True, exist_ok=True)
