@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # fla
 
 DEV = "cuda"
 KERNELS = ["swiglu", "conv", "prefill conv", "qk norm+rope", "attention", "decay", "fused wy", "prefill wy",
-           "kkt solve"]
+           "kkt solve", "gemm"]
 # the fused WY kernel's launches (kernels/branch_wy.py's keywords), its defaults first (BV 128 or 64 by tiles)
 WY_LAUNCHES = ({}, dict(block_v=64), dict(block_v=64, tiles=(16, 64)), dict(block_v=128, tiles=(16, 64)),
                dict(block_v=64, num_warps=8), dict(block_v=128, num_warps=8), dict(block_v=32, num_warps=8))
@@ -204,6 +204,9 @@ def main() -> None:
     if "kkt solve" in args.only:
         bench_kkt_solve(record, sweep, cfg, (r, 88), args.prefill_tokens, gen)
 
+    if "gemm" in args.only:
+        bench_gemms(record, cfg, args.prefill_tokens, gen)
+
     best = {}
     for res in results:
         if res["ms"] is not None and (res["kernel"] not in best or res["ms"] < best[res["kernel"]]["ms"]):
@@ -212,6 +215,46 @@ def main() -> None:
     for kern, res in best.items():
         print(f"  {kern:<14}{res['variant']:<34}{res['ms'] * 1000:9.1f} us  {res['ms'] * res['per_call']:6.2f} ms/call")
     save(best=best)
+
+
+def bench_gemms(record, cfg, m: int, gen: torch.Generator) -> None:
+    """Prefill's weight GEMMs at m tokens, each distinct (N, K) once: torch's cuBLAS call as the model makes it,
+    then the fastest of the algorithms cuBLASLt offers for it (torch's TunableOp, which times them all and keeps
+    the default among them), against its FLOPs at the rate of an 8192^3 GEMM timed here. Whether cuBLAS's own
+    pick leaves time on the table at these shapes (NOTES 65: prefill's GEMMs at ~92% of that rate)."""
+    import tempfile
+
+    import torch.nn.functional as F
+
+    from kevscore.kernels import fla_ops
+    from kevscore.model.kev import KevModel
+
+    with torch.device("meta"):
+        model = KevModel(cfg, fla_ops)
+    counts: dict[tuple[int, int], int] = {}
+    for name, param in model.layers.named_parameters():
+        if param.dim() == 2 and "conv" not in name:
+            counts[tuple(param.shape)] = counts.get(tuple(param.shape), 0) + 1
+    big = torch.randn(8192, 8192, device=DEV, generator=gen).to(torch.bfloat16)
+    rate = 2 * 8192 ** 3 / (do_bench(lambda: big @ big, warmup=10, rep=50, return_mode="median") * 1e-3)
+    print(f"gemm          8192^3 at {rate / 1e12:.0f} TFLOP/s; prefill's GEMMs at {m} tokens:")
+    cases = []
+    for (n, k), per_call in sorted(counts.items()):
+        x, w = (torch.randn(*shape, device=DEV, generator=gen).to(torch.bfloat16) for shape in ((m, k), (n, k)))
+        floor = 2 * m * n * k / rate * 1e3
+        record("gemm", f"{n} x {k} cuBLAS", timed(lambda: F.linear(x, w)), per_call, floor)
+        cases.append((n, k, per_call, x, w, floor))
+    tunable = torch.cuda.tunable
+    tunable.set_filename(str(Path(tempfile.mkdtemp()) / "tunableop.csv"))
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    try:
+        for n, k, per_call, x, w, floor in cases:
+            F.linear(x, w)  # tunes this shape: every algorithm timed, the fastest kept
+            record("gemm", f"{n} x {k} TunableOp", timed(lambda: F.linear(x, w)), per_call, floor)
+    finally:
+        tunable.tuning_enable(False)
+        tunable.enable(False)
 
 
 def branch_case(cfg, r: int, t: int, gen: torch.Generator) -> tuple:
