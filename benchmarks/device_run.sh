@@ -5,7 +5,7 @@
 # BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with FLA's branch conv: bench_score.py --fla conv),
 # KERNELS=1|names (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
-# NCU=1 (Nsight Compute, --clock-control none, on the branch conv and attention; report in $OUT),
+# NCU=1|'kernel:bench name,...' (Nsight Compute, --clock-control none; default the branch conv and attention),
 # JOB=1 (benchmarks/bench_job.py: issue 17's whole job cold and warm, baselines, scoring budgets, prefill alone; JOB_ARGS='...'),
 # START=1 (benchmarks/bench_start.py: a job's start step by step in fresh processes, cold and warm),
 # CPU_TESTS='tests/a.py tests/b.py' (those CPU tests first, on the image's transformers and tokenizers).
@@ -36,17 +36,21 @@ if [ "${AB_FUSED_CONV:-0}" = 1 ]; then  # the same benchmark with FLA's branch c
   python3 benchmarks/bench_score.py --model kev-4b --profile --hf-reps 0 --fla conv \
     --json "$OUT/score-kev-4b-fla-conv.json" 2>&1 | tee "$OUT/bench-fla-conv.log" | tail -30
 fi
-if [ "${NCU:-0}" = 1 ]; then  # Nsight Compute on two of our kernels at the benchmark's shapes: the first
-  # launch of each in bench_kernels.py --defaults
+if [ "${NCU:-0}" != 0 ]; then  # Nsight Compute on our kernels at the benchmark's shapes: the first launch of each
+  # in bench_kernels.py --defaults; NCU=1: the branch conv and attention, else NCU='kernel:bench name,...'
+  # (e.g. NCU='_branch_conv_kernel:prefill conv' for prefill's packed conv)
   NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -1)
-  for pair in _branch_conv_kernel:conv _branch_attn_kernel:attention; do
-    kern=${pair%%:*}
-    timeout 240 "$NCU_BIN" --clock-control none --set detailed -k "regex:$kern" -c 1 -f -o "$OUT/$kern" \
-      python3 benchmarks/bench_kernels.py --defaults --only "${pair#*:}" > "$OUT/ncu$kern.log" 2>&1
-    echo "ncu $kern rc=$?"
-    "$NCU_BIN" --import "$OUT/$kern.ncu-rep" --page details > "$OUT/ncu$kern.txt" 2>&1
+  pairs=(_branch_conv_kernel:conv _branch_attn_kernel:attention)
+  [ "$NCU" = 1 ] || IFS=, read -ra pairs <<< "$NCU"
+  for pair in "${pairs[@]}"; do
+    kern=${pair%%:*} bench=${pair#*:}
+    name="$kern-${bench// /-}"
+    timeout 240 "$NCU_BIN" --clock-control none --set detailed -k "regex:$kern" -c 1 -f -o "$OUT/$name" \
+      python3 benchmarks/bench_kernels.py --defaults --only "$bench" > "$OUT/ncu-$name.log" 2>&1
+    echo "ncu $name rc=$?"
+    "$NCU_BIN" --import "$OUT/$name.ncu-rep" --page details > "$OUT/ncu-$name.txt" 2>&1
     grep -E "^  [a-zA-Z_]|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Block Limit|Local" \
-      "$OUT/ncu$kern.txt" | head -24
+      "$OUT/ncu-$name.txt" | head -24
   done
 fi
 if [ "${JOB:-0}" = 1 ]; then  # the job benchmark keeps its own Triton cache (its cold start empties it)
