@@ -220,11 +220,13 @@ def main() -> None:
 def bench_gemms(record, cfg, m: int, gen: torch.Generator) -> None:
     """Prefill's weight GEMMs at m tokens, each distinct (N, K) once: torch's cuBLAS call as the model makes it,
     then the fastest of the algorithms cuBLASLt offers for it (torch's TunableOp, which times them all and keeps
-    the default among them), against its FLOPs at the rate of an 8192^3 GEMM timed here. Whether cuBLAS's own
-    pick leaves time on the table at these shapes (NOTES 65: prefill's GEMMs at ~92% of that rate)."""
+    the default among them), against its FLOPs at the floor's rate (bench_score's `MatmulRate`, 8192^3). Whether
+    cuBLAS's own pick leaves time on the table at these shapes (NOTES 65: prefill's GEMMs at ~92% of that rate)."""
+    import statistics
     import tempfile
 
     import torch.nn.functional as F
+    from bench_score import MatmulRate  # benchmarks/, this script's directory
 
     from kevscore.kernels import fla_ops
     from kevscore.model.kev import KevModel
@@ -235,8 +237,7 @@ def bench_gemms(record, cfg, m: int, gen: torch.Generator) -> None:
     for name, param in model.layers.named_parameters():
         if param.dim() == 2 and "conv" not in name:
             counts[tuple(param.shape)] = counts.get(tuple(param.shape), 0) + 1
-    big = torch.randn(8192, 8192, device=DEV, generator=gen).to(torch.bfloat16)
-    rate = 2 * 8192 ** 3 / (do_bench(lambda: big @ big, warmup=10, rep=50, return_mode="median") * 1e-3)
+    rate = statistics.median(MatmulRate().samples(20, warmup=3)) * 1e12
     print(f"gemm          8192^3 at {rate / 1e12:.0f} TFLOP/s; prefill's GEMMs at {m} tokens:")
     cases = []
     for (n, k), per_call in sorted(counts.items()):
