@@ -125,11 +125,13 @@ def child(args) -> None:
         def __init__(self):
             self.marks: list[tuple[str, object, object]] = []
             self.steps: list[tuple[str, object]] = []
+            self.host_steps: list[float] = []
             self.traced = False
 
         def advance(self, phase: str, n: int) -> None:
             self.steps.append((phase, torch.cuda.Event(enable_timing=True)))
             self.steps[-1][1].record()
+            self.host_steps.append(time.perf_counter())  # when the host had launched this group or batch
             if tracer is not None and phase == "prefill" and sum(p == "prefill" for p, _ in self.steps) == 1:
                 torch.cuda.synchronize()  # the first group's kernels, all of them in the trace
                 tracer.stop()
@@ -159,15 +161,17 @@ def child(args) -> None:
     if cuda:
         torch.cuda.init()
         origin = torch.cuda.Event(enable_timing=True)
-        origin.record()
+        origin.record()  # on an idle GPU: it runs at once, so its time is also the host's `origin_host`
+        origin_host = time.perf_counter()
     opts = RunOptions(input=Path(args.input), output=Path(args.output), model=args.model, device=args.device,
                       overwrite=True, batch_rows=args.batch_rows)
     result = run_job(opts, timeline)
-    phases, steps = [], []
+    phases, steps, host_steps = [], [], []
     if cuda:
         torch.cuda.synchronize()  # events of the job's phases, on the clock of `origin`
         phases = [(name, origin.elapsed_time(a) / 1000, origin.elapsed_time(b) / 1000) for name, a, b in timeline.marks]
         steps = [(name, round(origin.elapsed_time(e) / 1000, 4)) for name, e in timeline.steps]
+        host_steps = [round(t - origin_host, 4) for t in timeline.host_steps]
     s = result.stats
     out = {"import_s": import_s, "process_s": time.perf_counter() - t0, "wall_s": result.wall_s,
            "load_s": result.load_s, "load_phases": result.load_phases, "warm_up": result.warm_up,
@@ -176,6 +180,7 @@ def child(args) -> None:
            "write_s": s.write_s, "rows": s.rows, "documents": result.documents, "prefix_tokens": s.prefix_tokens,
            "branch_tokens": s.branch_tokens, "batches": s.batches, "waves": s.waves,
            "gpu_idle_between_phases_s": idle_between(phases), "phases": phases, "steps": steps,
+           "host_steps": host_steps,
            "peak_gpu_bytes": result.peak_gpu, "compiles": compiles}
     if tracer is not None and timeline.traced:
         tracer.export_chrome_trace(str(args.trace))
@@ -476,6 +481,18 @@ def run(args) -> dict:
     return report
 
 
+def host_lead(steps: list, host_steps: list, phase: str) -> str:
+    """How far the host ran ahead of the GPU in a phase: for each group or batch after the first, the time from
+    the host's last launch of it to the GPU's end of the one before (negative: the GPU finished first and
+    waited on the host's launches, or on a synchronization)."""
+    ms = [1000 * (gpu - host) for (p, gpu), (q, _), host in zip(steps, steps[1:], host_steps[1:]) if p == q == phase]
+    if not ms:
+        return "not recorded"
+    ms.sort()
+    return (f"min {ms[0]:.0f} ms, median {ms[len(ms) // 2]:.0f} ms, "
+            f"{sum(x < 0 for x in ms)} of {len(ms)} behind the GPU")
+
+
 def group_times(phases: list, steps: list) -> str:
     """The first five prefill groups' GPU times and the median of the rest, each from the end of the one before
     (or its phase's start)."""
@@ -512,6 +529,9 @@ def print_table(r: dict) -> None:
         print(f"{name} job, prefill GPU ms per group: " + group_times(j.get("phases", []), j.get("steps", []))
               + (f"; scoring's graph captures {j['capture_s']:.2f} s" if "capture_s" in j else "")
               + (f" ({j['captures']} graphs)" if "captures" in j else ""))
+        if j.get("host_steps"):
+            print(f"{name} job, host ahead of the GPU: prefill " + host_lead(j["steps"], j["host_steps"], "prefill")
+                  + "; scoring " + host_lead(j["steps"], j["host_steps"], "score"))
     for name, j in jobs.items():  # Triton compiles and cache loads in the job's process, by thread
         by_thread: dict[str, list] = {}
         for _, sec, kernel, thread in j.get("compiles", []):

@@ -199,6 +199,16 @@ def test_job_benchmark_arithmetic():
     assert job.group_times(8, []) == "not recorded"  # a report from before the groups were timed
 
 
+def test_host_lead_per_group():
+    """The host's lead over the GPU: each group's last launch against the GPU's end of the group before."""
+    job = benchmark("bench_job")
+    steps = [("prefill", 1.0), ("prefill", 2.0), ("prefill", 3.0), ("score", 3.5), ("score", 4.0)]
+    host = [0.1, 0.4, 2.5, 3.4, 3.45]  # group 3 launched 0.5 s after group 2 ended: the GPU waited
+    assert job.host_lead(steps, host, "prefill") == "min -500 ms, median 600 ms, 1 of 2 behind the GPU"
+    assert job.host_lead(steps, host, "score") == "min 50 ms, median 50 ms, 0 of 1 behind the GPU"
+    assert job.host_lead([], [], "prefill") == "not recorded"
+
+
 def test_job_stack_sampling_covers_its_seconds_from_its_start():
     """bench_job's stack sampler runs for its SECONDS from when it starts (the job's start), however long the
     process ran before: a window counted from the process's start would have closed during the imports."""
