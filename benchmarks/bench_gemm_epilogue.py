@@ -31,9 +31,9 @@ CONFIGS = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (25
 SHAPES = ((18432, 2560, "gate|up"), (2560, 9216, "down"), (12352, 2560, "DeltaNet in_proj"))
 
 
-@triton.jit
-def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, SWIGLU: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "PROGRAMS"])
+def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, PROGRAMS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 GROUP_M: tl.constexpr, SWIGLU: tl.constexpr):
     """C = A B^T for A [M, K], B [N, K]; tiles in groups of GROUP_M rows of tiles (L2 reuse of B), each program
     taking every PROGRAMS-th tile. SWIGLU: B's rows hold gate and up in alternate blocks of BN / 2, and the
     tile's output is silu(gate) * up, [BM, BN / 2] at column pid_n * BN / 2."""
@@ -65,8 +65,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, config, persistent: bool = True, swig
     programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count) if persistent else tiles
     _gemm_kernel[(programs,)](
         TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
-        TensorDescriptor.from_tensor(c, [bm, bn // 2 if swiglu else bn]), m, n, k, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-        PROGRAMS=programs, SWIGLU=swiglu, num_stages=stages, num_warps=warps)
+        TensorDescriptor.from_tensor(c, [bm, bn // 2 if swiglu else bn]), m, n, k, programs, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+        SWIGLU=swiglu, num_stages=stages, num_warps=warps)
     return c
 
 
@@ -87,68 +87,75 @@ def timed(fn) -> float | None:
         return None
 
 
+def bench_shape(m: int, n: int, k: int, name: str, gen: torch.Generator, record) -> None:
+    """cuBLAS and every Triton launch at one shape; the gate|up shape also with SwiGLU after it and in it."""
+    a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
+    flops = 2 * m * n * k
+    ref = F.linear(a[:512].float(), b.float())
+    record(name, "cuBLAS F.linear", timed(lambda: F.linear(a, b)), flops)
+    for config in CONFIGS:
+        for persistent in (True, False):
+            try:
+                err = (gemm(a, b, config, persistent)[:512].float() - ref).abs().max().item()
+            except Exception as exc:  # noqa: BLE001 - a launch that does not fit: reported, skipped
+                print(f"    {config}: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}")
+                continue
+            label = f"Triton {'persistent' if persistent else 'one tile a program'} {config}"
+            record(name, label, timed(lambda: gemm(a, b, config, persistent)), flops, err)
+    if name != "gate|up":
+        return
+    ref_swiglu = F.silu(ref[:, : n // 2]) * ref[:, n // 2:]
+    record(name, "cuBLAS + swiglu_rows", timed(lambda: swiglu_rows(F.linear(a, b))), flops)
+    for config in CONFIGS:
+        b_mixed = interleaved(b, config[1] // 2)
+        for persistent in (True, False):
+            try:
+                out = gemm(a, b_mixed, config, persistent, swiglu=True)
+                err = (out[:512].float() - ref_swiglu).abs().max().item()
+            except Exception as exc:  # noqa: BLE001
+                print(f"    swiglu {config}: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}")
+                continue
+            label = f"Triton {'persistent' if persistent else 'one tile a program'} + SwiGLU {config}"
+            record(name, label, timed(lambda: gemm(a, b_mixed, config, persistent, swiglu=True)), flops, err)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[65536, 5440],
+                    help="GEMM rows: a prefill group's tokens, a scoring batch's (64 rows x 85 tokens)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    m = args.tokens
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    for m in args.tokens:
+        def record(shape: str, what: str, ms: float | None, flops: float, err: float | None = None) -> None:
+            rate = flops / ms / 1e9 if ms else None
+            rows.append({"tokens": m, "shape": shape, "variant": what, "ms": ms, "tflops": rate, "max_err": err})
+            print(f"{m:>6} {shape:<17}{what:<50}" + (f"{ms * 1000:9.1f} us {rate:5.0f} TFLOP/s" if ms else " failed")
+                  + (f"  err {err:.1e}" if err is not None else ""))
 
-    def record(shape: str, what: str, ms: float | None, flops: float, err: float | None = None) -> None:
-        rate = flops / ms / 1e9 if ms else None
-        rows.append({"shape": shape, "variant": what, "ms": ms, "tflops": rate, "max_err": err})
-        print(f"{shape:<18}{what:<44}" + (f"{ms * 1000:9.1f} us {rate:6.0f} TFLOP/s" if ms else "   failed")
-              + (f"  max err {err:.2e}" if err is not None else ""))
-
-    for n, k, name in SHAPES:
-        a = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-        b = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(torch.bfloat16)
-        flops = 2 * m * n * k
-        ref = F.linear(a[:512].float(), b.float())
-        record(name, "cuBLAS F.linear", timed(lambda: F.linear(a, b)), flops)
-        for config in CONFIGS:
-            for persistent in (True, False) if config == CONFIGS[0] else (True,):
-                try:
-                    err = (gemm(a, b, config, persistent)[:512].float() - ref).abs().max().item()
-                except Exception as exc:  # noqa: BLE001
-                    print(f"    {config}: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}")
-                    continue
-                label = f"Triton {'persistent' if persistent else 'one tile a program'} {config}"
-                record(name, label, timed(lambda: gemm(a, b, config, persistent)), flops, err)
-        if name == "gate|up":
-            ref_swiglu = F.silu(ref[:, : n // 2]) * ref[:, n // 2:]
-            record(name, "cuBLAS + swiglu_rows", timed(lambda: swiglu_rows(F.linear(a, b))), flops)
-            for config in CONFIGS:
-                b_mixed = interleaved(b, config[1] // 2)
-                try:
-                    err = (gemm(a, b_mixed, config, swiglu=True)[:512].float() - ref_swiglu).abs().max().item()
-                except Exception as exc:  # noqa: BLE001
-                    print(f"    swiglu {config}: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}")
-                    continue
-                record(name, f"Triton + SwiGLU epilogue {config}",
-                       timed(lambda: gemm(a, b_mixed, config, swiglu=True)), flops, err)
-        del a, b
-        torch.cuda.empty_cache()
+        for n, k, name in SHAPES:
+            bench_shape(m, n, k, name, gen, record)
+            torch.cuda.empty_cache()
 
     print("\nbest per shape (ms, TFLOP/s; against cuBLAS):")
-    for _, _, name in SHAPES:
-        mine = [r for r in rows if r["shape"] == name and r["ms"]]
-        cublas = next((r for r in mine if r["variant"] == "cuBLAS F.linear"), None)
-        ours = min((r for r in mine if r["variant"].startswith("Triton persistent") or "one tile" in r["variant"]),
-                   key=lambda r: r["ms"], default=None)
-        if cublas and ours:
-            print(f"  {name:<18}cuBLAS {cublas['ms']:.3f} ({cublas['tflops']:.0f}); Triton {ours['ms']:.3f} "
-                  f"({ours['tflops']:.0f}) = {cublas['ms'] / ours['ms']:.3f}x cuBLAS's rate, {ours['variant']}")
-        if name == "gate|up":
+    for m in args.tokens:
+        for _, _, name in SHAPES:
+            mine = [r for r in rows if r["tokens"] == m and r["shape"] == name and r["ms"]]
+            cublas = next((r for r in mine if r["variant"] == "cuBLAS F.linear"), None)
+            ours = min((r for r in mine if r["variant"].startswith("Triton") and "SwiGLU" not in r["variant"]),
+                       key=lambda r: r["ms"], default=None)
+            if cublas and ours:
+                print(f"  {m:>6} {name:<17}cuBLAS {cublas['ms']:.3f} ({cublas['tflops']:.0f}); Triton {ours['ms']:.3f} "
+                      f"({ours['tflops']:.0f}) = {cublas['ms'] / ours['ms']:.3f}x cuBLAS's rate, {ours['variant']}")
             pair = next((r for r in mine if r["variant"] == "cuBLAS + swiglu_rows"), None)
-            fused = min((r for r in mine if "epilogue" in r["variant"]), key=lambda r: r["ms"], default=None)
+            fused = min((r for r in mine if "SwiGLU" in r["variant"]), key=lambda r: r["ms"], default=None)
             if pair and fused:
-                print(f"  {'':<18}cuBLAS + SwiGLU {pair['ms']:.3f}; fused {fused['ms']:.3f} "
+                print(f"  {'':>6} {'':<17}cuBLAS + SwiGLU {pair['ms']:.3f}; fused {fused['ms']:.3f} "
                       f"({pair['ms'] - fused['ms']:+.3f} ms a layer saved), {fused['variant']}")
     if args.json:
-        args.json.write_text(json.dumps({"environment": environment(), "tokens": m, "results": rows}, indent=1))
+        args.json.write_text(json.dumps({"environment": environment(torch.device("cuda")), "results": rows}, indent=1))
 
 
 if __name__ == "__main__":

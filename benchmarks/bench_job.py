@@ -14,6 +14,7 @@ The floor is the job's weight-matmul FLOPs at the bf16 rate measured in the same
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -182,6 +183,13 @@ def child(args) -> None:
            "gpu_idle_between_phases_s": idle_between(phases), "phases": phases, "steps": steps,
            "host_steps": host_steps,
            "peak_gpu_bytes": result.peak_gpu, "compiles": compiles}
+    if cuda:  # the caching allocators' counts: a retried device allocation frees the cache after a synchronize
+        device = torch.cuda.memory_stats()
+        out["allocator"] = {k: device.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams",
+                                                           "num_device_alloc", "num_device_free", "num_ooms")}
+        with contextlib.suppress(AttributeError, RuntimeError):
+            out["allocator"].update({f"host_{k}": v for k, v in torch.cuda.host_memory_stats().items()
+                                     if k.startswith("num_")})
     if tracer is not None and timeline.traced:
         tracer.export_chrome_trace(str(args.trace))
         out["first_group_kernels"] = kernel_summary(json.loads(Path(args.trace).read_text()))
@@ -529,6 +537,8 @@ def print_table(r: dict) -> None:
         print(f"{name} job, prefill GPU ms per group: " + group_times(j.get("phases", []), j.get("steps", []))
               + (f"; scoring's graph captures {j['capture_s']:.2f} s" if "capture_s" in j else "")
               + (f" ({j['captures']} graphs)" if "captures" in j else ""))
+        if j.get("allocator"):
+            print(f"{name} job, allocators: " + ", ".join(f"{k} {v}" for k, v in j["allocator"].items() if v))
         if j.get("host_steps"):
             print(f"{name} job, host ahead of the GPU: prefill " + host_lead(j["steps"], j["host_steps"], "prefill")
                   + "; scoring " + host_lead(j["steps"], j["host_steps"], "score"))
