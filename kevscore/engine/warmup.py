@@ -57,10 +57,6 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         if marker is not None and marker.is_file():
             steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache"))
             triton_hashed()
-            t0 = time.perf_counter()
-            with attention_stubbed(device):
-                shape_pass(cfg, device, path, dtype, prefill_only=True)()
-            steps["first_launches_s"] = time.perf_counter() - t0
         else:
             run_each_shape = shape_pass(cfg, device, path, dtype)
             with attention_stubbed(device):
@@ -81,15 +77,12 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
     return steps
 
 
-def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None,
-               prefill_only: bool = False) -> Callable[[], dict]:
+def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Callable[[], dict]:
     """The warm-up's model (`small_model`) on a runner, and the pass that runs it through every shape a job meets:
     two prefill groups and a scoring batch of each kind (`BRANCHES`), once. The pass returns its seconds by
-    phase. `prefill_only`: one prefill group of token counts divisible by 16, as a job's full groups are; on a
-    warm start this loads prefill's kernels from Triton's cache and makes the process's first Triton, cuBLAS
-    and index-copy launches here, beside the load, rather than in the job's first group."""
+    phase."""
     from kevscore.engine.backend import build_runner, synchronize
-    from kevscore.engine.pipeline import Engine, RunStats
+    from kevscore.engine.pipeline import Engine
     from kevscore.model.checkpoint import Checkpoint, random_weights
     from kevscore.model.prompt import Encoded
 
@@ -101,12 +94,6 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
 
     def run_each_shape() -> dict:
         prefill_s = score_s = 0.0
-        if prefill_only:
-            docs = PREFILL_GROUPS[1]
-            enc = Encoded([[1 + i] * n for i, n in enumerate(docs)], [], [], [], [], [])
-            stats = RunStats()
-            engine.prefill_wave(enc, list(range(len(docs))), stats)
-            return {"prefill_s": stats.prefill_s, "score_s": 0.0}
         # every scoring batch after the first group; after the second, which is there for prefill's token counts
         # divisible by 16, one: the branch kernels' specializations do not depend on the documents
         for docs, branches in zip(PREFILL_GROUPS, (BRANCHES, BRANCHES[:1])):
