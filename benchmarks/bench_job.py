@@ -166,6 +166,7 @@ def child(args) -> None:
         origin_host = time.perf_counter()
     opts = RunOptions(input=Path(args.input), output=Path(args.output), model=args.model, device=args.device,
                       overwrite=True, batch_rows=args.batch_rows)
+    host_groups = time_prefill_on_host() if cuda else []
     result = run_job(opts, timeline)
     phases, steps, host_steps = [], [], []
     if cuda:
@@ -183,6 +184,7 @@ def child(args) -> None:
            "gpu_idle_between_phases_s": idle_between(phases), "phases": phases, "steps": steps,
            "host_steps": host_steps,
            "peak_gpu_bytes": result.peak_gpu, "compiles": compiles}
+    out["host_groups"] = host_groups
     if cuda:  # the caching allocators' counts: a retried device allocation frees the cache after a synchronize
         device = torch.cuda.memory_stats()
         out["allocator"] = {k: device.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams",
@@ -196,6 +198,60 @@ def child(args) -> None:
     Path(args.child).write_text(json.dumps(out))
     if sampling is not None and args.logs:
         args.logs.write_text("".join(json.dumps(s) + "\n" for s in sampling()))
+
+
+def time_prefill_on_host() -> list[dict]:
+    """Host time of each prefill group on the job's thread, by step: its inputs (`prefill_inputs`) and each
+    layer's launches (forward hooks; the last entry is the last layer's bank write). A step that waits for the
+    GPU shows as one long step. Returns the list the groups are appended to."""
+    import threading
+
+    from kevscore.engine import runner as runner_module
+    from kevscore.model.kev import KevModel
+
+    groups: list[dict] = []
+    main = threading.main_thread()
+    inputs_of, prefill_of = runner_module.prefill_inputs, KevModel.prefill
+
+    def timed_inputs(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = inputs_of(*args, **kwargs)
+        if threading.current_thread() is main:
+            groups.append({"inputs_ms": round(1000 * (time.perf_counter() - t0), 2), "layers_ms": []})
+        return out
+
+    def timed_prefill(model, ids, ctx):
+        if threading.current_thread() is not main:
+            return prefill_of(model, ids, ctx)
+        marks = [time.perf_counter()]
+        hooks = [block.register_forward_hook(lambda *_: marks.append(time.perf_counter())) for block in model.layers]
+        try:
+            prefill_of(model, ids, ctx)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        marks.append(time.perf_counter())
+        if groups:
+            groups[-1]["layers_ms"] = [round(1000 * (b - a), 2) for a, b in zip(marks, marks[1:])]
+
+    runner_module.prefill_inputs, KevModel.prefill = timed_inputs, timed_prefill
+    return groups
+
+
+def host_summary(groups: list[dict]) -> str:
+    """The median group after the first: its inputs' and its layers' host ms, and the slowest layers."""
+    steady = [g for g in groups[1:] if g.get("layers_ms")]
+    if not steady:
+        return "not recorded"
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    layers = [median([g["layers_ms"][i] for g in steady if len(g["layers_ms"]) > i])
+              for i in range(max(len(g["layers_ms"]) for g in steady))]
+    slowest = sorted(range(len(layers)), key=lambda i: -layers[i])[:4]
+    worst = max(steady, key=lambda g: max(g["layers_ms"]))
+    return (f"inputs {median([g['inputs_ms'] for g in steady]):.1f} ms, layers {sum(layers):.0f} ms "
+            f"(median of {len(steady)} groups); slowest layers " + ", ".join(f"{i}: {layers[i]:.1f}" for i in slowest)
+            + f"; the longest step of any group: layer {worst['layers_ms'].index(max(worst['layers_ms']))} "
+            f"{max(worst['layers_ms']):.0f} ms")
 
 
 def kernel_summary(trace: dict, top: int = 8) -> dict:
@@ -537,6 +593,8 @@ def print_table(r: dict) -> None:
         print(f"{name} job, prefill GPU ms per group: " + group_times(j.get("phases", []), j.get("steps", []))
               + (f"; scoring's graph captures {j['capture_s']:.2f} s" if "capture_s" in j else "")
               + (f" ({j['captures']} graphs)" if "captures" in j else ""))
+        if j.get("host_groups"):
+            print(f"{name} job, prefill on the host: " + host_summary(j["host_groups"]))
         if j.get("allocator"):
             print(f"{name} job, allocators: " + ", ".join(f"{k} {v}" for k, v in j["allocator"].items() if v))
         if j.get("host_steps"):

@@ -258,3 +258,27 @@ def test_the_first_groups_trace_summary_counts_busy_time_once():
     assert summary["span_ms"] == 2.0 and summary["busy_ms"] == 1.6 and summary["kernels"] == 3
     assert summary["longest_ms"] == [("gemm", 1.4), ("norm", 0.4)]
     assert job.kernel_summary({"traceEvents": []}) == {}
+
+
+def test_prefill_host_timing_by_layer(tiny, monkeypatch):
+    """bench_job's host timing: one record per prefill group on the job's thread, an entry per layer, and the
+    functions it wraps restored by the test (they are patched process-wide)."""
+    from conftest import cpu_engine, synthetic
+
+    from kevscore.engine import runner as runner_module
+    from kevscore.engine.pipeline import Scores
+    from kevscore.model.kev import KevModel
+
+    job = benchmark("bench_job")
+    monkeypatch.setattr(runner_module, "prefill_inputs", runner_module.prefill_inputs)
+    monkeypatch.setattr(KevModel, "prefill", KevModel.prefill)
+    groups = job.time_prefill_on_host()
+    enc = synthetic([5, 7, 9], [2])
+    engine = cpu_engine(tiny, docs=enc.prefixes)
+    engine.prefill_tokens = 8  # one document a group
+    engine.prefill_wave(enc, [0, 1, 2], Scores.empty(0).stats)
+    assert len(groups) == 3 and all(len(g["layers_ms"]) == tiny.config.num_layers for g in groups)
+    assert all(g["inputs_ms"] >= 0 and min(g["layers_ms"]) >= 0 for g in groups)
+    summary = job.host_summary(groups)
+    assert summary.startswith("inputs ") and "(median of 2 groups)" in summary
+    assert job.host_summary(groups[:1]) == "not recorded"
