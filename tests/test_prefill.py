@@ -106,8 +106,7 @@ def test_padded_attention_indices_round_trip(demo):
         if padded:
             tokens = torch.arange(sum(lens))
             assert torch.equal(tokens[ctx.pad_index].flatten()[ctx.unpad_index], tokens)
-            equal = len(set(lens)) == 1  # equal lengths: the packed tokens as the batch; else rounded-up shapes
-            assert ctx.pad_index.shape == ((3, 64) if equal else (8, 128)), ctx.pad_index.shape
+            assert ctx.pad_index.shape == (len(lens), max(lens))
 
 
 def test_warm_up_model_runs_a_job_of_the_same_layer_shapes(demo):

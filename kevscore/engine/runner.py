@@ -19,10 +19,6 @@ from kevscore.model.layers.common import BranchContext, PrefillContext
 
 SLOT, LAST, PLEN = 0, 1, 2  # metadata columns after the T token columns
 PAD_WASTE = 1.25  # a prefill group's attention pads its documents to the longest while that adds at most 25%
-# A padded batch of documents of unequal lengths is [D, L] rounded up to these: cuDNN builds an attention plan
-# for each new shape, and the first call at a new shape waits for the GPU to finish its queue (the host then
-# runs behind the GPU for the rest of the group), so groups share a few shapes rather than each its own
-PAD_ROWS, PAD_LENGTH = 8, 128
 
 
 def fill_upload(buf: torch.Tensor, length: int, branches: Sequence[Sequence[int]], slots: Sequence[int],
@@ -79,14 +75,9 @@ def prefill_inputs(docs: Sequence[Sequence[int]], slots: Sequence[int], bank: St
             "slots": torch.tensor(list(slots), dtype=torch.int64),
             "kv_slots": entry_start[doc_of_token] + positions, "positions": positions}
     if len(docs) * longest <= PAD_WASTE * int(cu[-1]):  # attention may run on a padded [D, L] batch
-        equal = bool((lens == longest).all())  # then the packed tokens are the batch, as they are
-        rows = len(docs) if equal else -(-len(docs) // PAD_ROWS) * PAD_ROWS
-        width = longest if equal else -(-longest // PAD_LENGTH) * PAD_LENGTH
-        steps = torch.arange(width)
-        pad = torch.zeros(rows, width, dtype=torch.int64)  # rows past the documents read token 0, never read back
-        pad[: len(docs)] = torch.where(steps < lens[:, None], starts[:, None] + steps, 0)
-        host["pad_index"] = pad
-        host["unpad_index"] = doc_of_token * width + positions
+        steps = torch.arange(longest)
+        host["pad_index"] = torch.where(steps < lens[:, None], starts[:, None] + steps, 0)
+        host["unpad_index"] = doc_of_token * longest + positions
     dev = {name: _upload(t, torch.device(device)) for name, t in host.items()}
     ids = dev.pop("ids")
     return ids[None], PrefillContext(**dev, max_len=longest)

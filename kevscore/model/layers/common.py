@@ -49,10 +49,9 @@ class PrefillContext:
     kv_slots: torch.Tensor       # [N] token slot in the bank's K/V pool of each token
     positions: torch.Tensor      # [N] position of each token within its document
     max_len: int                 # the longest document's length
-    pad_index: torch.Tensor | None = None    # [D', L] packed token at each padded position (0 past a document's
-                                             # end; D' >= D, L >= max_len: `runner.PAD_ROWS`, `PAD_LENGTH`);
-                                             # None when padding would waste too much
-    unpad_index: torch.Tensor | None = None  # [N] each packed token's place in the flattened [D', L]
+    pad_index: torch.Tensor | None = None    # [D, max_len] packed token at each padded position (0 past a
+                                             # document's end); None when padding would waste too much
+    unpad_index: torch.Tensor | None = None  # [N] each packed token's place in the flattened [D, max_len]
 
 
 @dataclass(slots=True)
