@@ -546,9 +546,9 @@ def run(args) -> dict:
 
 
 def host_lead(steps: list, host_steps: list, phase: str) -> str:
-    """How far the host ran ahead of the GPU in a phase: for each group or batch after the first, the time from
-    the host's last launch of it to the GPU's end of the one before (negative: the GPU finished first and
-    waited on the host's launches, or on a synchronization)."""
+    """How far the host ran ahead of the GPU in a phase whose steps are recorded when the host has launched a
+    group (prefill): for each group after the first, from the host's last launch of it to the GPU's end of the
+    one before (negative: the GPU finished first and waited on the host's launches, or the host on it)."""
     ms = [1000 * (gpu - host) for (p, gpu), (q, _), host in zip(steps, steps[1:], host_steps[1:]) if p == q == phase]
     if not ms:
         return "not recorded"
@@ -598,8 +598,8 @@ def print_table(r: dict) -> None:
         if j.get("allocator"):
             print(f"{name} job, allocators: " + ", ".join(f"{k} {v}" for k, v in j["allocator"].items() if v))
         if j.get("host_steps"):
-            print(f"{name} job, host ahead of the GPU: prefill " + host_lead(j["steps"], j["host_steps"], "prefill")
-                  + "; scoring " + host_lead(j["steps"], j["host_steps"], "score"))
+            # prefill only: a scoring batch's step is recorded once the host has waited for its scores
+            print(f"{name} job, host ahead of the GPU in prefill: " + host_lead(j["steps"], j["host_steps"], "prefill"))
     for name, j in jobs.items():  # Triton compiles and cache loads in the job's process, by thread
         by_thread: dict[str, list] = {}
         for _, sec, kernel, thread in j.get("compiles", []):
