@@ -73,5 +73,4 @@ def build_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int],
 
     model = KevModel.from_weights(ckpt.config, ckpt.weights, torch_ops, torch.float32, device)
     layout = BankLayout.plan(ckpt.config, torch.float32, doc_tokens, CPU_BANK_BUDGET, capacity)
-    bank = StateBank(ckpt.config, layout, device, torch.float32)
-    return EagerRunner(model, bank, ckpt.pad_id)
+    return EagerRunner(model, StateBank(ckpt.config, layout, device, torch.float32), ckpt.pad_id)

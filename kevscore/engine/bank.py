@@ -50,8 +50,7 @@ class StateBank:
     tensor with a token axis [layers, *dims] with the pool's tokens on that axis."""
 
     def __init__(self, cfg: KevConfig, layout: BankLayout, device, dtype: torch.dtype):
-        self.layout = layout
-        self.declared = [t for t, _ in bank_tensors(cfg)]
+        self.layout, self.declared = layout, [t for t, _ in bank_tensors(cfg)]
         for t, layers in bank_tensors(cfg):
             shape = t.shape(cfg, layout.tokens) if t.token_axis is not None else (layout.entries, *t.shape(cfg))
             setattr(self, t.name, torch.zeros(layers, *shape, dtype=t.dtype(dtype), device=device))
@@ -68,15 +67,13 @@ class StateBank:
     def alloc(self, length: int) -> int:
         """Reserve an entry for a document of `length` tokens; returns its slot."""
         if self.used_entries >= self.layout.entries or self.used_tokens + length > self.layout.tokens:
-            raise KevscoreError(
-                f"state bank full: a {length}-token document does not fit "
-                f"({self.layout.entries} entries, {self.layout.tokens} K/V tokens); raise --bank-capacity")
-        slot = self.used_entries
+            raise KevscoreError(f"state bank full: a {length}-token document does not fit ({self.layout.entries} "
+                                f"entries, {self.layout.tokens} K/V tokens); raise --bank-capacity")
         self._starts.append(self.used_tokens)
         self._lengths.append(length)
         self.used_entries += 1
         self.used_tokens += length
-        return slot
+        return self.used_entries - 1  # the slot
 
     def entry_start(self, slot: int) -> int:
         return self._starts[slot]

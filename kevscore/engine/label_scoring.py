@@ -86,8 +86,7 @@ class LastToken(Scoring):
 
     def finish(self, batch: Batch, host: torch.Tensor) -> list[Result]:
         logits, lse = host[:, :-1], host[:, -1]
-        probs = torch.softmax(logits, -1)
-        mass = torch.exp(torch.logsumexp(logits, -1) - lse)
+        probs, mass = torch.softmax(logits, -1), torch.exp(torch.logsumexp(logits, -1) - lse)
         return [(r, probs[i, : len(self.enc.label_ids[r])].tolist(), float(mass[i])) for i, r in enumerate(batch.rows)]
 
     def fail(self, unit: int) -> int:
@@ -149,8 +148,7 @@ class Continuations(Scoring):
             for label, _, _ in self.targets[u]:
                 self.logprob[r][label] += logprob[q]
                 q += 1
-            summed = self._settle(u)
-            if summed is not None:
+            if (summed := self._settle(u)) is not None:
                 summed = torch.from_numpy(summed)
                 done.append((r, torch.softmax(summed, 0).tolist(), float(torch.exp(torch.logsumexp(summed, 0)))))
         return done

@@ -89,8 +89,7 @@ class Engine:
     def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Reporter = QUIET) -> None:
         """Every row of `enc`, wave by wave through the bank, into `scores` (its stats accumulate)."""
         bank = self.runner.bank
-        doc_tokens = [len(p) for p in enc.prefixes]
-        stats = scores.stats
+        doc_tokens, stats = [len(p) for p in enc.prefixes], scores.stats
         stats.prefixes += len(enc.prefixes)
         stats.prefix_tokens += sum(doc_tokens)
         stats.branch_tokens += sum(len(b) for b in enc.branches)

@@ -9,8 +9,6 @@ import numpy as np
 
 def ladder(n: int, start: int = 16) -> int:
     """The smallest bucket >= n among start * {1, 1.5, 2, 3, 4, 6, 8, ...}: at most 50% padding."""
-    if n <= start:
-        return start
     size = start
     while size < n:
         size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
@@ -69,15 +67,11 @@ def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Seq
     """
     order = sorted(rows, key=lambda r: (branch_len[r], prefix_len[r], r))
     groups: list[list[int]] = []
-    current: list[int] = []
     for r in order:  # ascending length: the newest row sets the batch's padded length
         cap = max(1, min(max_rows, max_tokens // length_bucket(branch_len[r])))
-        if current and len(current) >= cap:
-            groups.append(current)
-            current = []
-        current.append(r)
-    if current:
-        groups.append(current)
+        if not groups or len(groups[-1]) >= cap:
+            groups.append([])
+        groups[-1].append(r)
     return [make_batch(g, branch_len, prefix_len, max_rows, scored) for g in groups]
 
 
@@ -86,17 +80,15 @@ def plan_waves(doc_tokens: Sequence[int], entries: int, tokens: int, waste: floa
     `waste` (documents in ascending length), also none that its documents padded to its longest would fill more
     than `waste` times."""
     waves: list[list[int]] = []
-    current: list[int] = []
-    used = 0
+    used = 0  # K/V tokens of the last wave
     for d, n in enumerate(doc_tokens):
-        padded = waste is not None and (len(current) + 1) * n > waste * (used + n)
-        if current and (len(current) == entries or used + n > tokens or padded):
-            waves.append(current)
-            current, used = [], 0
-        current.append(d)
+        size = len(waves[-1]) if waves else 0
+        padded = waste is not None and (size + 1) * n > waste * (used + n)
+        if not waves or size == entries or used + n > tokens or padded:
+            waves.append([])
+            used = 0
+        waves[-1].append(d)
         used += n
-    if current:
-        waves.append(current)
     return waves
 
 
@@ -151,12 +143,10 @@ def plan_windows(doc_of_row: np.ndarray, doc_tokens: Sequence[int], max_docs: in
     """Cut documents, in the order they first appear in the input, into consecutive windows of at most
     `max_docs` documents, `max_rows` rows and `max_tokens` prefix tokens (but at least one document).
     A document with more than `max_rows` rows gets windows of its own, its rows split in input order."""
-    n_docs = len(doc_tokens)
-    live = doc_of_row >= 0
+    n_docs, live = len(doc_tokens), doc_of_row >= 0
     counts = np.bincount(doc_of_row[live], minlength=n_docs) if n_docs else np.zeros(0, np.int64)
     first = np.full(max(n_docs, 1), -1, dtype=np.int64)
-    rows, docs, tokens = [], [], []
-    chunked = []
+    rows, docs, tokens, chunked = [], [], [], []
     accepting = False  # the last window takes more documents (not one of a split document's)
     for d in np.flatnonzero(counts).tolist():
         n, t = int(counts[d]), int(doc_tokens[d])
