@@ -22,11 +22,11 @@ RECORD_FIELDS = {"file": str, "model": str, "prefix_sha256": str, "tokens": int,
                  "last_used": (int, float), "doc_ids": list}  # an index record's fields and their types
 
 
-def entry_record(entry: EntryFile, path: Path, root: Path, last_used: float, doc_ids: Sequence[str] = ()) -> dict:
+def entry_record(entry: EntryFile, path: Path, root: Path, last_used: float) -> dict:
+    """An entry file's index record; its document ids are merged in when the index is committed (`merge_ids`)."""
     return {"file": path.relative_to(root).as_posix(), "model": entry.meta["model"],
-            "prefix_sha256": entry.meta["prefix_sha256"], "tokens": entry.tokens,
-            "bytes": entry.component_bytes(), "file_bytes": entry.size, "created": float(entry.meta["created"]),
-            "last_used": last_used, "doc_ids": list(doc_ids)[:MAX_DOC_IDS]}
+            "prefix_sha256": entry.meta["prefix_sha256"], "tokens": entry.tokens, "bytes": entry.component_bytes(),
+            "file_bytes": entry.size, "created": float(entry.meta["created"]), "last_used": last_used, "doc_ids": []}
 
 
 def _check_record(key: str, rec) -> None:

@@ -50,9 +50,8 @@ def model_fingerprint(ckpt, dtype: torch.dtype, backend: str, weights: str | Non
     """sha256 over the model config, a digest of the weights (`weights`: `weights_digest(ckpt)` computed
     before), the bank dtype and the ops backend (CPU fp32 torch ops and GPU bf16 FLA kernels make different
     entries for the same weights)."""
-    config = dataclasses.asdict(ckpt.config)
     about = {"name": ckpt.name, "dtype": str(dtype).removeprefix("torch."), "backend": backend,
-             "weights": weights or weights_digest(ckpt), "config": config}
+             "weights": weights or weights_digest(ckpt), "config": dataclasses.asdict(ckpt.config)}
     return Fingerprint(hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest(), about)
 
 
@@ -141,8 +140,7 @@ def _checked_header(head: bytes, size: int) -> EntryFile:
         raise EntryError(f"bank format version {meta['version']}, this kevscore reads version {VERSION}")
     if sorted(header) != sorted(TENSORS):
         raise EntryError(f"tensors {sorted(header)}, expected {sorted(TENSORS)}")
-    tensors, spans = {}, []
-    data_start = 8 + n
+    tensors, spans, data_start = {}, [], 8 + n
     for name, spec in header.items():
         dtype, shape, begin, end = _tensor_spec(name, spec)
         if dtype not in DTYPES or len(shape) != RANKS[name] or min(shape, default=0) < 0:
@@ -208,8 +206,7 @@ def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torc
                 raise EntryError(f"truncated while reading ({done} of {size} bytes)")
             done += got
     entry = _parse_header(view, size)
-    crc = json.loads(entry.meta["crc32"])
-    tensors = {}
+    crc, tensors = json.loads(entry.meta["crc32"]), {}
     for name, (dtype, shape, begin, end) in entry.tensors.items():
         if zlib.crc32(view[begin:end]) != crc[name]:
             raise EntryError(f"checksum mismatch in {name!r} (CRC-32 {zlib.crc32(view[begin:end]):08x}, "
@@ -233,8 +230,7 @@ def entry_bytes(key: str, model: str, ids: Sequence[int], entry: dict[str, torch
 
     tensors = {**entry, "ids": torch.as_tensor(list(ids), dtype=torch.int64)}
     crc = {n: zlib.crc32(t.reshape(-1).view(torch.uint8).numpy()) for n, t in tensors.items()}
-    meta = {"format": FORMAT, "version": str(VERSION), "key": key, "model": model,
-            "prefix_sha256": prefix_key(ids), "tokens": str(len(ids)), "crc32": json.dumps(crc),
-            "created": f"{time.time():.3f}"}
+    meta = {"format": FORMAT, "version": str(VERSION), "key": key, "model": model, "prefix_sha256": prefix_key(ids),
+            "tokens": str(len(ids)), "crc32": json.dumps(crc), "created": f"{time.time():.3f}"}
     return save(tensors, metadata=meta)
 

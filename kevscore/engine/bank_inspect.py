@@ -18,8 +18,7 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
         files = entry_files(root)
         index, why = index_or_why(root)
         notes = [f"{why}: entries listed from their files (the next run rebuilds it)"] if why else []
-        records = dict(index["entries"]) if index else {}
-        models = dict(index["models"]) if index else {}
+        records, models = (dict(index["entries"]), dict(index["models"])) if index else ({}, {})
         keys = sorted(set(records) | set(files))
         chosen = _chosen_entry(root, keys, entry)
         rows = [_entry_row(key, records.get(key), files.get(key), verify and chosen in (None, key), entry is not None)
@@ -31,18 +30,15 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
     per_model = {fp: {"about": about, "entries": sum(r.get("model") == fp for r in rows),
                       "file_bytes": sum(r["file_bytes"] for r in rows if r.get("model") == fp)}
                  for fp, about in models.items()}
-    totals = {"entries": len(rows), "file_bytes": sum(r["file_bytes"] for r in rows), "tokens": 0}
-    for r in rows:
-        totals["tokens"] += r.get("tokens") or 0
-        for comp in COMPONENTS.values():
-            totals[comp] = totals.get(comp, 0) + (r.get("bytes") or {}).get(comp, 0)
+    totals = {"entries": len(rows), "file_bytes": sum(r["file_bytes"] for r in rows),
+              "tokens": sum(r.get("tokens") or 0 for r in rows),
+              **{comp: sum((r.get("bytes") or {}).get(comp, 0) for r in rows) for comp in COMPONENTS.values()}}
     disk = shutil.disk_usage(root)
     shown = rows if chosen is None else [r for r in rows if r["key"] == chosen]
     bad = [r["key"] for r in shown if r["status"] not in ("ok", "unchecked")]
     return {"bank": str(root), "format": FORMAT, "version": VERSION, "models": per_model, "entries": shown,
-            "totals": totals, "disk": {"free_bytes": disk.free, "total_bytes": disk.total},
-            "verified": verify, "bad_entries": bad, "notes": notes,
-            "unindexed": [r["key"] for r in rows if not r["indexed"]],
+            "totals": totals, "disk": {"free_bytes": disk.free, "total_bytes": disk.total}, "verified": verify,
+            "bad_entries": bad, "notes": notes, "unindexed": [r["key"] for r in rows if not r["indexed"]],
             "temporary": [p.name for p in leftovers]}
 
 
@@ -60,8 +56,7 @@ def _chosen_entry(root: Path, keys: list[str], prefix: str | None) -> str | None
 
 def _entry_row(key: str, rec: dict | None, path: Path | None, verify: bool, detail: bool) -> dict:
     """One entry's row: from its file's header (and, with `verify`, a full checked read), else its record."""
-    row = {"key": key, "file": f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}", "indexed": rec is not None,
-           "status": "unchecked"}
+    row = {"key": key, "file": f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}", "indexed": rec is not None, "status": "unchecked"}
     if path is None:
         row.update(status="missing file", model=rec["model"], tokens=rec["tokens"], doc_ids=rec["doc_ids"],
                    bytes=rec["bytes"], file_bytes=0, last_used=rec["last_used"])
@@ -72,9 +67,8 @@ def _entry_row(key: str, rec: dict | None, path: Path | None, verify: bool, deta
                    file_bytes=head.size, created=float(head.meta["created"]),
                    tensors={n: {"dtype": d, "shape": s} for n, (d, s, _, _) in head.tensors.items()})
     except (OSError, EntryError) as exc:
-        row.update(status=f"corrupt: {exc}", model=rec["model"] if rec else None,
-                   tokens=rec["tokens"] if rec else None, bytes=rec["bytes"] if rec else {},
-                   file_bytes=path.stat().st_size)
+        row.update(status=f"corrupt: {exc}", model=rec["model"] if rec else None, tokens=rec["tokens"] if rec else None,
+                   bytes=rec["bytes"] if rec else {}, file_bytes=path.stat().st_size)
     row["doc_ids"] = rec["doc_ids"] if rec else []
     row["last_used"] = rec["last_used"] if rec else path.stat().st_mtime
     if verify and row["status"] == "unchecked":

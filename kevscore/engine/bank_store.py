@@ -61,8 +61,7 @@ class BankStore:
 
     def __init__(self, root: Path, model: Fingerprint, max_bytes: int | None = None,
                  warn: Callable[[str], None] | None = None, workers: int | None = None):
-        self.root, self.model, self.max_bytes = Path(root), model, max_bytes
-        self._warn_cb = warn
+        self.root, self.model, self.max_bytes, self._warn_cb = Path(root), model, max_bytes, warn
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         self.stats = BankStats()
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
@@ -175,8 +174,7 @@ class BankStore:
         if self.max_bytes is None:
             return []
         entries = index["entries"]
-        total = sum(r["file_bytes"] for r in entries.values())
-        out = []
+        total, out = sum(r["file_bytes"] for r in entries.values()), []
         for key in sorted(entries, key=lambda k: (entries[k]["last_used"], k)):
             if total <= self.max_bytes:
                 break
@@ -191,8 +189,7 @@ class BankStore:
         faults.point("bank-before-commit")
         with bank_dir.bank_lock(self.root, True, "commit"):
             faults.point("bank-commit-locked")
-            index = self._load_index(reconcile=False)
-            dirs = set()
+            index, dirs = self._load_index(reconcile=False), set()
             for key, tmp, _ in written:
                 final = self._path(key)
                 final.parent.mkdir(exist_ok=True)
@@ -280,8 +277,7 @@ class BankStore:
                 yield result(pending.popleft())
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
-        path = self._path(key)
-        entry, tensors = bank_entry.read_entry(path, pin=bank.state.device.type == "cuda")
+        entry, tensors = bank_entry.read_entry(self._path(key), pin=bank.state.device.type == "cuda")
         if entry.meta["model"] != self.model.digest:
             name = self.index["models"].get(entry.meta["model"], {}).get("name", "?")
             raise EntryError(f"made by another model ({name}, fingerprint {entry.meta['model'][:12]})")
@@ -306,8 +302,7 @@ class BankStore:
 
     def save(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> None:
         """Write the entries of freshly prefilled `docs` (copied out of their bank slots) and commit them."""
-        t0 = time.perf_counter()
-        items = self._keys(prefixes, docs)
+        t0, items = time.perf_counter(), self._keys(prefixes, docs)
 
         def write(item):
             d, key = item
