@@ -12,15 +12,9 @@ from kevscore.errors import KevscoreError
 from kevscore.job.rows import RowReader
 from kevscore.job.scan import InputTable, scan_input
 
-OUTPUT_SCHEMA = pa.schema([
-    ("row", pa.int64()),
-    ("doc_id", pa.string()),
-    ("question_id", pa.string()),
-    ("labels", pa.list_(pa.string())),
-    ("probs", pa.list_(pa.float64())),
-    ("prediction", pa.string()),
-    ("label_mass", pa.float64()),
-])
+OUTPUT_SCHEMA = pa.schema([("row", pa.int64()), ("doc_id", pa.string()), ("question_id", pa.string()),
+                           ("labels", pa.list_(pa.string())), ("probs", pa.list_(pa.float64())),
+                           ("prediction", pa.string()), ("label_mass", pa.float64())])
 
 
 # ---------------------------------------------------------------- reading

@@ -200,8 +200,7 @@ class Carry:
     input column but the document text and those the output has, under the user's names."""
 
     def __init__(self, source: Source, taken: Sequence[str], warn: Callable[[str], None]):
-        schema = pq.read_schema(source.path)
-        theirs = {v: k for k, v in source.rename.items()}
+        schema, theirs = pq.read_schema(source.path), {v: k for k, v in source.rename.items()}
         self.columns: list[tuple[str, pa.Field]] = []
         for f in schema:
             name = theirs.get(f.name, f.name)

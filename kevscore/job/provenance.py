@@ -21,11 +21,8 @@ from kevscore.job.options import RunOptions, carries
 
 JOB_KEY = b"kevscore.job"
 PROVENANCE_KEY = b"kevscore.provenance"  # how the output was made: version, inputs, model, options (`kevscore info`)
-OPTION_FLAGS = {"state_read": "--state-read", "labels": "--labels", "batch_rows": "--batch-rows",
-                "bank_capacity": "--bank-capacity", "eager": "--eager", "batch_invariant": "--batch-invariant",
-                "window": "--window", "dtype": "--dtype", "shard": "shard (rank, world)",
-                "ranks": "ranks (--gpus, torchrun)", "device": "--device", "model": "--model",
-                "skip_invalid": "--skip-invalid", "limit": "--limit", "carry": "--carry/--no-carry",
+# how `differences` names an option that is not simply --NAME (state_read: --state-read)
+OPTION_FLAGS = {"shard": "shard (rank, world)", "ranks": "ranks (--gpus, torchrun)", "carry": "--carry/--no-carry",
                 "rename": "the column options (--question-column, ...)"}
 
 
@@ -77,7 +74,7 @@ def differences(old: dict, new: dict) -> list[str]:
         out.append(f"model {was.get('name')} ({str(was.get('fingerprint'))[:12]}) -> "
                    f"{now.get('name')} ({str(now.get('fingerprint'))[:12]})")
     was, now = old.get("options") or {}, new.get("options") or {}
-    out += [f"{OPTION_FLAGS.get(key, key)} {was.get(key)} -> {now.get(key)}"
+    out += [f"{OPTION_FLAGS.get(key, '--' + key.replace('_', '-'))} {was.get(key)} -> {now.get(key)}"
             for key in sorted(set(was) | set(now)) if was.get(key) != now.get(key)]
     if not out and old.get("plan") != new.get("plan"):
         out.append("the window plan")
@@ -109,5 +106,4 @@ def job_identity(opts: RunOptions, inputs: Inputs, model: str, fingerprint, devi
                     "window": opts.window, "shard": list(opts.shard) if opts.shard else None, "ranks": ranks,
                     "skip_invalid": opts.skip_invalid, "limit": opts.limit, "carry": carries(opts, ranks),
                     "rename": {k: v for k, v in sorted(opts.rename.items()) if k != v}},
-        "plan": {"windows": len(windows), "rows": int(windows.rows.sum()), "digest": windows.digest()},
-    }
+        "plan": {"windows": len(windows), "rows": int(windows.rows.sum()), "digest": windows.digest()}}

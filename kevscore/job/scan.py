@@ -191,8 +191,7 @@ class InputScan:
     def set_aside(self, rows: Iterable[int], reason: str) -> None:
         for r in rows:
             if r not in self.invalid:
-                self.invalid[r] = reason
-                self.doc_of_row[r] = -1
+                self.invalid[r], self.doc_of_row[r] = reason, -1
 
     def costs(self) -> dict[str, int]:
         """Document key -> text length plus its questions' lengths: the costs kevscore.job.shard balances."""
@@ -226,11 +225,7 @@ def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
 
 
 def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
-    file = open_parquet(path)
-    check_names(path, file.schema_arrow.names, ("question", "doc_id"), "document")
-    _check_type(path, file, "doc_id")
-    docs = _index_documents(path, file)  # by doc_id alone: the texts are in the documents file
-    _nulls(path, "doc_id", docs.null_ids)
+    file, docs = _by_doc_id(path, ("question", "doc_id"), "document")  # the texts are in the documents file
     doc_of_row, keys = docs.doc_of_row, docs.keys
     found = _documents_file(documents)
     unknown = [d for d, k in enumerate(keys) if k not in found]
@@ -247,13 +242,20 @@ def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
     return scan
 
 
-def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
-    """doc_id -> (its row in the documents file, its text's length); checks nulls, types and clashes."""
+def _by_doc_id(path: Path, required: tuple[str, str], reject: str | None) -> tuple[pq.ParquetFile, _Documents]:
+    """A file of the two-file form (questions, or documents) opened and checked, its rows indexed by doc_id: its
+    `required` columns present, `reject` absent, doc_id a string and never null."""
     file = open_parquet(path)
-    check_names(path, file.schema_arrow.names, ("doc_id", "document"), None)
+    check_names(path, file.schema_arrow.names, required, reject)
     _check_type(path, file, "doc_id")
     docs = _index_documents(path, file)
     _nulls(path, "doc_id", docs.null_ids)
+    return file, docs
+
+
+def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
+    """doc_id -> (its row in the documents file, its text's length); checks nulls, types and clashes."""
+    file, docs = _by_doc_id(path, ("doc_id", "document"), None)
     _check_type(path, file, "document")
     _nulls(path, "document", docs.null_texts)
     docs.check_clashes(path)
@@ -312,8 +314,7 @@ def _index_documents(path: Path, file: pq.ParquetFile, keep_texts: bool = False)
 LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not v),
                   ("null labels", "a null label", lambda v: None in v),
                   ("repeated labels", "a repeated label", lambda v: len(set(v)) < len(v)),
-                  ("single-label lists", "a single label (one label always gets probability 1)",
-                   lambda v: len(v) < 2))
+                  ("single-label lists", "a single label (one label always gets probability 1)", lambda v: len(v) < 2))
 
 
 def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -> None:

@@ -24,9 +24,8 @@ from kevscore.model.prompt import encode
 
 def make_engine(opts: RunOptions, runner, store: BankStore | None = None, stop: StopSignals | None = None) -> Engine:
     """The engine a job scores with: one row per batch and one document per prefill with --batch-invariant."""
-    return Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows,
-                  prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, store=store, stop=stop,
-                  skip_failed=opts.skip_invalid)
+    return Engine(runner, max_rows=1 if opts.batch_invariant else opts.batch_rows, store=store, stop=stop,
+                  prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, skip_failed=opts.skip_invalid)
 
 
 def read_window(reader: RowReader, windows: Windows, tokenizer, template, labels, max_positions: int, w: int):
