@@ -67,8 +67,7 @@ def row_list(enc: Encoded, rows: Sequence[int] | None) -> list[int]:
     return list(range(len(enc))) if rows is None else list(rows)
 
 
-def naive_call(model, enc: Encoded, device: torch.device | str, batch: int,
-               rows: Sequence[int] | None = None) -> Call:
+def naive_call(model, enc: Encoded, device: torch.device | str, batch: int, rows: Sequence[int] | None = None) -> Call:
     """Each row's `document + question` through the model, `batch` rows a forward (sorted by length)."""
     device, rows = torch.device(device), row_list(enc, rows)
     seqs = [enc.prefixes[enc.row_prefix[r]] + enc.branches[r] for r in rows]

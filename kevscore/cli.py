@@ -193,8 +193,8 @@ def run(
     with _failing():
         label_list = parse_labels(labels)
     given = locals()
-    rename = {given[f"{name}_column"]: name for name in COLUMNS}  # the input's column name -> kevscore's
-    opts = options_of(RunOptions, given, labels=label_list, rename=rename)
+    # rename: the input's column name -> kevscore's
+    opts = options_of(RunOptions, given, labels=label_list, rename={given[f"{name}_column"]: name for name in COLUMNS})
     if str(output) == "-" and log_json:
         _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
     if dry_run:

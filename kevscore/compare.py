@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,14 +52,12 @@ class CaseSpec:
 def case_specs(small: bool) -> dict[str, CaseSpec]:
     """The synthetic cases; `small` (the CPU) keeps their structure at a size a CPU runs in seconds."""
     doc, q, long_q = (48, 12, (40, 80)) if small else (1024, 64, (256, 512))
-    specs = [
-        CaseSpec("shared", 16, doc, 6, (q, q), 1.0, 1),
-        CaseSpec("distinct", 24 if small else 96, doc, 1, (q, q), 1.0, 2),
-        CaseSpec("padded", 13, doc, 7, (q, q), 1.0, 3),  # 91 rows: fits no row bucket
-        CaseSpec("long-branch", 4 if small else 8, doc, 4, long_q, 1.0, 4),
-        # many questions on each long document: every row reads its document's K/V (issue 21's W2 shape)
-        CaseSpec("long-document", 4 if small else 8, 192 if small else 8192, 12, (q, q), 1.0, 6),
-    ]
+    specs = [CaseSpec("shared", 16, doc, 6, (q, q), 1.0, 1),
+             CaseSpec("distinct", 24 if small else 96, doc, 1, (q, q), 1.0, 2),
+             CaseSpec("padded", 13, doc, 7, (q, q), 1.0, 3),  # 91 rows: fits no row bucket
+             CaseSpec("long-branch", 4 if small else 8, doc, 4, long_q, 1.0, 4),
+             # many questions on each long document: every row reads its document's K/V (issue 21's W2 shape)
+             CaseSpec("long-document", 4 if small else 8, 192 if small else 8192, 12, (q, q), 1.0, 6)]
     specs += [CaseSpec(t, 16, doc, 6, (q, q), w, 5) for t, w in TEMPERATURES.items()]
     return {s.name: s for s in specs}
 
@@ -66,8 +65,7 @@ def case_specs(small: bool) -> dict[str, CaseSpec]:
 def synthetic(spec: CaseSpec, vocab: int, label_ids: list[list[int]]) -> Encoded:
     """The case's random documents and questions, labelled Yes and No (`label_ids`: their tokens)."""
     rng = random.Random(spec.seed)
-    hi = min(vocab, 1200)
-    tokens = lambda n: [rng.randrange(100, hi) for _ in range(n)]  # noqa: E731
+    tokens = lambda n: [rng.randrange(100, min(vocab, 1200)) for _ in range(n)]  # noqa: E731
     prefixes = [tokens(spec.doc_len) for _ in range(spec.docs)]
     rows = [d for d in range(spec.docs) for _ in range(spec.questions)]
     branches = [tokens(rng.randint(*spec.q_len)) for _ in rows]
@@ -230,8 +228,7 @@ def _one_token_labels(enc: Encoded, source: str) -> None:
 
 def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -> dict:
     """Run the cases; returns the report (also written to `opts.json_path` when given)."""
-    cases = _check(opts)
-    device = resolve_device(opts.device)
+    cases, device = _check(opts), resolve_device(opts.device)
     if opts.baseline == "fp32" and device.type != "cuda":
         raise KevscoreError("--baseline fp32: the CPU runs fp32 already; it compares a GPU's bf16 with fp32 "
                             "(--device cuda)")
@@ -244,30 +241,25 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
         _one_token_labels(next(iter(workloads.values()))[0], Path(opts.data).name if opts.data else "compare")
     doc_tokens = [len(p) for enc, _, _ in workloads.values() for p in enc.prefixes]
     t0 = time.perf_counter()
-    runner = build_runner(ckpt, device, doc_tokens)
-    engine = Engine(runner, max_rows=opts.batch_rows)
+    engine = Engine(build_runner(ckpt, device, doc_tokens), max_rows=opts.batch_rows)
     fp32 = None if opts.baseline != "fp32" else Engine(  # the same weights in fp32, beside the bf16 model
         build_runner(ckpt, device, doc_tokens, dtype=torch.float32), max_rows=opts.batch_rows)
     load_s = time.perf_counter() - t0
-    hf = None  # the transformers baseline's call on a case's rows
-    if opts.baseline == "hf":
-        hf_model = reference_model(ckpt, device=str(device),
-                                   dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        hf = lambda enc: naive_call(hf_model, enc, device, batch=16)  # noqa: E731
+    hf = None if opts.baseline != "hf" else partial(  # the transformers baseline's call on a case's rows
+        naive_call, reference_model(ckpt, str(device), torch.bfloat16 if device.type == "cuda" else torch.float32),
+        device=device, batch=16)
     results = []
     for k, c in enumerate(cases, start=1):
         enc, warm, definition = workloads[c]
         log(f"case {k}/{len(cases)} {c}: {len(enc)} rows, {len(enc.prefixes)} documents")
         results.append(run_case(engine, c, enc, warm, definition, opts.reps, opts.warmup, hf,
                                 hf_reps=min(opts.reps, 3), log=log, fp32=fp32))
-    report = {
-        "kind": "kevscore compare", "timer": "cuda-events" if device.type == "cuda" else "cpu-wall-clock",
-        "model": ckpt.name, "options": {"reps": opts.reps, "warmup": opts.warmup, "batch_rows": opts.batch_rows,
-                                        "baseline": opts.baseline, "small_cases": small},
-        "environment": environment(device) | {"load_average": [load_before, os.getloadavg()[0]]}, "load_s": load_s,
-        "cases": [asdict(r) | {"summary": r.summary()} for r in results],
-        "parity": all(r.parity for r in results),
-    }
+    report = {"kind": "kevscore compare", "timer": "cuda-events" if device.type == "cuda" else "cpu-wall-clock",
+              "model": ckpt.name, "options": {"reps": opts.reps, "warmup": opts.warmup, "batch_rows": opts.batch_rows,
+                                              "baseline": opts.baseline, "small_cases": small},
+              "environment": environment(device) | {"load_average": [load_before, os.getloadavg()[0]]},
+              "load_s": load_s, "cases": [asdict(r) | {"summary": r.summary()} for r in results],
+              "parity": all(r.parity for r in results)}
     report["warnings"] = spread_warnings(report)
     if opts.json_path:
         write_json(Path(opts.json_path), report, indent=1)
@@ -284,9 +276,8 @@ def _workloads(opts: CompareOptions, ckpt, cases: list[str], small: bool) -> dic
         return {c: (synthetic(specs[c], ckpt.config.vocab_size, labels), specs[c].warm, asdict(specs[c]))
                 for c in cases}
 
-    table = read_input(Path(opts.data), Path(opts.documents) if opts.documents else None)
-    enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],
-                 ckpt.config.max_position_embeddings)
+    enc = encode(read_input(Path(opts.data), Path(opts.documents) if opts.documents else None), ckpt.tokenizer,
+                 load_template(None, ckpt.tokenizer), ["Yes", "No"], ckpt.config.max_position_embeddings)
     return {c: (enc, TEMPERATURES[c], {"data": Path(opts.data).name, "rows": len(enc),
                                        "documents": len(enc.prefixes), "warm": TEMPERATURES[c]}) for c in cases}
 
@@ -297,8 +288,7 @@ def spread_warnings(report: dict) -> list[str]:
     out = [f"case {c['name']}: the paths' p10-p90 latencies overlap, so its ratio "
            f"{c['summary']['indexed_over_gathered']:.3f} is within the noise"
            for c in report["cases"] if c["summary"]["spread_overlap"]]
-    cores = os.cpu_count() or 1
-    load = max(report["environment"]["load_average"])
+    cores, load = os.cpu_count() or 1, max(report["environment"]["load_average"])
     if load >= cores / 2:
         out.append(f"this machine was busy (load average {load:.1f} on {cores} cores): timings vary between runs; "
                    "compare again on an idle machine")
@@ -316,7 +306,6 @@ def plot(report: dict, path: Path) -> None:
 
     cases = report["cases"]
     fig, axes = plt.subplots(1, len(cases), figsize=(2.6 * len(cases) + 1, 3.6), squeeze=False)
-    unit = "GPU ms (CUDA events)" if report["timer"] == "cuda-events" else "CPU ms (wall clock)"
     for ax, case in zip(axes[0], cases):
         data = [case["latency_ms"][p] for p in PATHS]
         ax.boxplot(data, showfliers=True)
@@ -325,7 +314,7 @@ def plot(report: dict, path: Path) -> None:
             ax.scatter([i] * len(d), d, s=6, alpha=0.5)
         ax.set_title(f"{case['name']} ({case['rows']} rows)\nindexed / gathered "
                      f"{case['summary']['indexed_over_gathered']:.3f}", fontsize=9)
-    axes[0][0].set_ylabel(unit)
+    axes[0][0].set_ylabel("GPU ms (CUDA events)" if report["timer"] == "cuda-events" else "CPU ms (wall clock)")
     fig.suptitle(f"kevscore compare · {report['model']} · {report['environment'].get('gpu', 'CPU')}", fontsize=10)
     fig.tight_layout()
     try:

@@ -195,21 +195,19 @@ def summary_table(result) -> Table:
     resumed = f" ({result.resumed_rows:,} from parts of an earlier run)" if result.resumed_rows else ""
     table = key_value_table(f"kevscore run · {result.model} on {result.device}", [
         ("documents", f"{result.documents:,}"), ("distinct prefixes", f"{s.prefixes:,}"),
-        ("prefilled", f"{s.prefilled:,} in {s.waves:,} {_plural(s.waves, 'wave')}"),
-        ("rows", f"{s.rows:,} in {s.batches:,} {_plural(s.batches, 'batch')}" + resumed),
+        ("prefilled", f"{s.prefilled:,} in {_count(s.waves, 'wave')}"),
+        ("rows", f"{s.rows:,} in {_count(s.batches, 'batch')}" + resumed),
         ("windows", f"{result.windows:,}" + (f", {result.resumed:,} resumed" if result.resumed else "")),
         ("prefix tokens", f"{s.prefix_tokens:,}"), ("branch tokens", f"{s.branch_tokens:,}"),
         ("load + encode", f"{result.load_s:.2f} s"), ("prefill time", f"{s.prefill_s:.3f} s"),
         ("scoring time", f"{s.score_s:.3f} s" + (f" ({s.capture_s:.2f} s capturing graphs)" if s.capture_s else "")),
-        ("read + write", f"{s.read_s:.2f} s + {s.write_s:.2f} s"),
-        ("wall time", f"{result.wall_s:.2f} s"), ("rows/s", f"{rate(f['rows_per_s'])} scoring, "
-                                                           f"{rate(f['rows_per_s_wall'])} wall"),
-        ("peak host memory", _size(result.peak_rss)),
-    ])
+        ("read + write", f"{s.read_s:.2f} s + {s.write_s:.2f} s"), ("wall time", f"{result.wall_s:.2f} s"),
+        ("rows/s", f"{rate(f['rows_per_s'])} scoring, {rate(f['rows_per_s_wall'])} wall"),
+        ("peak host memory", _size(result.peak_rss))])
     if result.peak_gpu is not None:
         table.add_row("peak GPU memory", _size(result.peak_gpu))
     if s.oom_retries:
-        table.add_row("out of memory", f"{s.oom_retries:,} {_plural(s.oom_retries, 'batch')} split and retried")
+        table.add_row("out of memory", f"{_count(s.oom_retries, 'batch')} split and retried")
     if result.errors is not None:
         table.add_row("set aside", f"{result.set_aside:,} rows -> {escape(str(result.errors))}")
     if result.labels and result.labels["predictions"]:
@@ -218,8 +216,7 @@ def summary_table(result) -> Table:
         table.add_row("predictions", escape(", ".join(f"{label} {n:,}" for label, n in
                                                       result.labels["predictions"].items())))
     table.add_row("output", escape(str(result.output)))
-    if result.bank is not None:
-        b = result.bank
+    if (b := result.bank) is not None:
         table.add_row("bank entries", f"{b.loaded:,} loaded, {s.prefilled:,} prefilled, {b.saved:,} saved, "
                                       f"{b.evicted:,} evicted" + (f", {b.rejected:,} rejected" if b.rejected else ""))
         table.add_row("bank bytes", f"{_size(b.read_bytes)} read in {b.load_s:.3f} s, "
@@ -245,17 +242,15 @@ def _size(n: float) -> str:
 
 
 def plan_table(plan) -> Table:
-    waves = f"{plan.waves:,} {_plural(plan.waves, 'wave')} (the bank holds {plan.bank_entries:,} documents)"
     table = key_value_table(f"kevscore run --dry-run · {plan.model} on {plan.device}", [
         ("rows", f"{plan.rows:,}" + (f" ({plan.set_aside:,} set aside)" if plan.set_aside else "")),
         ("documents", f"{plan.documents:,} ({plan.prefix_tokens:,} tokens to prefill)"),
-        ("windows", f"{plan.windows:,}, {waves}"),
-        ("model load", f"{plan.load_s:.1f} s (with tokenizing every prompt)"),
-    ])
+        ("windows", f"{plan.windows:,}, {_count(plan.waves, 'wave')} (the bank holds {plan.bank_entries:,} documents)"),
+        ("model load", f"{plan.load_s:.1f} s (with tokenizing every prompt)")])
     if plan.estimate_s is not None:
-        table.add_row("calibration", f"{plan.calibration_docs} {_plural(plan.calibration_docs, 'document')}, "
-                                     f"{plan.calibration_rows} rows: prefill {plan.prefill_tokens_per_s:,.0f} "
-                                     f"tokens/s, scoring {plan.score_rows_per_s:,.1f} rows/s")
+        table.add_row("calibration", f"{_count(plan.calibration_docs, 'document')}, {plan.calibration_rows} rows: "
+                                     f"prefill {plan.prefill_tokens_per_s:,.0f} tokens/s, scoring "
+                                     f"{plan.score_rows_per_s:,.1f} rows/s")
         table.add_row("estimate", f"about {_duration(plan.estimate_s)} on {plan.device}")
         gpu = ("without Triton autotuning and CUDA-graph capture at the start (tens of seconds)"
                if plan.device.startswith("cuda") else "a GPU (--device cuda) is not estimated here")
@@ -263,8 +258,9 @@ def plan_table(plan) -> Table:
     return table
 
 
-def _plural(n: int, word: str) -> str:
-    return word if n == 1 else word + ("es" if word.endswith("ch") else "s")
+def _count(n: int, word: str) -> str:
+    """'1 wave', '2,048 waves', '3 batches'."""
+    return f"{n:,} {word if n == 1 else word + ('es' if word.endswith('ch') else 's')}"
 
 
 def _duration(seconds: float) -> str:
@@ -273,12 +269,11 @@ def _duration(seconds: float) -> str:
 
 def provenance_table(record: dict) -> Table:
     """The record in two columns, the figures a reader checks first."""
-    opts = record.get("options", {})
+    opts, model, plan = record.get("options", {}), record.get("model", {}), record.get("plan", {})
 
     def file(entry) -> str:
         return "-" if not entry else f"{entry['name']} (sha256 {entry['sha256'][:16]})"
 
-    model, plan = record.get("model", {}), record.get("plan", {})
     rows = [("kevscore", str(record.get("kevscore"))),
             ("input", file(record.get("input"))), ("documents", file(record.get("documents"))),
             ("template", file(record.get("template")) if record.get("template") else "the model's chat template"),
@@ -286,7 +281,7 @@ def provenance_table(record: dict) -> Table:
             ("device", f"{opts.get('device')}, {record.get('dtype')}, state read "
                        f"{opts.get('state_read', opts.get('path'))}"),
             ("labels", ", ".join(repr(label) for label in opts.get("labels", []))),
-            ("rows", f"{plan.get('rows', 0):,} in {plan.get('windows', 0):,} window{'s' * (plan.get('windows') != 1)}"),
+            ("rows", f"{plan.get('rows', 0):,} in {_count(plan.get('windows', 0), 'window')}"),
             ("options", ", ".join(f"{k} {v}" for k, v in opts.items()
                                   if k not in ("device", "dtype", "state_read", "path", "labels"))),
             ("job", str(record.get("job")))]
@@ -302,8 +297,7 @@ def _when(t: float | None, short: bool = False) -> str:
 
 def inspect_table(r: dict) -> Table:
     """Entries, least recently used first, for 80 columns: a model column only when the bank holds several."""
-    tot = r["totals"]
-    models = len(r["models"]) > 1
+    tot, models = r["totals"], len(r["models"]) > 1
     table = Table(title="entries (least recently used first)")
     for name, justify in [("key", "left"), *([("model", "left")] if models else []), ("doc ids", "left"),
                           ("tokens", "right"), ("size", "right"), ("last used", "left"), ("status", "left")]:
@@ -347,8 +341,7 @@ def print_inspect(out: Console, r: dict, detail: bool) -> None:
               f"K/V {_size(tot.get('kv', 0))} (per entry: --entry KEY or --json)", highlight=False)
     if r["verified"]:
         bad = len(r["bad_entries"])
-        out.print(f"verify: {tot['entries'] - bad:,} ok, {bad:,} bad", highlight=False,
-                  style="red" if bad else "green")
+        out.print(f"verify: {tot['entries'] - bad:,} ok, {bad:,} bad", highlight=False, style="red" if bad else "green")
 
 
 def compare_table(r: dict) -> Table:

@@ -64,17 +64,18 @@ def _driver_version() -> str | None:
         return None
 
 
+def _version(package: str) -> str | None:
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return None
+
+
 def environment(device: torch.device) -> dict:
     """What a result was measured on: device, driver, CUDA and package versions, and the code's digests.
     Holds no host name, path or user name."""
-    versions = {}
-    for pkg in PACKAGES:
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            versions[pkg] = None
-    env = {"device": device.type, "python": platform.python_version(), "versions": versions,
-           "source_sha256": source_digests()}
+    env = {"device": device.type, "python": platform.python_version(),
+           "versions": {pkg: _version(pkg) for pkg in PACKAGES}, "source_sha256": source_digests()}
     if device.type == "cuda":
         env |= {"gpu": torch.cuda.get_device_name(device), "driver": _driver_version(), "cuda": torch.version.cuda}
     else:

@@ -24,8 +24,7 @@ def _device_dispatch(wrapped):
 
     @functools.wraps(torch_impl)
     def dispatch(*args, **kwargs):
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        on_cpu = any(t.device.type == "cpu" for t in tensors)
+        on_cpu = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in (*args, *kwargs.values()))
         return torch_impl(*args, **kwargs) if on_cpu else wrapped(*args, **kwargs)
 
     dispatch._kevscore_dispatch = True
