@@ -108,9 +108,8 @@ class JsonProgress(Reporter):
         rows, total = self.done.get("score", 0), self.total.get("score", 0)
         elapsed = time.monotonic() - self.began
         rate = (rows - self.resumed) / elapsed if elapsed > 0 else 0.0
-        eta = (total - rows) / rate if rate > 0 else None
         return {"rows_done": rows, "rows_total": total, "rows_per_s": round(rate, 2),
-                "eta_s": None if eta is None else round(eta, 1), "elapsed_s": round(elapsed, 2)}
+                "eta_s": round((total - rows) / rate, 1) if rate > 0 else None, "elapsed_s": round(elapsed, 2)}
 
     def start(self, phase: str, total: int, done: int = 0) -> None:
         self.total[phase], self.done[phase] = total, done

@@ -141,13 +141,12 @@ class Continuations(Scoring):
     def finish(self, batch: Batch, host: torch.Tensor) -> list[Result]:
         """The rows whose last branch the batch holds (a row with a failed branch too: the engine drops it)."""
         _, which, tokens = self._gather(batch)
-        logprob = (host[: len(tokens)] - host[len(tokens):][which]).tolist()
-        q, done = 0, []
+        logprob = iter((host[: len(tokens)] - host[len(tokens):][which]).tolist())  # each target's, in order
+        done = []
         for u in batch.rows:
             r = self.unit_row[u]
             for label, _, _ in self.targets[u]:
-                self.logprob[r][label] += logprob[q]
-                q += 1
+                self.logprob[r][label] += next(logprob)
             if (summed := self._settle(u)) is not None:
                 summed = torch.from_numpy(summed)
                 done.append((r, torch.softmax(summed, 0).tolist(), float(torch.exp(torch.logsumexp(summed, 0)))))

@@ -146,32 +146,26 @@ def plan_windows(doc_of_row: np.ndarray, doc_tokens: Sequence[int], max_docs: in
     n_docs, live = len(doc_tokens), doc_of_row >= 0
     counts = np.bincount(doc_of_row[live], minlength=n_docs) if n_docs else np.zeros(0, np.int64)
     first = np.full(max(n_docs, 1), -1, dtype=np.int64)
-    rows, docs, tokens, chunked = [], [], [], []
+    rows, docs, tokens = [], [], []  # per window
     accepting = False  # the last window takes more documents (not one of a split document's)
     for d in np.flatnonzero(counts).tolist():
         n, t = int(counts[d]), int(doc_tokens[d])
-        if n > max_rows:
-            first[d] = len(rows)
-            chunked.append(d)
-            for k in range(0, n, max_rows):
-                rows.append(min(max_rows, n - k))
-                docs.append(1)
-                tokens.append(t)
-            accepting = False
+        # the document joins the last window when it fits there
+        if accepting and docs[-1] < max_docs and rows[-1] + n <= max_rows and tokens[-1] + t <= max_tokens:
+            first[d] = len(rows) - 1
+            rows[-1] += n
+            docs[-1] += 1
+            tokens[-1] += t
             continue
-        if not accepting or docs[-1] >= max_docs or rows[-1] + n > max_rows or tokens[-1] + t > max_tokens:
-            rows.append(0)
-            docs.append(0)
-            tokens.append(0)
-            accepting = True
-        first[d] = len(rows) - 1
-        rows[-1] += n
-        docs[-1] += 1
-        tokens[-1] += t
-    of_row = np.full(len(doc_of_row), -1, dtype=np.int32)
-    of_row[live] = first[doc_of_row[live]]
-    if chunked:
-        idx = np.flatnonzero(np.isin(doc_of_row, np.asarray(chunked)))
+        first[d] = len(rows)  # a new window, or a document of more than max_rows rows: windows of its own
+        pieces = range(0, n, max_rows)
+        rows += [min(max_rows, n - k) for k in pieces]
+        docs += [1] * len(pieces)
+        tokens += [t] * len(pieces)
+        accepting = n <= max_rows
+    of_row = np.where(live, first[doc_of_row], -1).astype(np.int32)
+    if len(chunked := np.flatnonzero(counts > max_rows)):  # the split documents
+        idx = np.flatnonzero(np.isin(doc_of_row, chunked))
         sub = doc_of_row[idx]
         order = np.argsort(sub, kind="stable")
         bounds = np.flatnonzero(np.diff(sub[order], prepend=-1))  # where each document's run starts

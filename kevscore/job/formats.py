@@ -128,8 +128,7 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
     """The input `given` as one Parquet file: a local Parquet file as it is; anything else (CSV, JSON Lines,
     several Parquet files, a URI, columns to rename, only the first `limit` rows) staged into `stage_dir`.
     `rename`: the user's column name -> kevscore's (e.g. {'text': 'question'})."""
-    given = str(given)
-    rename = {k: v for k, v in (rename or {}).items() if k != v}
+    given, rename = str(given), {k: v for k, v in (rename or {}).items() if k != v}
     if "://" in given:
         fs, paths = remote_files(given)
         return Source(given, [], _stage(given, paths, fs, rename, limit, stage_dir), True, rename)
