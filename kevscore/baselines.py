@@ -43,8 +43,7 @@ def padded_batch(seqs: list[list[int]], labels: list[list[int]], out: list[int],
                  device: torch.device) -> Batch:
     """`seqs` right-padded into one forward after `past` cached tokens, their labels padded to `width`."""
     lengths = torch.tensor([len(s) for s in seqs])
-    t = int(lengths.max())
-    mask = None
+    t, mask = int(lengths.max()), None  # no mask when no row is padded
     if int(lengths.min()) < t:
         real = (torch.arange(t) < lengths[:, None]).long()
         mask = torch.cat([torch.ones(len(seqs), past, dtype=torch.long), real], 1).to(device)

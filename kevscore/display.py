@@ -95,8 +95,7 @@ class JsonProgress(Reporter):
 
     def __init__(self, every: float = 10.0, stream=None):
         self.every, self.stream = every, stream or sys.stdout
-        self.total: dict[str, int] = {}
-        self.done: dict[str, int] = {}
+        self.total, self.done = {}, {}  # per phase: its total, and how many are done
         self.began = self.last = time.monotonic()
         self.resumed = 0
 

@@ -185,8 +185,7 @@ def _consistent(shapes: dict[str, list[int]], tokens: int) -> bool:
 def read_header(path: Path) -> EntryFile:
     """Parse an entry file's header only (no data read, no checksum)."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
+        size, head = os.fstat(f.fileno()).st_size, f.read(8)
         if len(head) == 8:
             head += f.read(min(int.from_bytes(head, "little"), 1 << 24))
     return _parse_header(head, size)
@@ -198,8 +197,7 @@ def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torc
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        view = memoryview(buf.numpy())
-        done = 0
+        view, done = memoryview(buf.numpy()), 0
         while done < size:
             got = f.readinto(view[done:])
             if not got:

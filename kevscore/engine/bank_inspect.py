@@ -69,15 +69,13 @@ def _entry_row(key: str, rec: dict | None, path: Path | None, verify: bool, deta
     except (OSError, EntryError) as exc:
         row.update(status=f"corrupt: {exc}", model=rec["model"] if rec else None, tokens=rec["tokens"] if rec else None,
                    bytes=rec["bytes"] if rec else {}, file_bytes=path.stat().st_size)
-    row["doc_ids"] = rec["doc_ids"] if rec else []
-    row["last_used"] = rec["last_used"] if rec else path.stat().st_mtime
+    row.update(doc_ids=rec["doc_ids"] if rec else [], last_used=rec["last_used"] if rec else path.stat().st_mtime)
     if verify and row["status"] == "unchecked":
         try:
             checked, tensors = read_entry(path)
             row["status"] = "ok"
             if detail:
-                row["ids_head"] = tensors["ids"][:16].tolist()
-                row["crc32"] = json.loads(checked.meta["crc32"])
+                row.update(ids_head=tensors["ids"][:16].tolist(), crc32=json.loads(checked.meta["crc32"]))
         except (OSError, EntryError) as exc:
             row["status"] = f"corrupt: {exc}"
     return row

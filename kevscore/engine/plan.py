@@ -127,8 +127,7 @@ class Windows:
 def join_windows(plans: Sequence[Windows]) -> Windows:
     """One plan of the windows of several ranks, rank 0's first: window w of rank r becomes window
     w + (windows of the ranks before r), and `rank` says whose each one is."""
-    of_row = np.full(len(plans[0].of_row), -1, dtype=np.int32)
-    offset = 0
+    of_row, offset = np.full(len(plans[0].of_row), -1, dtype=np.int32), 0
     for p in plans:
         mine = p.of_row >= 0
         of_row[mine] = p.of_row[mine] + offset
