@@ -2,10 +2,10 @@
 
 NOTES 67: cuBLAS's GEMMs are 658 ms of an 819 ms prefill group, and the elementwise kernels around them can only
 go by folding them into a GEMM's epilogue (SwiGLU into the gate|up GEMM: its 25 ms a group). That pays only if
-our GEMM runs at cuBLAS's rate. This times, at 65,536 tokens: cuBLAS (`F.linear`), a persistent Triton GEMM
-with TMA descriptors over a few launch configurations, and for the gate|up shape cuBLAS + our SwiGLU kernel
-against the Triton GEMM with SwiGLU in its epilogue (the weight's gate and up rows interleaved in blocks of half
-a tile, so that each output tile holds a block of both). Each checked against torch in fp32 first.
+our GEMM runs at cuBLAS's rate. This times, at a prefill group's and a scoring batch's rows: cuBLAS
+(`F.linear`) and `kernels/swiglu_gemm.py`'s Triton GEMM (persistent or a program per tile, TMA descriptors)
+over a few launch configurations, and for the gate|up shape cuBLAS + our SwiGLU kernel against that GEMM with
+SwiGLU in its epilogue. Each checked against torch in fp32 first.
 
     python benchmarks/bench_gemm_epilogue.py --json OUT.json
 """
@@ -17,12 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from triton.testing import do_bench
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kevscore.kernels.elementwise import swiglu_rows
+from kevscore.kernels.swiglu_gemm import interleave, swiglu_gemm
 from kevscore.measure import environment
 
 # (BM, BN, BK, stages, warps); a configuration that does not fit in shared memory is reported and skipped
@@ -31,50 +29,11 @@ CONFIGS = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 4, 4), (25
 SHAPES = ((18432, 2560, "gate|up"), (2560, 9216, "down"), (12352, 2560, "DeltaNet in_proj"))
 
 
-@triton.jit(do_not_specialize=["M", "PROGRAMS"])
-def _gemm_kernel(a_desc, b_desc, c_desc, M, N, K, PROGRAMS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 GROUP_M: tl.constexpr, SWIGLU: tl.constexpr):
-    """C = A B^T for A [M, K], B [N, K]; tiles in groups of GROUP_M rows of tiles (L2 reuse of B), each program
-    taking every PROGRAMS-th tile. SWIGLU: B's rows hold gate and up in alternate blocks of BN / 2, and the
-    tile's output is silu(gate) * up, [BM, BN / 2] at column pid_n * BN / 2."""
-    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    per_group = GROUP_M * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
-        first_m = (tile // per_group) * GROUP_M
-        rows = min(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % rows
-        pid_n = (tile % per_group) // rows
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):
-            a = a_desc.load([pid_m * BM, ki * BK])
-            b = b_desc.load([pid_n * BN, ki * BK])
-            acc = tl.dot(a, b.T, acc)
-        if SWIGLU:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-            c_desc.store([pid_m * BM, pid_n * (BN // 2)], (gate * tl.sigmoid(gate) * up).to(c_desc.dtype))
-        else:
-            c_desc.store([pid_m * BM, pid_n * BN], acc.to(c_desc.dtype))
-
-
 def gemm(a: torch.Tensor, b: torch.Tensor, config, persistent: bool = True, swiglu: bool = False) -> torch.Tensor:
+    """a b^T through `swiglu_gemm`'s kernel at launch `config` (its SwiGLU epilogue with swiglu)."""
     bm, bn, bk, stages, warps = config
-    m, k = a.shape
-    n = b.shape[0]
-    c = torch.empty(m, n // 2 if swiglu else n, dtype=a.dtype, device=a.device)
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs = min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count) if persistent else tiles
-    _gemm_kernel[(programs,)](
-        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(b, [bn, bk]),
-        TensorDescriptor.from_tensor(c, [bm, bn // 2 if swiglu else bn]), m, n, k, programs, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-        SWIGLU=swiglu, num_stages=stages, num_warps=warps)
-    return c
-
-
-def interleaved(gate_up: torch.Tensor, half: int) -> torch.Tensor:
-    """gate|up rows [2 I, K] reordered as alternate blocks of `half` gate rows and `half` up rows."""
-    inner = gate_up.shape[0] // 2
-    gate, up = gate_up[:inner].view(inner // half, half, -1), gate_up[inner:].view(inner // half, half, -1)
-    return torch.stack([gate, up], 1).reshape(gate_up.shape).contiguous()
+    return swiglu_gemm(a, b, bn // 2, swiglu, block_m=bm, block_k=bk, num_stages=stages, num_warps=warps,
+                       persistent=persistent)
 
 
 def timed(fn) -> float | None:
@@ -108,7 +67,7 @@ def bench_shape(m: int, n: int, k: int, name: str, gen: torch.Generator, record)
     ref_swiglu = F.silu(ref[:, : n // 2]) * ref[:, n // 2:]
     record(name, "cuBLAS + swiglu_rows", timed(lambda: swiglu_rows(F.linear(a, b))), flops)
     for config in CONFIGS:
-        b_mixed = interleaved(b, config[1] // 2)
+        b_mixed = interleave(*b.chunk(2), config[1] // 2)
         for persistent in (True, False):
             try:
                 out = gemm(a, b_mixed, config, persistent, swiglu=True)

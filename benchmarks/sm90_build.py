@@ -119,6 +119,14 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     for residual in (False, True):
         out.append((f"rms norm residual {residual}", _rms_norm_kernel, norm_t,
                     dict(D=2560, BD=4096, BR=4, HAS_RESIDUAL=residual), 8, 3, ("x", "res", "w", "y", "res_out")))
+    from kevscore.kernels.swiglu_gemm import HALF, _swiglu_gemm_kernel
+
+    gemm_t = {"x_desc": "tensordesc<bf16[128, 64]>", "w_desc": f"tensordesc<bf16[{2 * HALF}, 64]>", "M": "i32",
+              "N": "i32", "K": "i32", "PROGRAMS": "i32"}
+    for swiglu in (True, False):
+        out.append((f"swiglu gemm{' plain' * (not swiglu)} 128 x {2 * HALF} x 64 warps 8 stages 3", _swiglu_gemm_kernel,
+                    gemm_t | {"o_desc": f"tensordesc<bf16[128, {HALF if swiglu else 2 * HALF}]>"},
+                    dict(BM=128, BN=2 * HALF, BK=64, GROUP_M=8, SWIGLU=swiglu), 8, 3, ()))
     return out
 
 

@@ -57,7 +57,7 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, residual: torch.T
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """FLA's `swiglu_fwd` (flat indexing), whose arithmetic `fla_ops.swiglu` does in a row-tiled kernel."""
+    """FLA's `swiglu_fwd` (flat indexing), whose arithmetic `elementwise.swiglu_rows` does in a row-tiled kernel."""
     from fla.modules.activations import swiglu_fwd
 
     gate, up = gate_up.chunk(2, -1)

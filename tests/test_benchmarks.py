@@ -142,9 +142,12 @@ def test_kernels_compile_for_the_h200(tmp_path):
 
     wy = benchmark("sm90_build").WY_DEFAULTS
     assert all(bv == default_block_v(*tiles) for tiles, bv, _ in wy)
-    defaults = {"conv block_t 4 warps 1 tiles 1"} | {
+    defaults = {"conv block_t 4 warps 1 tiles 1", "swiglu gemm 128 x 256 x 64 warps 8 stages 3"} | {
         f"wy T tiles {bt1}+{bt2} bv {bv} warps {wp}" for (bt1, bt2), bv, wp in wy}
     assert all(r["spill_bytes"] == 0 for r in rows if r["variant"] in defaults)
+    assert defaults <= {r["variant"] for r in rows}
+    gemm = next(r for r in rows if r["variant"].startswith("swiglu gemm 128"))
+    assert gemm["shared"] <= 227 * 1024, gemm  # its 3 stages of x and weight tiles and the output tile
     # an fp32 model (--dtype fp32) launches these at the Kev-4B shape, its dots in 3xTF32: each fits in a block's
     # 227 KB of shared memory (branch attention's bf16 tiles would take 512 KB in fp32)
     fp32 = [r for r in rows if r["variant"].startswith("fp32 ")]

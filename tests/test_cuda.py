@@ -276,14 +276,36 @@ def test_swiglu_rows_bitwise_equals_fla(shape):
     """kernels/elementwise.py's row-tiled SwiGLU does FLA's swiglu_fwd arithmetic: equal to the bit."""
     import fla_oracles
 
-    from kevscore.kernels import fla_ops
+    from kevscore.kernels.elementwise import swiglu_rows
 
     *lead, inner = shape
     gate_up = torch.randn(*lead, 2 * inner, device=DEV, generator=torch.Generator(DEV).manual_seed(inner)) * 4
     for dtype in (torch.bfloat16, torch.float32):
         x = gate_up.to(dtype)
-        ours = fla_ops.swiglu(x)
+        ours = swiglu_rows(x)
         assert ours.is_contiguous() and torch.equal(ours, fla_oracles.swiglu(x))
+
+
+@pytest.mark.parametrize("shape", [(5440, 2560, 9216), (7, 2560, 9216), (300, 128, 256)], ids=["batch", "rows", "demo"])
+def test_swiglu_gemm_close_to_cublas_and_swiglu(shape):
+    """The gate|up GEMM with SwiGLU in its epilogue against cuBLAS's GEMM + `swiglu_rows` in bf16: gate and up
+    rounded alike, so the two differ by the GEMMs' order of summation (a bf16 rounding of gate or up here and
+    there); and a model's last-layer rows (several leading dims) come out in their shape."""
+    import torch.nn.functional as F
+
+    from kevscore.kernels.elementwise import swiglu_rows
+    from kevscore.kernels.swiglu_gemm import interleave, swiglu_gemm
+
+    m, k, inner = shape
+    gen = torch.Generator(DEV).manual_seed(m)
+    x = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
+    gate, up = ((torch.randn(inner, k, device=DEV, generator=gen) / k ** 0.5).to(torch.bfloat16) for _ in range(2))
+    ours = swiglu_gemm(x, interleave(gate, up))
+    ref = swiglu_rows(F.linear(x, torch.cat([gate, up])))
+    assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
+    assert torch.allclose(ours.float(), ref.float(), rtol=2 ** -6, atol=2 ** -8), (ours.float() - ref.float()).abs().max()
+    rows = swiglu_gemm(x.view(1, m, k), interleave(gate, up))
+    assert rows.shape == (1, m, inner) and torch.equal(rows[0], ours)
 
 
 @pytest.mark.parametrize("dims", [(16, 4, 256, 64), (4, 2, 64, 16)], ids=["kev4b", "demo"])

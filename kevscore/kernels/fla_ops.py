@@ -34,8 +34,13 @@ from kevscore.kernels.branch_wy import MAX_T, branch_wy, prefill_wy, rows_wy  # 
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, sigmoid_gate, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.gdr_ref import CHUNK  # noqa: E402
+from kevscore.kernels.swiglu_gemm import HALF, interleave, swiglu_gemm  # noqa: E402
 
-NAME = "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model fingerprints
+# the MLP's gate|up GEMM with SwiGLU in its epilogue (`kernels/swiglu_gemm.py`) for bf16 models: off until the
+# H200 has run its cuda tests and the job's A/B (benchmarks/NOTES.md 71); KEVSCORE_FUSED_MLP=1 turns it on
+FUSED_MLP = os.environ.get("KEVSCORE_FUSED_MLP") == "1"
+NAME = "fla_ops+fused_mlp" if FUSED_MLP else "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model
+# fingerprints (the fused MLP's bank entries differ from cuBLAS's by the GEMMs' rounding)
 GATHERS_KV = False  # attn_branch reads each row's document K/V in place (kernels/branch_attn.py)
 PREFILL_CONV = {"block_t": 8, "num_warps": 2}  # the packed conv's launch: bench_kernels.py --only 'prefill conv'
 # kernels/branch_wy.py's launches (its keywords): branches of up to 128 tokens with FUSED_WY_LAUNCH
@@ -65,9 +70,22 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return gated_rms_norm_heads(x, gate, weight, eps)
 
 
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the gate|up projection output, FLA's `swiglu_fwd` arithmetic in a row-tiled kernel."""
-    return swiglu_rows(gate_up)
+def gate_up_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate|up interleaved by blocks (`swiglu_gemm.interleave`) where `swiglu_proj` runs the fused GEMM, else
+    stacked."""
+    return interleave(gate, up) if _fused_mlp(gate.dtype, gate.shape[0]) else torch.cat([gate, up])
+
+
+def swiglu_proj(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x's gate|up projection: one GEMM with SwiGLU in its epilogue, or cuBLAS and
+    `swiglu_rows` (FLA's `swiglu_fwd` arithmetic in a row-tiled kernel)."""
+    if _fused_mlp(gate_up.dtype, gate_up.shape[0] // 2):
+        return swiglu_gemm(x, gate_up)
+    return swiglu_rows(F.linear(x, gate_up))
+
+
+def _fused_mlp(dtype: torch.dtype, inner: int) -> bool:
+    return FUSED_MLP and dtype == torch.bfloat16 and inner % HALF == 0
 
 
 def qk_norm_rotary(q: torch.Tensor | None, k: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,

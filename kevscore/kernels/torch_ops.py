@@ -37,6 +37,14 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gate_up_weight(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.cat([gate, up])
+
+
+def swiglu_proj(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    return swiglu(F.linear(x, gate_up))
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Partial NeoX rotary of x [..., heads, head_dim] over its first cos.shape[-1] channels (cos/sin fp32)."""
     dim, half = cos.shape[-1], cos.shape[-1] // 2

@@ -103,7 +103,8 @@ class KevModel(nn.Module):
             block.input_scale.copy_(1.0 + w[pre + "input_layernorm.weight"].float())
             block.post_scale.copy_(1.0 + w[pre + "post_attention_layernorm.weight"].float())
             gate, up = w[pre + "mlp.gate_proj.weight"], w[pre + "mlp.up_proj.weight"]
-            block.mlp.gate_up.copy_(torch.cat([gate, up]))
+            kind = block.mlp.gate_up.dtype
+            block.mlp.gate_up.copy_(self.ops.gate_up_weight(gate.to(kind), up.to(kind)))
             block.mlp.down.copy_(w[pre + "mlp.down_proj.weight"])
             block.mixer.load(w, pre + ("linear_attn." if block.kind == LINEAR else "self_attn."))
 

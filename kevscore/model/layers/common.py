@@ -96,4 +96,4 @@ class MLP(nn.Module):
         self.down = nn.Parameter(torch.empty(hidden, inner), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.ops.swiglu(F.linear(x, self.gate_up)), self.down)
+        return F.linear(self.ops.swiglu_proj(x, self.gate_up), self.down)

@@ -29,8 +29,11 @@ class Ops(Protocol):
     def gated_rms_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
         """DeltaNet's output norm: weight * norm(x) * silu(gate)."""
 
-    def swiglu(self, gate_up: Tensor) -> Tensor:
-        """silu(gate) * up of the gate|up projection output."""
+    def gate_up_weight(self, gate: Tensor, up: Tensor) -> Tensor:
+        """The MLP's gate and up projections [I, K] as one weight [2 I, K], in the layout `swiglu_proj` takes."""
+
+    def swiglu_proj(self, x: Tensor, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up of x's projection by `gate_up` (made by `gate_up_weight`)."""
 
     # attention
     def qk_norm_rotary(self, q: Tensor | None, k: Tensor, q_scale: Tensor, k_scale: Tensor, cos: Tensor, sin: Tensor,
