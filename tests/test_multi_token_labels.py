@@ -102,8 +102,8 @@ def test_demo_labels_through_the_tokenizer(demo):
 @pytest.mark.parametrize("path", ["indexed", "gathered"])
 def test_one_token_labels_keep_their_bits(demo, path, monkeypatch):
     """The demo task's examples with labels of one token (Yes/No, every third row three labels) give the bits
-    recorded by the one-position path before labels of several tokens existed (same torch and CPU kind; another
-    kind rounds otherwise, and is held to 1e-12)."""
+    the one-position path recorded (same torch, CPU capability and CPU model: two AVX512 CPUs of other models
+    round fp32 otherwise, 7.6e-6 relative apart: another machine is held to 3e-5)."""
     from kevscore.engine.runner import EagerRunner
     from kevscore.job.data import read_input
     from kevscore.model.prompt import encode, load_template
@@ -117,11 +117,21 @@ def test_one_token_labels_keep_their_bits(demo, path, monkeypatch):
     scores = cpu_engine(demo, docs=enc.prefixes, max_rows=7).run(enc, path)
     probs = [[float.fromhex(p) for p in row["probs"]] for row in golden["rows"]]
     mass = [float.fromhex(row["label_mass"]) for row in golden["rows"]]
-    if (golden["torch"], golden["cpu"]) == (torch.__version__, torch.backends.cpu.get_cpu_capability()):
+    machine = (torch.__version__, torch.backends.cpu.get_cpu_capability(), cpu_model())
+    if (golden["torch"], golden["cpu"], golden["cpu_model"]) == machine:
         assert scores.probs == probs and scores.label_mass == mass
     else:
         for a, b in zip(scores.probs + [scores.label_mass], probs + [mass]):
-            assert a == pytest.approx(b, abs=1e-12)
+            assert a == pytest.approx(b, rel=3e-5, abs=1e-12)
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it ('' elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
 
 
 def test_rows_of_one_token_labels_keep_their_bits_beside_rows_of_several(tiny, enc):

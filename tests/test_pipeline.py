@@ -46,7 +46,9 @@ def test_label_mass_matches_transformers_where_it_is_material(demo, path):
     scores = cpu_engine(demo, docs=enc.prefixes, max_rows=4).run(enc, path)
     for r, (probs, mass) in enumerate(reference):
         assert scores.probs[r] == pytest.approx(probs, abs=1e-5), f"row {r}"
-        assert scores.label_mass[r] == pytest.approx(mass, rel=1e-5), f"row {r}"
+        # fp32 on the CPU: kinds of CPU round otherwise (1.1e-5 seen on an AMD EPYC); a max in place of the
+        # log-sum-exp would be off by > 1e-3
+        assert scores.label_mass[r] == pytest.approx(mass, rel=5e-5), f"row {r}"
 
 
 def test_paths_identical_and_bank_unchanged(tiny, enc):
