@@ -228,7 +228,8 @@ def _one_token_labels(enc: Encoded, source: str) -> None:
 
 def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -> dict:
     """Run the cases; returns the report (also written to `opts.json_path` when given)."""
-    cases, device = _check(opts), resolve_device(opts.device)
+    cases = _check(opts)
+    device = resolve_device(opts.device)
     if opts.baseline == "fp32" and device.type != "cuda":
         raise KevscoreError("--baseline fp32: the CPU runs fp32 already; it compares a GPU's bf16 with fp32 "
                             "(--device cuda)")
@@ -288,7 +289,8 @@ def spread_warnings(report: dict) -> list[str]:
     out = [f"case {c['name']}: the paths' p10-p90 latencies overlap, so its ratio "
            f"{c['summary']['indexed_over_gathered']:.3f} is within the noise"
            for c in report["cases"] if c["summary"]["spread_overlap"]]
-    cores, load = os.cpu_count() or 1, max(report["environment"]["load_average"])
+    cores = os.cpu_count() or 1
+    load = max(report["environment"]["load_average"])
     if load >= cores / 2:
         out.append(f"this machine was busy (load average {load:.1f} on {cores} cores): timings vary between runs; "
                    "compare again on an idle machine")

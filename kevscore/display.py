@@ -267,7 +267,9 @@ def _duration(seconds: float) -> str:
 
 def provenance_table(record: dict) -> Table:
     """The record in two columns, the figures a reader checks first."""
-    opts, model, plan = record.get("options", {}), record.get("model", {}), record.get("plan", {})
+    opts = record.get("options", {})
+    model = record.get("model", {})
+    plan = record.get("plan", {})
 
     def file(entry) -> str:
         return "-" if not entry else f"{entry['name']} (sha256 {entry['sha256'][:16]})"
@@ -295,7 +297,8 @@ def _when(t: float | None, short: bool = False) -> str:
 
 def inspect_table(r: dict) -> Table:
     """Entries, least recently used first, for 80 columns: a model column only when the bank holds several."""
-    tot, models = r["totals"], len(r["models"]) > 1
+    tot = r["totals"]
+    models = len(r["models"]) > 1
     table = Table(title="entries (least recently used first)")
     for name, justify in [("key", "left"), *([("model", "left")] if models else []), ("doc ids", "left"),
                           ("tokens", "right"), ("size", "right"), ("last used", "left"), ("status", "left")]:

@@ -50,7 +50,8 @@ class StateBank:
     tensor with a token axis [layers, *dims] with the pool's tokens on that axis."""
 
     def __init__(self, cfg: KevConfig, layout: BankLayout, device, dtype: torch.dtype):
-        self.layout, self.declared = layout, [t for t, _ in bank_tensors(cfg)]
+        self.layout = layout
+        self.declared = [t for t, _ in bank_tensors(cfg)]
         for t, layers in bank_tensors(cfg):
             shape = t.shape(cfg, layout.tokens) if t.token_axis is not None else (layout.entries, *t.shape(cfg))
             setattr(self, t.name, torch.zeros(layers, *shape, dtype=t.dtype(dtype), device=device))

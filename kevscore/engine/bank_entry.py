@@ -140,7 +140,9 @@ def _checked_header(head: bytes, size: int) -> EntryFile:
         raise EntryError(f"bank format version {meta['version']}, this kevscore reads version {VERSION}")
     if sorted(header) != sorted(TENSORS):
         raise EntryError(f"tensors {sorted(header)}, expected {sorted(TENSORS)}")
-    tensors, spans, data_start = {}, [], 8 + n
+    tensors = {}
+    spans = []
+    data_start = 8 + n
     for name, spec in header.items():
         dtype, shape, begin, end = _tensor_spec(name, spec)
         if dtype not in DTYPES or len(shape) != RANKS[name] or min(shape, default=0) < 0:
@@ -185,7 +187,8 @@ def _consistent(shapes: dict[str, list[int]], tokens: int) -> bool:
 def read_header(path: Path) -> EntryFile:
     """Parse an entry file's header only (no data read, no checksum)."""
     with open(path, "rb") as f:
-        size, head = os.fstat(f.fileno()).st_size, f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
         if len(head) == 8:
             head += f.read(min(int.from_bytes(head, "little"), 1 << 24))
     return _parse_header(head, size)
@@ -197,14 +200,16 @@ def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torc
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        view, done = memoryview(buf.numpy()), 0
+        view = memoryview(buf.numpy())
+        done = 0
         while done < size:
             got = f.readinto(view[done:])
             if not got:
                 raise EntryError(f"truncated while reading ({done} of {size} bytes)")
             done += got
     entry = _parse_header(view, size)
-    crc, tensors = json.loads(entry.meta["crc32"]), {}
+    crc = json.loads(entry.meta["crc32"])
+    tensors = {}
     for name, (dtype, shape, begin, end) in entry.tensors.items():
         if zlib.crc32(view[begin:end]) != crc[name]:
             raise EntryError(f"checksum mismatch in {name!r} (CRC-32 {zlib.crc32(view[begin:end]):08x}, "

@@ -61,7 +61,10 @@ class BankStore:
 
     def __init__(self, root: Path, model: Fingerprint, max_bytes: int | None = None,
                  warn: Callable[[str], None] | None = None, workers: int | None = None):
-        self.root, self.model, self.max_bytes, self._warn_cb = Path(root), model, max_bytes, warn
+        self.root = Path(root)
+        self.model = model
+        self.max_bytes = max_bytes
+        self._warn_cb = warn
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         self.stats = BankStats()
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
@@ -174,7 +177,8 @@ class BankStore:
         if self.max_bytes is None:
             return []
         entries = index["entries"]
-        total, out = sum(r["file_bytes"] for r in entries.values()), []
+        total = sum(r["file_bytes"] for r in entries.values())
+        out = []
         for key in sorted(entries, key=lambda k: (entries[k]["last_used"], k)):
             if total <= self.max_bytes:
                 break
@@ -189,7 +193,8 @@ class BankStore:
         faults.point("bank-before-commit")
         with bank_dir.bank_lock(self.root, True, "commit"):
             faults.point("bank-commit-locked")
-            index, dirs = self._load_index(reconcile=False), set()
+            index = self._load_index(reconcile=False)
+            dirs = set()
             for key, tmp, _ in written:
                 final = self._path(key)
                 final.parent.mkdir(exist_ok=True)
@@ -302,7 +307,8 @@ class BankStore:
 
     def save(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> None:
         """Write the entries of freshly prefilled `docs` (copied out of their bank slots) and commit them."""
-        t0, items = time.perf_counter(), self._keys(prefixes, docs)
+        t0 = time.perf_counter()
+        items = self._keys(prefixes, docs)
 
         def write(item):
             d, key = item

@@ -86,7 +86,8 @@ class LastToken(Scoring):
 
     def finish(self, batch: Batch, host: torch.Tensor) -> list[Result]:
         logits, lse = host[:, :-1], host[:, -1]
-        probs, mass = torch.softmax(logits, -1), torch.exp(torch.logsumexp(logits, -1) - lse)
+        probs = torch.softmax(logits, -1)
+        mass = torch.exp(torch.logsumexp(logits, -1) - lse)
         return [(r, probs[i, : len(self.enc.label_ids[r])].tolist(), float(mass[i])) for i, r in enumerate(batch.rows)]
 
     def fail(self, unit: int) -> int:

@@ -73,7 +73,10 @@ class Scores:
 class Engine:
     def __init__(self, runner, max_rows: int = 64, max_tokens: int = 8192, prefill_tokens: int = 8192,
                  store=None, stop=None, skip_failed: bool = False):
-        self.runner, self.max_rows, self.max_tokens, self.prefill_tokens = runner, max_rows, max_tokens, prefill_tokens
+        self.runner = runner
+        self.max_rows = max_rows
+        self.max_tokens = max_tokens
+        self.prefill_tokens = prefill_tokens
         self.store = store  # a kevscore.engine.bank_store.BankStore: entries loaded from / saved to disk
         self.stop = stop    # a kevscore.faults.StopSignals: checked between batches and prefill groups
         self.skip_failed = skip_failed  # a row that fails alone (out of memory) is reported, not fatal
@@ -88,7 +91,8 @@ class Engine:
     def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Reporter = QUIET) -> None:
         """Every row of `enc`, wave by wave through the bank, into `scores` (its stats accumulate)."""
         bank = self.runner.bank
-        doc_tokens, stats = [len(p) for p in enc.prefixes], scores.stats
+        doc_tokens = [len(p) for p in enc.prefixes]
+        stats = scores.stats
         stats.prefixes += len(enc.prefixes)
         stats.prefix_tokens += sum(doc_tokens)
         stats.branch_tokens += sum(len(b) for b in enc.branches)

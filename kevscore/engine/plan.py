@@ -127,7 +127,8 @@ class Windows:
 def join_windows(plans: Sequence[Windows]) -> Windows:
     """One plan of the windows of several ranks, rank 0's first: window w of rank r becomes window
     w + (windows of the ranks before r), and `rank` says whose each one is."""
-    of_row, offset = np.full(len(plans[0].of_row), -1, dtype=np.int32), 0
+    of_row = np.full(len(plans[0].of_row), -1, dtype=np.int32)
+    offset = 0
     for p in plans:
         mine = p.of_row >= 0
         of_row[mine] = p.of_row[mine] + offset
@@ -142,7 +143,8 @@ def plan_windows(doc_of_row: np.ndarray, doc_tokens: Sequence[int], max_docs: in
     """Cut documents, in the order they first appear in the input, into consecutive windows of at most
     `max_docs` documents, `max_rows` rows and `max_tokens` prefix tokens (but at least one document).
     A document with more than `max_rows` rows gets windows of its own, its rows split in input order."""
-    n_docs, live = len(doc_tokens), doc_of_row >= 0
+    n_docs = len(doc_tokens)
+    live = doc_of_row >= 0
     counts = np.bincount(doc_of_row[live], minlength=n_docs) if n_docs else np.zeros(0, np.int64)
     first = np.full(max(n_docs, 1), -1, dtype=np.int64)
     rows, docs, tokens = [], [], []  # per window

@@ -54,7 +54,8 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
         if p.warm_up is not None:
             p.warm_up.join(WARM_UP_WAIT_S)
         live = p.windows.of_row >= 0
-        docs, layout = np.unique(p.doc_of_row[live]), runner.bank.layout
+        docs = np.unique(p.doc_of_row[live])
+        layout = runner.bank.layout
         plan = Plan(p.ckpt.name, str(p.device), int(live.sum()), len(p.scan.invalid), len(docs),
                     int(p.doc_tokens[docs].sum()), len(p.windows), count_waves(p, layout.entries, layout.tokens),
                     layout.entries, sum(p.laps.phases.values()))

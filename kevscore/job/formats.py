@@ -128,7 +128,8 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
     """The input `given` as one Parquet file: a local Parquet file as it is; anything else (CSV, JSON Lines,
     several Parquet files, a URI, columns to rename, only the first `limit` rows) staged into `stage_dir`.
     `rename`: the user's column name -> kevscore's (e.g. {'text': 'question'})."""
-    given, rename = str(given), {k: v for k, v in (rename or {}).items() if k != v}
+    given = str(given)
+    rename = {k: v for k, v in (rename or {}).items() if k != v}
     if "://" in given:
         fs, paths = remote_files(given)
         return Source(given, [], _stage(given, paths, fs, rename, limit, stage_dir), True, rename)
@@ -199,7 +200,8 @@ class Carry:
     input column but the document text and those the output has, under the user's names."""
 
     def __init__(self, source: Source, taken: Sequence[str], warn: Callable[[str], None]):
-        schema, theirs = pq.read_schema(source.path), {v: k for k, v in source.rename.items()}
+        schema = pq.read_schema(source.path)
+        theirs = {v: k for k, v in source.rename.items()}
         self.columns: list[tuple[str, pa.Field]] = []
         for f in schema:
             name = theirs.get(f.name, f.name)

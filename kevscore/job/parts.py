@@ -95,7 +95,9 @@ class PartStore:
         parts of another job (unless restart: they are discarded). `member`: join the store another rank
         of this job has opened (no lock, no clean-up, no manifest writes)."""
         self.output, self.dir = Path(output), parts_dir(Path(output))
-        self.identity, self.planned, self.job = identity, windows, job_digest(identity)
+        self.identity = identity
+        self.planned = windows
+        self.job = job_digest(identity)
         self.warn = warn or (lambda message: None)
         self.member, self._lock = member, None
         self.created = not member and not self.dir.exists()
@@ -174,7 +176,8 @@ class PartStore:
         if not 0 <= w < len(self.planned):
             return None
         try:
-            meta, schema = pq.read_metadata(path), pq.read_schema(path)
+            meta = pq.read_metadata(path)
+            schema = pq.read_schema(path)
             failed = pq.read_metadata(self._file("errors", w)).num_rows if self._file("errors", w).exists() else 0
         except (OSError, pa.ArrowException):
             return None
@@ -258,7 +261,8 @@ class PartStore:
             live = wins >= 0
             if not live.any():
                 continue
-            counts, pieces = np.bincount(wins[live], minlength=len(self.planned)), []
+            counts = np.bincount(wins[live], minlength=len(self.planned))
+            pieces = []
             for w in np.flatnonzero(counts).tolist():
                 if w not in readers:
                     readers[w] = Cursor(self._file("part", w), OUTPUT_SCHEMA.names)

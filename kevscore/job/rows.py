@@ -52,7 +52,8 @@ class Cursor:
 
     def table(self, rows: np.ndarray) -> pa.Table:
         """`rows` (ascending input rows, at least one) as a table of the columns, in that order."""
-        pieces, i = [], 0
+        pieces = []
+        i = 0
         while i < len(rows):
             r = int(rows[i])
             if self.batch is None or r < self.start or self._group(r) > self._group(self.start + self.batch.num_rows):
@@ -77,7 +78,8 @@ class RowReader:
 
     def read(self, rows: np.ndarray):
         """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""
-        scan, cols = self.scan, self.rows.take(rows)
+        scan = self.scan
+        cols = self.rows.take(rows)
         if self.docs is None:
             texts: dict[str, str] = {}
             documents = [texts.setdefault(t, t) for t in cols["document"]]  # one string per distinct text

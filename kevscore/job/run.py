@@ -136,7 +136,8 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     """Scan and check the input (and the output, when given), load the model into `loaded` (unless it holds it),
     measure every prompt's tokens and cut the documents into windows (of `ranks` ranks, each window scored
     by one of them)."""
-    laps, device = Laps(), resolve_device(opts.device)
+    laps = Laps()
+    device = resolve_device(opts.device)
     dtype = resolve_dtype(opts.dtype, device)
     # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights
     # load: for a model's first job only (a loaded model's kernels are compiled)
@@ -307,7 +308,8 @@ def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> 
 def merge_job(job: Job, parts: PartStore, result: RunResult, progress: Reporter) -> None:
     """Merge every window's part into the output (and the rows set aside into its errors file), counting
     the label mass on the way."""
-    opts, t1 = job.opts, time.perf_counter()
+    opts = job.opts
+    t1 = time.perf_counter()
     set_aside = None
     if opts.skip_invalid:  # the scan's rows set aside, reported once: by a shard job's rank 0
         set_aside = set_aside_table(job.prep.scan) if (opts.shard or (0, 1))[0] == 0 else ERRORS_SCHEMA.empty_table()

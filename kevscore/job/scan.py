@@ -191,7 +191,8 @@ class InputScan:
     def set_aside(self, rows: Iterable[int], reason: str) -> None:
         for r in rows:
             if r not in self.invalid:
-                self.invalid[r], self.doc_of_row[r] = reason, -1
+                self.invalid[r] = reason
+                self.doc_of_row[r] = -1
 
     def costs(self) -> dict[str, int]:
         """Document key -> text length plus its questions' lengths: the costs kevscore.job.shard balances."""
