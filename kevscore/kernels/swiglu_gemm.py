@@ -67,9 +67,8 @@ def swiglu_gemm(x: torch.Tensor, weight: torch.Tensor, half: int = HALF, swiglu:
     if rows.shape[0]:
         tiles = triton.cdiv(rows.shape[0], block_m) * triton.cdiv(n, 2 * half)
         programs = min(tiles, _programs(x.device)) if persistent else tiles
-        descriptors = (TensorDescriptor.from_tensor(rows, [block_m, block_k]),
-                       TensorDescriptor.from_tensor(weight, [2 * half, block_k]),
-                       TensorDescriptor.from_tensor(out, [block_m, half if swiglu else 2 * half]))
+        blocks = ((rows, [block_m, block_k]), (weight, [2 * half, block_k]), (out, [block_m, half if swiglu else 2 * half]))
+        descriptors = [TensorDescriptor.from_tensor(t, block) for t, block in blocks]
         _swiglu_gemm_kernel[(programs,)](*descriptors, rows.shape[0], n, k, programs, BM=block_m, BN=2 * half,
                                          BK=block_k, GROUP_M=8, SWIGLU=swiglu, num_stages=num_stages,
                                          num_warps=num_warps)
