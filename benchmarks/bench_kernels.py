@@ -311,7 +311,7 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
             record(f"fused wy {tt}", f"gate + solve + fused wy {name}", timed(lambda: fused_path(launch)), layers)
 
 
-PREFILL_WY_LAUNCHES = ({}, dict(num_stages=1), dict(num_stages=3), dict(num_stages=4), dict(block_v=64, num_warps=8),
+PREFILL_WY_LAUNCHES = ({}, dict(num_stages=2), dict(num_stages=3), dict(num_stages=4), dict(block_v=64, num_warps=8),
                       dict(block_v=128, num_warps=8), dict(block_v=128), dict(block_v=128, num_warps=8, num_stages=1))
 
 

@@ -77,14 +77,14 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     from kevscore.kernels.branch_wy import _chunks_wy_kernel
 
     out = []
-    # the chunk-loop kernel of prefill and long branches: both modes at the default launch, and BV 128
+    # the chunk-loop kernel of prefill and long branches: both modes at the default launch, 2 stages and BV 128
     chunks_t = {n: "*bf16" for n in ("q", "k", "v", "beta", "a_inv", "o")} | {
         "g": "*fp32", "bank": "*fp32", "index": "*i64", "cu_seqlens": "*i64", "index_stride": "i32",
         "bank_stride": "i64", "T": "i32", "scale": "fp32"}
     chunks_aligned = ("q", "k", "v", "g", "beta", "a_inv", "bank", "index", "o")
-    for packed, bv in ((True, 64), (False, 64), (True, 128)):
-        out.append((f"chunks packed {packed} BV {bv} warps 4 stages 2", _chunks_wy_kernel, chunks_t,
-                    dict(H=16, HV=32, K=128, V=128, BV=bv, PACKED=packed), 4, 2, chunks_aligned))
+    for packed, bv, stages in ((True, 64, 1), (False, 64, 1), (True, 64, 2), (True, 128, 1)):
+        out.append((f"chunks packed {packed} BV {bv} warps 4 stages {stages}", _chunks_wy_kernel, chunks_t,
+                    dict(H=16, HV=32, K=128, V=128, BV=bv, PACKED=packed), 4, stages, chunks_aligned))
     attn_t = {n: "*bf16" for n in ("q", "k", "v", "o", "gate", "pool_k", "pool_v")}
     attn_t |= {"kv_start": "*i64", "kv_len": "*i64", "T": "i32", "qk_scale": "fp32"}
     strides = ("sq_r", "sq_t", "sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "sp_t",

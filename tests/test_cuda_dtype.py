@@ -178,9 +178,9 @@ def test_compare_baseline_fp32_reports_the_rows_that_flip(tmp_path, example_rows
 
 
 def test_fused_mlp_run_close_to_the_default(tmp_path, example_rows):
-    """KEVSCORE_FUSED_MLP=1 (the gate|up GEMM with SwiGLU in its epilogue, `kernels/swiglu_gemm.py`), bf16, in a
-    process of its own, against the default run: every probability within 0.02, its two state reads equal to
-    the bit, on the demo task and on labels of several tokens."""
+    """The gate|up GEMM with SwiGLU in its epilogue (`kernels/swiglu_gemm.py`, bf16's default on the H200), in a
+    process of its own, against cuBLAS + `swiglu_rows` (KEVSCORE_FUSED_MLP=0): every probability within 0.02, its
+    two state reads equal to the bit, on the demo task and on labels of several tokens."""
     for src in (EXAMPLES / "demo-task.parquet", labelled_questions(tmp_path, example_rows)):
         out = {}
         for fused, read in (("1", "indexed"), ("1", "gathered"), ("0", "indexed")):

@@ -18,9 +18,10 @@ never written):
 
 Chunks are tiles of BT1 and BT2 tokens (16, 32 or 64 by default, `token_tiles`) masked past T: the second chunk
 of an 85-token branch reads its 21 tokens and nothing past them. After the first of two chunks the state is
-read from the bank again (L2) rather than kept in registers through it. The dots take the state and v_new in
-the input dtype (where FLA's pipeline stores them between kernels), and beta v - w h rounded once where FLA
-rounds w and u: with bf16 inputs the two differ by rounding, with fp32 by tf32 dots only.
+read from the bank again (L2) rather than kept in registers through it, and a state update reads its chunk's
+keys again: registers bound these programs (benchmarks/sm90_build.py). The dots take the state and v_new in the
+input dtype (where FLA's pipeline stores them between kernels), and beta (v - exp2(g) k h) rounded once where
+FLA rounds w and u: with bf16 inputs the two differ by rounding, with fp32 by tf32 dots only.
 Torch reference with the same interface: `kevscore.kernels.gdr_ref.branch_wy`.
 
 Sequences of any length run the same chunk step in a loop (`_chunks_wy_kernel`): one program per (sequence,
@@ -47,30 +48,42 @@ MAX_T = 2 * CHUNK
 def _chunk(q, k, v, beta, g, a_inv, o, b_h, t0, T, o_v, m_v, scale, H: tl.constexpr, HV: tl.constexpr,
            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
     """Writes the output of the BT tokens from t0 (masked past T) from the state entering them, b_h [K, BV]
-    in the input dtype; returns their v_new (fp32), keys and cumulative gate, which a state update needs."""
+    (fp32; the dots take it in the input dtype); returns their v_new (fp32) and cumulative gate, which a state
+    update needs (with the keys, which it reads again: `_state_after`)."""
     dt = k.dtype.element_ty
+    b_h = b_h.to(dt)
     o_t, o_j, o_k = t0 + tl.arange(0, BT), tl.arange(0, BT), tl.arange(0, K)
     m_t = o_t < T
     m_tv = m_t[:, None] & m_v[None, :]
     b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0)
     b_b = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_v = tl.load(v + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0)
     # the chunk's rows of A_inv, read on and below the diagonal of valid rows (nothing else is ever written)
     m_low = (o_j[None, :] <= (o_t - t0)[:, None]) & m_t[:, None]
     b_a = tl.load(a_inv + o_t[:, None] * (HV * BC) + o_j[None, :], mask=m_low, other=0.0)
-
-    b_kb = (b_k.to(tl.float32) * (b_b * exp2(b_g))[:, None]).to(dt)
-    b_x = b_v.to(tl.float32) * b_b[:, None] - tl.dot(b_kb, b_h)
+    # beta (v - exp2(g) k h): the rows' scales after the dot, so no scaled copy of k is held beside it
+    b_x = (b_v.to(tl.float32) - tl.dot(b_k, b_h) * exp2(b_g)[:, None]) * b_b[:, None]
     b_vn = tl.dot(b_a, b_x.to(dt))
 
+    b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None], other=0.0)
     b_s = tl.dot(b_q, tl.trans(b_k))
     b_s = tl.where(m_low, b_s * exp2(tl.where(m_low, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
     b_o = tl.dot(b_q, b_h) * exp2(b_g)[:, None]
     b_o = b_o * scale + tl.dot(b_s.to(dt), b_vn.to(dt)) * scale
     tl.store(o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-    return b_vn, b_k, b_g
+    return b_vn, b_g
+
+
+@triton.jit
+def _state_after(b_h, k, g, b_vn, b_g, t0, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 BT: tl.constexpr):
+    """The fp32 state after the BT tokens from t0 (masked past T): exp2(g_last) h + k^T (v_new exp2(g_last - g)),
+    their keys read again (from L2) rather than held through the chunk's output."""
+    o_t, o_k = t0 + tl.arange(0, BT), tl.arange(0, K)
+    g_last = tl.load(g + (tl.minimum(t0 + BT, T) - 1) * HV)
+    b_kt = tl.load(k + o_t[None, :] * (H * K) + o_k[:, None], mask=(o_t < T)[None, :], other=0.0)
+    return b_h * exp2(g_last) + tl.dot(b_kt, (b_vn * exp2(g_last - b_g)[:, None]).to(b_kt.dtype))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -91,14 +104,11 @@ def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_s
     o_v, o_k = i_v * BV + tl.arange(0, BV), tl.arange(0, K)
     m_v = o_v < V
     p_h = bank + slot * bank_stride + i_h * K * V + o_k[:, None] * V + o_v[None, :]
-    dt = k.dtype.element_ty
-    b_h = tl.load(p_h, mask=m_v[None, :], other=0.0).to(dt)
-    b_vn, b_k, b_g = _chunk(q, k, v, beta, g, a_inv, o, b_h, 0, T, o_v, m_v, scale, H, HV, K, V, BT1)
+    b_vn, b_g = _chunk(q, k, v, beta, g, a_inv, o, tl.load(p_h, mask=m_v[None, :], other=0.0), 0, T, o_v, m_v, scale,
+                       H, HV, K, V, BT1)
     if BT2 > 0:  # T > 64: the first chunk was full; the state after it, then the second chunk
-        g_last = tl.load(g + (BT1 - 1) * HV)
-        b_h = tl.load(p_h, mask=m_v[None, :], other=0.0) * exp2(g_last)
-        b_h += tl.dot(tl.trans(b_k), (b_vn * exp2(g_last - b_g)[:, None]).to(dt))
-        _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), BT1, T, o_v, m_v, scale, H, HV, K, V, BT2)
+        b_h = _state_after(tl.load(p_h, mask=m_v[None, :], other=0.0), k, g, b_vn, b_g, 0, T, H, HV, K, BT1)
+        _chunk(q, k, v, beta, g, a_inv, o, b_h, BT1, T, o_v, m_v, scale, H, HV, K, V, BT2)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -129,11 +139,9 @@ def _chunks_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, T, bank, index, index
     beta += bos * HV + i_h
     a_inv += (bos * HV + i_h) * BC
 
-    dt = k.dtype.element_ty
     for t0 in range(0, T, BC):
-        b_vn, b_k, b_g = _chunk(q, k, v, beta, g, a_inv, o, b_h.to(dt), t0, T, o_v, m_v, scale, H, HV, K, V, BC)
-        g_last = tl.load(g + (tl.minimum(t0 + BC, T) - 1) * HV)
-        b_h = b_h * exp2(g_last) + tl.dot(tl.trans(b_k), (b_vn * exp2(g_last - b_g)[:, None]).to(dt))
+        b_vn, b_g = _chunk(q, k, v, beta, g, a_inv, o, b_h, t0, T, o_v, m_v, scale, H, HV, K, V, BC)
+        b_h = _state_after(b_h, k, g, b_vn, b_g, t0, T, H, HV, K, BC)
     if PACKED:
         tl.store(p_h, b_h, mask=m_v[None, :])
 
@@ -191,7 +199,7 @@ def prefill_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     cu_seqlens [D + 1] their bounds. Tensors as `branch_wy` takes them with R = 1 and T = N; g and a_inv chunked
     per document (FLA's varlen gate cumsum and solve). Launch: `_chunks_wy`."""
     assert slots.shape == (cu_seqlens.shape[0] - 1,)
-    return _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, (slots, slots.stride(0)), **launch)
+    return _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, slots, slots.stride(0), **launch)
 
 
 def rows_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -200,16 +208,15 @@ def rows_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     """`branch_wy` for rows of any length: o [R, T, HV, V], chunk after chunk in one program, row r from
     `bank[index[r * index_stride]]` (never written). Launch: `_chunks_wy`."""
     stride = index.stride(0) if index_stride is None else index_stride
-    return _chunks_wy(q, k, v, g, beta, a_inv, None, bank, (index, stride), **launch)
+    return _chunks_wy(q, k, v, g, beta, a_inv, None, bank, index, stride, **launch)
 
 
-def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, block_v: int = 64, num_warps: int = 4,
-               num_stages: int | None = None) -> torch.Tensor:
+def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, stride: int, block_v: int = 64, num_warps: int = 4,
+               num_stages: int = 1) -> torch.Tensor:
     """Launches `_chunks_wy_kernel`: packed documents when cu_seqlens is given (their final states written to
-    the bank), else rows (their states read from it). The loop over chunks is pipelined in `num_stages` (the
-    next chunk's loads under this one's dots; default 2, and 1 in fp32, whose two stages take 247 KB of shared
-    memory at 128-column heads, over the H200's 227 KB); bench_kernels.py --only "prefill wy" sweeps the
-    launches."""
+    the bank), else rows (their states read from it). `num_stages` > 1 pipelines the loop over chunks (the
+    next chunk's loads under this one's dots), at the price of shared memory that leaves one program an SM at
+    2 stages and 128-column heads; bench_kernels.py --only "prefill wy" sweeps the launches."""
     r, t, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape
@@ -223,10 +230,8 @@ def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, block_v: int = 
     packed = cu_seqlens is not None
     assert not packed or r == 1
     sequences = cu_seqlens.shape[0] - 1 if packed else r
-    index, stride = index
     o = torch.empty_like(v)
     _chunks_wy_kernel[(triton.cdiv(vd, bv), sequences * hv)](
         q, k, v, g, beta, a_inv, cu_seqlens, t, bank, index, stride, bank.stride(0), o, kd ** -0.5, H=h, HV=hv,
-        K=kd, V=vd, BV=bv, PACKED=packed, num_warps=num_warps,
-        num_stages=num_stages or (1 if v.dtype == torch.float32 else 2))
+        K=kd, V=vd, BV=bv, PACKED=packed, num_warps=num_warps, num_stages=num_stages)
     return o

@@ -36,10 +36,9 @@ from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.gdr_ref import CHUNK  # noqa: E402
 from kevscore.kernels.swiglu_gemm import HALF, interleave, swiglu_gemm  # noqa: E402
 
-# the MLP's gate|up GEMM with SwiGLU in its epilogue (`kernels/swiglu_gemm.py`) for bf16 models: off until the
-# H200 has run its cuda tests and the job's A/B (benchmarks/NOTES.md 71); KEVSCORE_FUSED_MLP=1 turns it on where
-# the GPU has TMA (compute capability 9 and newer; elsewhere the switch changes nothing)
-FUSED_MLP = (os.environ.get("KEVSCORE_FUSED_MLP") == "1" and torch.cuda.is_available()
+# the MLP's gate|up GEMM with SwiGLU in its epilogue (`kernels/swiglu_gemm.py`) for bf16 models, where the GPU
+# has TMA (compute capability 9 and newer); KEVSCORE_FUSED_MLP=0 keeps cuBLAS and `swiglu_rows` (for A/B runs)
+FUSED_MLP = (os.environ.get("KEVSCORE_FUSED_MLP", "1") != "0" and torch.cuda.is_available()
              and torch.cuda.get_device_capability()[0] >= 9)
 NAME = "fla_ops+fused_mlp" if FUSED_MLP else "fla_ops"  # kevscore.model.layers.ops.Ops: the backend in model
 # fingerprints (the fused MLP's bank entries differ from cuBLAS's by the GEMMs' rounding)
