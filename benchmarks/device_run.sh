@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the carried FLA wheels, run the cuda tests, then the scoring benchmark.
-# Usage (repo root): bash benchmarks/device_run.sh [pytest args...]; logs go to $OUT (or ./device-out).
+# Usage (repo root): bash benchmarks/device_run.sh [pytest args...]; logs go to $OUT (or ./device-out). The wheels
+# (`pip download --no-deps -d .whl fla-core==0.5.2 flash-linear-attention==0.5.2`) are git-ignored: carry `.whl`.
 # SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (14 took 457 s with Triton's cache cold, 2026-11-30),
 # BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with FLA's branch conv: bench_score.py --fla conv),
 # KERNELS=1|names (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
 # NCU=1|'kernel:bench name,...' (Nsight Compute, --clock-control none; default the branch conv and attention),
 # JOB=1 (benchmarks/bench_job.py: issue 17's whole job cold and warm, baselines, scoring budgets, prefill alone; JOB_ARGS='...'),
+# JOB_AB='NAME=value' (the same job again with that environment, e.g. a KEVSCORE_ switch: job-ab.json),
 # START=1 (benchmarks/bench_start.py: a job's start step by step in fresh processes, cold and warm),
 # CPU_TESTS='tests/a.py tests/b.py' (those CPU tests first, on the image's transformers and tokenizers).
 # Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
@@ -55,6 +57,10 @@ if [ "${NCU:-0}" != 0 ]; then  # Nsight Compute on our kernels at the benchmark'
 fi
 if [ "${JOB:-0}" = 1 ]; then  # the job benchmark keeps its own Triton cache (its cold start empties it)
   python3 benchmarks/bench_job.py ${JOB_ARGS:---profile} --logs "$OUT" --json "$OUT/job.json" 2>&1 | tee "$OUT/job.log" | tail -14
+  if [ -n "${JOB_AB:-}" ]; then  # the A/B's logs stay on the machine: $OUT brings back 8 files at most
+    mkdir -p /tmp/job-ab && env "$JOB_AB" python3 benchmarks/bench_job.py ${JOB_ARGS:---profile} --logs /tmp/job-ab \
+      --json "$OUT/job-ab.json" 2>&1 | tee "$OUT/job-ab.log" | tail -14
+  fi
 fi
 if [ "${START:-0}" = 1 ]; then  # imports, CUDA context, the kernels' compile with and without the workers
   python3 benchmarks/bench_start.py --json "$OUT/start.json" 2>&1 | tee "$OUT/start.log" | tail -22
