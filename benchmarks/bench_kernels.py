@@ -361,6 +361,7 @@ def bench_kkt_solve(record, sweep, cfg, branch: tuple[int, int], m: int, gen: to
     DeltaNet layer: on a scoring batch of branch = (rows, tokens) and on prefill's m tokens of 1,700-token
     documents. The pin (tuning.py) is the autotuner's choice; at one warp ptxas spills ~780 B (sm90_build.py),
     at two or more nothing. The floor: k, beta and the gate read, (I + A)^-1 written."""
+    import kkt_solve_candidate
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel as kernel
 
     from kevscore.kernels import fla_ops, tuning
@@ -384,6 +385,15 @@ def bench_kkt_solve(record, sweep, cfg, branch: tuple[int, int], m: int, gen: to
                 tuner.cache.clear()
                 record(name, f"BK {bk} warps {warps} stages {stages}", timed(
                     lambda: fla_ops.solve_chunks(k, gc, beta, None, cu_, chunks_)), layers, floor)
+            # the candidate of kkt_solve_candidate.py (NOTES 77): its lower blocks against FLA's, then its launches
+            tuner.configs = pinned
+            tuner.cache.clear()
+            fla = fla_ops.solve_chunks(k, gc, beta, None, cu_, chunks_)
+            for warps in sweep((4, 1, 2, 8)):
+                ours = kkt_solve_candidate.kkt_solve(k, gc, beta, cu_, chunks_, num_warps=warps)
+                rel = kkt_solve_candidate.lower_distance(ours, fla, cu_)
+                record(name, f"candidate warps {warps} (rel {rel:.1e})", timed(lambda: kkt_solve_candidate.kkt_solve(
+                    k, gc, beta, cu_, chunks_, num_warps=warps)), layers, floor)
     finally:
         tuner.configs = pinned
         tuner.cache.clear()

@@ -1,0 +1,191 @@
+"""A candidate for FLA's kkt + solve kernel, measured against it before it may enter the package (NOTES 77).
+
+(I + A)^-1 of each 64-token chunk, A = strictly_lower(beta_i k_i . k_j exp2(g_i - g_j)), written as FLA's
+`chunk_gated_delta_rule_fwd_kkt_solve_kernel` writes it ([B, T, HV, 64] in k's dtype, the blocks on and below the
+diagonal of valid rows; `kevscore.kernels.gdr_ref.chunk_inverse` is the torch reference). FLA runs one program
+per (chunk, value head) on one warp (its fastest configuration on the H200, NOTES 53) and each program does its
+four 16 x 16 forward substitutions one after another. Here one program serves a key head's value heads (GQA:
+2 per key head at Kev-4B), so the ten 16 x 16 blocks of k k^T are computed once for them, and a value head's four
+diagonal blocks are substituted together, as one [4, 16, 16] tensor: 14 steps a value head instead of 4 x 14.
+The block merges are FLA's (the same products in the same order). sm_90a (benchmarks/sm90_build.py's ptxas) at
+Kev-4B's heads: 255 registers at 1, 2 and 4 warps, spilling 40, 8 and 0 bytes (FLA's at its 1-warp pin: 776).
+
+    python benchmarks/kkt_solve_candidate.py            # the Triton interpreter on the CPU: against the reference
+    python benchmarks/bench_kernels.py --only "kkt solve"   # on a GPU: against FLA's kernel (its "candidate" rows)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from fla.ops.utils.op import exp2
+
+
+@triton.jit
+def _gated(kk, g_r, g_c, b_r, m_r, m_c, DIAG: tl.constexpr):
+    """beta_r kk exp2(g_r - g_c) of one 16 x 16 block of k k^T, zero outside valid rows and columns (and on and
+    above the diagonal of a diagonal block)."""
+    m = m_r[:, None] & m_c[None, :]
+    if DIAG:
+        o_i = tl.arange(0, 16)
+        m = m & (o_i[:, None] > o_i[None, :])
+    return tl.where(m, kk * exp2(g_r[:, None] - g_c[None, :]), 0.0) * b_r[:, None]
+
+
+@triton.jit
+def _blocks(b_ai):
+    """The four [16, 16] blocks of a stacked [4, 16, 16] tensor, by splits (no masked sums)."""
+    x = tl.reshape(tl.permute(b_ai, (1, 2, 0)), (16, 16, 2, 2))  # [..., 2 a + b] -> [..., a, b]
+    lo, hi = tl.split(tl.permute(x, (0, 1, 3, 2)))  # blocks (0, 1) and (2, 3)
+    a0, a1 = tl.split(lo)
+    a2, a3 = tl.split(hi)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _merge(a, b, PRECISION: tl.constexpr):
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
+                     G: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+    """G = HV / H value heads a program."""
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    if IS_VARLEN:
+        i_n, i_t = tl.load(chunk_indices + i_t * 2).to(tl.int32), tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        T = (eos - bos).to(tl.int32)
+    else:
+        bos = i_b.to(tl.int64) * T
+    t0 = i_t * 64
+    o_i, o_k, o_b = tl.arange(0, 16), tl.arange(0, K), tl.arange(0, 4)
+    m0, m1, m2, m3 = t0 + o_i < T, t0 + 16 + o_i < T, t0 + 32 + o_i < T, t0 + 48 + o_i < T
+    p_k = k + (bos * H + i_h) * K + o_k[None, :]
+    k0 = tl.load(p_k + (t0 + o_i)[:, None] * (H * K), mask=m0[:, None], other=0.0)
+    k1 = tl.load(p_k + (t0 + 16 + o_i)[:, None] * (H * K), mask=m1[:, None], other=0.0)
+    k2 = tl.load(p_k + (t0 + 32 + o_i)[:, None] * (H * K), mask=m2[:, None], other=0.0)
+    k3 = tl.load(p_k + (t0 + 48 + o_i)[:, None] * (H * K), mask=m3[:, None], other=0.0)
+    # k k^T's ten blocks on and below the diagonal, once for the key head's G value heads
+    kk00, kk11 = tl.dot(k0, tl.trans(k0)), tl.dot(k1, tl.trans(k1))
+    kk22, kk33 = tl.dot(k2, tl.trans(k2)), tl.dot(k3, tl.trans(k3))
+    kk10, kk20, kk21 = tl.dot(k1, tl.trans(k0)), tl.dot(k2, tl.trans(k0)), tl.dot(k2, tl.trans(k1))
+    kk30, kk31, kk32 = tl.dot(k3, tl.trans(k0)), tl.dot(k3, tl.trans(k1)), tl.dot(k3, tl.trans(k2))
+
+    p_a = A + (bos * HV + i_h * G) * 64 + (t0 + o_i)[:, None] * (HV * 64) + o_i[None, :]
+    for j in tl.static_range(G):
+        i_v = i_h * G + j
+        p_g, p_b = g + bos * HV + i_v + t0 * HV, beta + bos * HV + i_v + t0 * HV
+        g0 = tl.load(p_g + o_i * HV, mask=m0, other=0.0)
+        g1 = tl.load(p_g + (16 + o_i) * HV, mask=m1, other=0.0)
+        g2 = tl.load(p_g + (32 + o_i) * HV, mask=m2, other=0.0)
+        g3 = tl.load(p_g + (48 + o_i) * HV, mask=m3, other=0.0)
+        b0 = tl.load(p_b + o_i * HV, mask=m0, other=0.0).to(tl.float32)
+        b1 = tl.load(p_b + (16 + o_i) * HV, mask=m1, other=0.0).to(tl.float32)
+        b2 = tl.load(p_b + (32 + o_i) * HV, mask=m2, other=0.0).to(tl.float32)
+        b3 = tl.load(p_b + (48 + o_i) * HV, mask=m3, other=0.0).to(tl.float32)
+        # the four diagonal blocks stacked [4, 16, 16], (I + D)^-1 of all four at once: forward substitution
+        b_d = tl.where((o_b == 0)[:, None, None], _gated(kk00, g0, g0, b0, m0, m0, True)[None], 0.0)
+        b_d += tl.where((o_b == 1)[:, None, None], _gated(kk11, g1, g1, b1, m1, m1, True)[None], 0.0)
+        b_d += tl.where((o_b == 2)[:, None, None], _gated(kk22, g2, g2, b2, m2, m2, True)[None], 0.0)
+        b_d += tl.where((o_b == 3)[:, None, None], _gated(kk33, g3, g3, b3, m3, m3, True)[None], 0.0)
+        b_ai = -b_d
+        for i in range(2, 16):
+            b_a = tl.sum(tl.where((o_i == i)[None, :, None], -b_d, 0.0), 1)  # row i of every block [4, 16]
+            b_a = tl.where((o_i < i)[None, :], b_a, 0.0)
+            b_a += tl.sum(b_a[:, :, None] * b_ai, 1)
+            b_ai = tl.where((o_i == i)[None, :, None], b_a[:, None, :], b_ai)
+        b_ai += (o_i[:, None] == o_i[None, :])[None, :, :]
+        ai00, ai11, ai22, ai33 = _blocks(b_ai)
+        a10 = _gated(kk10, g1, g0, b1, m1, m0, False)
+        a20 = _gated(kk20, g2, g0, b2, m2, m0, False)
+        a21 = _gated(kk21, g2, g1, b2, m2, m1, False)
+        a30 = _gated(kk30, g3, g0, b3, m3, m0, False)
+        a31 = _gated(kk31, g3, g1, b3, m3, m1, False)
+        a32 = _gated(kk32, g3, g2, b3, m3, m2, False)
+        # FLA's block merges, in its order
+        ai10 = -_merge(_merge(ai11, a10, PRECISION), ai00, PRECISION)
+        ai21 = -_merge(_merge(ai22, a21, PRECISION), ai11, PRECISION)
+        ai32 = -_merge(_merge(ai33, a32, PRECISION), ai22, PRECISION)
+        ai20 = -_merge(ai22, _merge(a20, ai00, PRECISION) + _merge(a21, ai10, PRECISION), PRECISION)
+        ai31 = -_merge(ai33, _merge(a31, ai11, PRECISION) + _merge(a32, ai21, PRECISION), PRECISION)
+        ai30 = -_merge(ai33, _merge(a30, ai00, PRECISION) + _merge(a31, ai10, PRECISION)
+                       + _merge(a32, ai20, PRECISION), PRECISION)
+        dt = A.dtype.element_ty
+        p = p_a + j * 64
+        tl.store(p, ai00.to(dt), mask=m0[:, None])
+        tl.store(p + 16 * HV * 64, ai10.to(dt), mask=m1[:, None])
+        tl.store(p + 16 * HV * 64 + 16, ai11.to(dt), mask=m1[:, None])
+        tl.store(p + 32 * HV * 64, ai20.to(dt), mask=m2[:, None])
+        tl.store(p + 32 * HV * 64 + 16, ai21.to(dt), mask=m2[:, None])
+        tl.store(p + 32 * HV * 64 + 32, ai22.to(dt), mask=m2[:, None])
+        tl.store(p + 48 * HV * 64, ai30.to(dt), mask=m3[:, None])
+        tl.store(p + 48 * HV * 64 + 16, ai31.to(dt), mask=m3[:, None])
+        tl.store(p + 48 * HV * 64 + 32, ai32.to(dt), mask=m3[:, None])
+        tl.store(p + 48 * HV * 64 + 48, ai33.to(dt), mask=m3[:, None])
+
+
+def kkt_solve(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, cu_seqlens=None, chunk_indices=None,
+              num_warps: int = 1, num_stages: int = 1) -> torch.Tensor:
+    """`kevscore.kernels.fla_ops.solve_chunks`' interface and output, through the candidate kernel."""
+    b, t, h, kd = k.shape
+    hv = beta.shape[2]
+    a = torch.empty(b, t, hv, 64, device=k.device, dtype=k.dtype)
+    grid = (triton.cdiv(t, 64) if cu_seqlens is None else chunk_indices.shape[0], b * h)
+    kkt_solve_kernel[grid](k, gc, beta, a, cu_seqlens, chunk_indices, t, H=h, HV=hv, G=hv // h, K=kd,
+                           IS_VARLEN=cu_seqlens is not None,
+                           PRECISION="tf32x3" if k.dtype == torch.float32 else "tf32",
+                           num_warps=num_warps, num_stages=num_stages)
+    return a
+
+
+def lower_distance(ours: torch.Tensor, want: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> float:
+    """Relative distance of two [B, T, HV, 64] outputs on what is written and read: each row's entries on and
+    below its own token (its place in its 64-token chunk; chunks start at each document's first token)."""
+    rows = torch.arange(ours.shape[1], device=ours.device)
+    if cu_seqlens is not None:
+        rows = rows - cu_seqlens[torch.searchsorted(cu_seqlens, rows, right=True) - 1]
+    lower = (torch.arange(64, device=ours.device)[None, :] <= (rows % 64)[:, None])[None, :, None, :]
+    diff = torch.where(lower, ours.float() - want.float(), 0.0)
+    return (diff.norm() / torch.where(lower, want.float(), 0.0).norm()).item()
+
+
+def check() -> float:
+    """Against `gdr_ref.chunk_inverse` (fp32, the Triton interpreter on a CPU): rows of one length, packed
+    documents, one and two value heads a key head; returns the largest relative distance."""
+    from kevscore.kernels import gdr_ref
+
+    worst = 0.0
+    for h, hv, dk, lens in ((2, 4, 64, [1]), (2, 4, 64, [129]), (1, 1, 32, [70]), (2, 4, 64, [17, 64, 129, 5])):
+        gen = torch.Generator().manual_seed(sum(lens))
+        t = sum(lens)
+        k = gdr_ref.l2norm(torch.randn(1, t, h, dk, generator=gen))
+        beta = torch.rand(1, t, hv, generator=gen)
+        g = -torch.nn.functional.softplus(torch.randn(1, t, hv, generator=gen))
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        chunks = torch.tensor([[d, c] for d, n in enumerate(lens) for c in range(-(-n // 64))])
+        docs = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+        gc = torch.cat([gdr_ref.chunk_cumsum(g[:, s:e]) for s, e in docs], 1).contiguous()
+        got = kkt_solve(k, gc, beta, cu, chunks) if len(lens) > 1 else kkt_solve(k, gc, beta)
+        want = torch.cat([gdr_ref.chunk_inverse(k[:, s:e], gc[:, s:e], beta[:, s:e]) for s, e in docs], 1)
+        worst = max(worst, lower_distance(got, want, cu))
+    return worst
+
+
+def main() -> None:
+    import argparse
+    import os
+    import subprocess
+    import sys
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter must be chosen before triton is imported
+        raise SystemExit(subprocess.call([sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"}))
+    worst = check()
+    print(f"max relative error {worst:.3g}")
+    assert worst < 1e-5, worst
+
+
+if __name__ == "__main__":
+    main()
