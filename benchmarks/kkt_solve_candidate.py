@@ -8,7 +8,7 @@ four 16 x 16 forward substitutions one after another. Here one program serves a 
 2 per key head at Kev-4B), so the ten 16 x 16 blocks of k k^T are computed once for them, and a value head's four
 diagonal blocks are substituted together, as one [4, 16, 16] tensor: 14 steps a value head instead of 4 x 14.
 The block merges are FLA's (the same products in the same order). sm_90a (benchmarks/sm90_build.py's ptxas) at
-Kev-4B's heads: 255 registers at 1, 2 and 4 warps, spilling 40, 8 and 0 bytes (FLA's at its 1-warp pin: 776).
+Kev-4B's heads: 253-255 registers at 1, 2 and 4 warps, no spill (FLA's at its 1-warp pin: 255 and 776 B).
 
     python benchmarks/kkt_solve_candidate.py            # the Triton interpreter on the CPU: against the reference
     python benchmarks/bench_kernels.py --only "kkt solve"   # on a GPU: against FLA's kernel (its "candidate" rows)
@@ -67,11 +67,19 @@ def kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexp
     k1 = tl.load(p_k + (t0 + 16 + o_i)[:, None] * (H * K), mask=m1[:, None], other=0.0)
     k2 = tl.load(p_k + (t0 + 32 + o_i)[:, None] * (H * K), mask=m2[:, None], other=0.0)
     k3 = tl.load(p_k + (t0 + 48 + o_i)[:, None] * (H * K), mask=m3[:, None], other=0.0)
-    # k k^T's ten blocks on and below the diagonal, once for the key head's G value heads
-    kk00, kk11 = tl.dot(k0, tl.trans(k0)), tl.dot(k1, tl.trans(k1))
-    kk22, kk33 = tl.dot(k2, tl.trans(k2)), tl.dot(k3, tl.trans(k3))
-    kk10, kk20, kk21 = tl.dot(k1, tl.trans(k0)), tl.dot(k2, tl.trans(k0)), tl.dot(k2, tl.trans(k1))
-    kk30, kk31, kk32 = tl.dot(k3, tl.trans(k0)), tl.dot(k3, tl.trans(k1)), tl.dot(k3, tl.trans(k2))
+    # k k^T's ten blocks on and below the diagonal, once for the key head's G value heads; a block row past the
+    # chunk's last token (a short last chunk: a branch's second) stays zero, its dots skipped
+    kk00 = tl.dot(k0, tl.trans(k0))
+    kk11, kk10 = tl.zeros([16, 16], dtype=tl.float32), tl.zeros([16, 16], dtype=tl.float32)
+    kk22, kk20, kk21 = kk11, kk11, kk11
+    kk33, kk30, kk31, kk32 = kk11, kk11, kk11, kk11
+    if t0 + 16 < T:
+        kk11, kk10 = tl.dot(k1, tl.trans(k1)), tl.dot(k1, tl.trans(k0))
+    if t0 + 32 < T:
+        kk22, kk20, kk21 = tl.dot(k2, tl.trans(k2)), tl.dot(k2, tl.trans(k0)), tl.dot(k2, tl.trans(k1))
+    if t0 + 48 < T:
+        kk33, kk30 = tl.dot(k3, tl.trans(k3)), tl.dot(k3, tl.trans(k0))
+        kk31, kk32 = tl.dot(k3, tl.trans(k1)), tl.dot(k3, tl.trans(k2))
 
     p_a = A + (bos * HV + i_h * G) * 64 + (t0 + o_i)[:, None] * (HV * 64) + o_i[None, :]
     for j in tl.static_range(G):
@@ -91,7 +99,7 @@ def kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexp
         b_d += tl.where((o_b == 2)[:, None, None], _gated(kk22, g2, g2, b2, m2, m2, True)[None], 0.0)
         b_d += tl.where((o_b == 3)[:, None, None], _gated(kk33, g3, g3, b3, m3, m3, True)[None], 0.0)
         b_ai = -b_d
-        for i in range(2, 16):
+        for i in range(2, tl.minimum(16, T - t0)):  # block 0's rows: the most of any block
             b_a = tl.sum(tl.where((o_i == i)[None, :, None], -b_d, 0.0), 1)  # row i of every block [4, 16]
             b_a = tl.where((o_i < i)[None, :], b_a, 0.0)
             b_a += tl.sum(b_a[:, :, None] * b_ai, 1)
@@ -157,7 +165,8 @@ def check() -> float:
     from kevscore.kernels import gdr_ref
 
     worst = 0.0
-    for h, hv, dk, lens in ((2, 4, 64, [1]), (2, 4, 64, [129]), (1, 1, 32, [70]), (2, 4, 64, [17, 64, 129, 5])):
+    for h, hv, dk, lens in ((2, 4, 64, [1]), (2, 4, 64, [129]), (2, 4, 64, [88]), (1, 1, 32, [70]),
+                            (2, 4, 64, [17, 64, 129, 5])):
         gen = torch.Generator().manual_seed(sum(lens))
         t = sum(lens)
         k = gdr_ref.l2norm(torch.randn(1, t, h, dk, generator=gen))
