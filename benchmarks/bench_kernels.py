@@ -389,8 +389,12 @@ def bench_kkt_solve(record, sweep, cfg, branch: tuple[int, int], m: int, gen: to
             tuner.configs = pinned
             tuner.cache.clear()
             fla = fla_ops.solve_chunks(k, gc, beta, None, cu_, chunks_)
-            for warps in sweep((4, 1, 2, 8)):
-                ours = kkt_solve_candidate.kkt_solve(k, gc, beta, cu_, chunks_, num_warps=warps)
+            for warps in sweep((4, 1, 2)):
+                try:  # a candidate: a launch that does not compile is reported, not fatal
+                    ours = kkt_solve_candidate.kkt_solve(k, gc, beta, cu_, chunks_, num_warps=warps)
+                except Exception as err:  # noqa: BLE001
+                    print(f"    candidate warps {warps} skipped: {str(err)[:120]}")
+                    continue
                 rel = kkt_solve_candidate.lower_distance(ours, fla, cu_)
                 record(name, f"candidate warps {warps} (rel {rel:.1e})", timed(lambda: kkt_solve_candidate.kkt_solve(
                     k, gc, beta, cu_, chunks_, num_warps=warps)), layers, floor)
