@@ -10,7 +10,7 @@ diagonal blocks are substituted together, as one [4, 16, 16] tensor: 14 steps a 
 The block merges are FLA's (the same products in the same order). sm_90a (benchmarks/sm90_build.py's ptxas) at
 Kev-4B's heads: 253-255 registers at 1, 2 and 4 warps, no spill (FLA's at its 1-warp pin: 255 and 776 B).
 
-    python benchmarks/kkt_solve_candidate.py            # the Triton interpreter on the CPU: against the reference
+    python benchmarks/kkt_solve_candidate.py            # the Triton interpreter on the CPU: against FLA's
     python benchmarks/bench_kernels.py --only "kkt solve"   # on a GPU: against FLA's kernel (its "candidate" rows)
 """
 from __future__ import annotations
@@ -159,41 +159,18 @@ def lower_distance(ours: torch.Tensor, want: torch.Tensor, cu_seqlens: torch.Ten
     return (diff.norm() / torch.where(lower, want.float(), 0.0).norm()).item()
 
 
-def check() -> float:
-    """Against `gdr_ref.chunk_inverse` (fp32, the Triton interpreter on a CPU): rows of one length, packed
-    documents, one and two value heads a key head; returns the largest relative distance."""
-    from kevscore.kernels import gdr_ref
-
-    worst = 0.0
-    for h, hv, dk, lens in ((2, 4, 64, [1]), (2, 4, 64, [129]), (2, 4, 64, [88]), (1, 1, 32, [70]),
-                            (2, 4, 64, [17, 64, 129, 5])):
-        gen = torch.Generator().manual_seed(sum(lens))
-        t = sum(lens)
-        k = gdr_ref.l2norm(torch.randn(1, t, h, dk, generator=gen))
-        beta = torch.rand(1, t, hv, generator=gen)
-        g = -torch.nn.functional.softplus(torch.randn(1, t, hv, generator=gen))
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-        chunks = torch.tensor([[d, c] for d, n in enumerate(lens) for c in range(-(-n // 64))])
-        docs = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-        gc = torch.cat([gdr_ref.chunk_cumsum(g[:, s:e]) for s, e in docs], 1).contiguous()
-        got = kkt_solve(k, gc, beta, cu, chunks) if len(lens) > 1 else kkt_solve(k, gc, beta)
-        want = torch.cat([gdr_ref.chunk_inverse(k[:, s:e], gc[:, s:e], beta[:, s:e]) for s, e in docs], 1)
-        worst = max(worst, lower_distance(got, want, cu))
-    return worst
-
-
 def main() -> None:
+    """Checks the candidate in the Triton interpreter (where `tests/interpret/check_prefill_wy.py` compares it with
+    FLA's kernel on the same inputs)."""
     import argparse
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    if os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter must be chosen before triton is imported
-        raise SystemExit(subprocess.call([sys.executable, __file__], env={**os.environ, "TRITON_INTERPRET": "1"}))
-    worst = check()
-    print(f"max relative error {worst:.3g}")
-    assert worst < 1e-5, worst
+    check = Path(__file__).resolve().parent.parent / "tests" / "interpret" / "check_prefill_wy.py"
+    raise SystemExit(subprocess.call([sys.executable, str(check)], env={**os.environ, "TRITON_INTERPRET": "1"}))
 
 
 if __name__ == "__main__":
