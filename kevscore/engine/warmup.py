@@ -94,10 +94,9 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
 
     def run_each_shape() -> dict:
         prefill_s = score_s = 0.0
-        # each scoring batch once, after either group (the branch kernels' specializations do not depend on the
-        # documents): the branches of two chunks, whose kernels take the longest to compile, after the first, so
-        # that a dry pass meets them early; the others after the second (prefill's token counts divisible by 16)
-        for docs, branches in zip(PREFILL_GROUPS, ([b for b in BRANCHES if b[1] > 64], [b for b in BRANCHES if b[1] <= 64])):
+        # every scoring batch after the first group; after the second, which is there for prefill's token counts
+        # divisible by 16, one: the branch kernels' specializations do not depend on the documents
+        for docs, branches in zip(PREFILL_GROUPS, (BRANCHES, BRANCHES[:1])):
             prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
             batches = [(d, rows, length) for d in range(len(docs)) for rows, length in branches]
             n_rows = sum(rows for _, rows, _ in batches)
