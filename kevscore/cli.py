@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import Optional
 
 import typer
 from rich.console import Console
@@ -97,7 +97,6 @@ INTERRUPTED_RUN = ("interrupted; no output was written (completed windows are ke
                    "same command to resume)")
 IO, COLUMNS, MODEL, LONG, SPEED, SHOW = ("Input and output", "Column names", "Model and labels", "Long jobs",
                                         "Speed", "Display")
-T = TypeVar("T")
 MODEL_HELP = "A checkpoint directory, a hub id (ORG/NAME, ORG/NAME@REV), demo, kev-0.8b or kev-4b."  # run's, compare's
 
 
@@ -111,7 +110,7 @@ def column_option(name: str, help: str):
     return option(name, f"--{name.replace('_', '-')}-column", panel=COLUMNS, metavar="NAME", help=help)
 
 
-def options_of(cls: type[T], params: dict, **values) -> T:
+def options_of(cls: type, params: dict, **values):
     """A command's options object (a dataclass): each field from the command's parameter of the same name,
     or from `values` (fields whose value the command works out)."""
     return cls(**{f.name: params[f.name] for f in dataclasses.fields(cls) if f.name in params} | values)
@@ -197,8 +196,12 @@ def run(
     opts = options_of(RunOptions, given, labels=label_list, rename={given[f"{name}_column"]: name for name in COLUMNS})
     if str(output) == "-" and log_json:
         _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
-    if dry_run:
-        return _dry_run(opts, log_json)
+    if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
+        with _failing():
+            plan = Scorer.from_options(opts).dry_run(opts)
+        if log_json:
+            return typer.echo(json.dumps({"event": "plan", **plan.fields()}))
+        return Console(width=80 if not sys.stdout.isatty() else None).print(display.plan_table(plan))
     if (gpus > 1 or world_from_env() is not None) and (str(output) == "-" or file_format(output or "") != "parquet"):
         _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
     if gpus > 1 and world_from_env() is None:
@@ -213,32 +216,14 @@ def run(
         finally:
             if reporter is not log:
                 reporter.loaded()
-    _report(result, log, quiet)
-
-
-def _report(result, log: display.JsonProgress | None, quiet: bool) -> None:
-    """A finished run's last words: the `done` event, the summary table, or a line when nothing was to do."""
+    # the run's last words: the `done` event, the summary table, or a line when nothing was to do
     if log:
         log.emit("done", **display.summary_fields(result))
-    elif quiet:
-        return
-    elif result.already_complete:
+    elif result.already_complete and not quiet:
         console.print(f"{escape(str(result.output))}: already complete (this job's output, {result.stats.rows:,} rows); "
                       "nothing to do", highlight=False, soft_wrap=True)
-    else:
+    elif not quiet:
         console.print(display.summary_table(result))
-
-
-def _dry_run(opts, log_json: bool) -> None:
-    """--dry-run: the plan on stdout (a table, or one JSON line with --log-json)."""
-    from kevscore.api import Scorer
-
-    with _failing():
-        plan = Scorer.from_options(opts).dry_run(opts)
-    if log_json:
-        typer.echo(json.dumps({"event": "plan", **plan.fields()}))
-    else:
-        Console(width=80 if not sys.stdout.isatty() else None).print(display.plan_table(plan))
 
 
 def _launch(gpus: int) -> None:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kevscore.baselines import naive_call
@@ -27,7 +28,7 @@ from kevscore.engine.backend import build_runner, resolve_device, synchronize
 from kevscore.engine.pipeline import Engine, Scores
 from kevscore.errors import KevscoreError, rows_phrase
 from kevscore.job.data import argmax, read_input
-from kevscore.measure import environment, events_ms, quantile, timed
+from kevscore.measure import environment, events_ms, timed
 from kevscore.model.checkpoint import load_checkpoint
 from kevscore.model.prompt import Encoded, encode, first_and_tails, label_token_ids, load_template
 from kevscore.reference import reference_model
@@ -98,9 +99,9 @@ class CaseResult:
         return self.flips == 0 and self.max_abs_diff == 0.0 and self.bank_unchanged
 
     def summary(self) -> dict:
-        out = {p: {"median_ms": statistics.median(self.latency_ms[p]), "p10_ms": quantile(self.latency_ms[p], 0.1),
-                   "p90_ms": quantile(self.latency_ms[p], 0.9), "rows_per_s": self.rows / statistics.median(self.wall_s[p])}
-               for p in PATHS}
+        out = {p: {"median_ms": statistics.median(self.latency_ms[p]), "p10_ms": float(np.quantile(self.latency_ms[p], 0.1)),
+                   "p90_ms": float(np.quantile(self.latency_ms[p], 0.9)),
+                   "rows_per_s": self.rows / statistics.median(self.wall_s[p])} for p in PATHS}
         g, i = out["gathered"], out["indexed"]
         out |= {"indexed_over_gathered": i["median_ms"] / g["median_ms"], "parity": self.parity,
                 "spread_overlap": i["p10_ms"] <= g["p90_ms"] and g["p10_ms"] <= i["p90_ms"]}
@@ -219,13 +220,6 @@ def _check(opts: CompareOptions) -> list[str]:
     return list(dict.fromkeys(cases))
 
 
-def _one_token_labels(enc: Encoded, source: str) -> None:
-    """The transformers baseline reads each row's label logits at its last token: labels of one token only."""
-    if several := [r for r in range(len(enc)) if not enc.one_token_labels(r)]:
-        raise KevscoreError(f"{source}: --baseline hf times labels of one token; labels of several tokens at "
-                            f"{rows_phrase(several)}")
-
-
 def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -> dict:
     """Run the cases; returns the report (also written to `opts.json_path` when given)."""
     cases = _check(opts)
@@ -238,8 +232,10 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
     ckpt = load_checkpoint(opts.model, device)
     small = device.type != "cuda"
     workloads = _workloads(opts, ckpt, cases, small)
-    if opts.baseline == "hf":
-        _one_token_labels(next(iter(workloads.values()))[0], Path(opts.data).name if opts.data else "compare")
+    first = next(iter(workloads.values()))[0]  # the transformers baseline reads each row's label logits at its last token
+    if opts.baseline == "hf" and (several := [r for r in range(len(first)) if not first.one_token_labels(r)]):
+        raise KevscoreError(f"{Path(opts.data).name if opts.data else 'compare'}: --baseline hf times labels of one "
+                            f"token; labels of several tokens at {rows_phrase(several)}")
     doc_tokens = [len(p) for enc, _, _ in workloads.values() for p in enc.prefixes]
     t0 = time.perf_counter()
     engine = Engine(build_runner(ckpt, device, doc_tokens), max_rows=opts.batch_rows)

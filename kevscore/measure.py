@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 PACKAGES = ("torch", "triton", "transformers", "fla-core", "flash-linear-attention", "pyarrow")
@@ -41,11 +40,6 @@ def events_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.de
     for _ in range(warmup):
         fn()
     return [timed(fn, device)[0] for _ in range(reps)]
-
-
-def quantile(samples: list[float], q: float) -> float:
-    """Linear-interpolation quantile (q in [0, 1]) of a non-empty sample."""
-    return float(np.quantile(samples, q))
 
 
 def source_digests() -> dict[str, str]:
