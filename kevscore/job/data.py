@@ -57,15 +57,12 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[float]],
                  label_mass: list[float]) -> pa.Table:
-    n = len(rows)
-    columns = {"labels": labels, "probs": probs, "label_mass": label_mass}
-    if wrong := {k: len(v) for k, v in columns.items() if len(v) != n}:
-        raise ValueError(f"expected {n} rows in every output column, got {wrong}")
+    """The output's table of `rows` and their scores (`pa.table` refuses columns of unequal lengths)."""
     for i, (ls, ps) in enumerate(zip(labels, probs)):
         if len(ls) != len(ps):
             raise ValueError(f"row {i}: {len(ls)} labels but {len(ps)} probs")
-    nulls = [None] * n
-    return pa.table({"row": range(n) if rows.rows is None else rows.rows, "doc_id": rows.doc_ids or nulls,
+    nulls = [None] * len(rows)
+    return pa.table({"row": range(len(rows)) if rows.rows is None else rows.rows, "doc_id": rows.doc_ids or nulls,
                      "question_id": rows.question_ids or nulls, "labels": labels,
                      "probs": [[float(p) for p in ps] for ps in probs],
                      "prediction": [ls[argmax(ps)] if ls else None for ls, ps in zip(labels, probs)],

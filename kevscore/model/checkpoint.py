@@ -101,21 +101,17 @@ def hub_directory(spec: str, download: bool = True) -> Path:
 
     repo, _, revision = spec.partition("@")
     cache = hub_cache()
-    try:
-        return Path(snapshot_download(repo, revision=revision or None, cache_dir=cache, local_files_only=True,
-                                      allow_patterns=HUB_FILES))
-    except Exception as exc:  # noqa: BLE001 - huggingface_hub raises several types for a missing snapshot
-        missing = exc
-    fetch = f"fetch it with `hf download {repo}{f' --revision {revision}' if revision else ''}`"
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    if offline or not download:
-        raise KevscoreError(f"--model {spec}: not in the Hugging Face cache {cache} ({first_line(missing)}); "
-                            f"{fetch} where there is network") from missing
-    try:
-        return Path(snapshot_download(repo, revision=revision or None, cache_dir=cache, allow_patterns=HUB_FILES))
-    except Exception as exc:  # noqa: BLE001 - network, authentication and not-found errors alike
-        raise KevscoreError(f"--model {spec}: not in the Hugging Face cache {cache} and not downloadable "
-                            f"({first_line(exc)}); {fetch} where there is network") from exc
+    offline = not download or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    for local in (True, False):  # the cache, then the hub
+        try:
+            return Path(snapshot_download(repo, revision=revision or None, cache_dir=cache, local_files_only=local,
+                                          allow_patterns=HUB_FILES))
+        except Exception as exc:  # noqa: BLE001 - a missing snapshot, network, authentication and not-found errors alike
+            if offline or not local:
+                fetch = f"hf download {repo}" + (f" --revision {revision}" if revision else "")
+                where = f"the Hugging Face cache {cache}" + ("" if local else " and not downloadable")
+                raise KevscoreError(f"--model {spec}: not in {where} ({first_line(exc)}); fetch it with `{fetch}` "
+                                    "where there is network") from exc
 
 
 def peek_config(spec: str) -> KevConfig | None:

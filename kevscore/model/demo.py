@@ -28,10 +28,6 @@ DEMO_CONFIG = KevConfig(vocab_size=1280, hidden_size=128, intermediate_size=256,
                         partial_rotary_factor=0.25, max_position_embeddings=4096, tie_word_embeddings=True)
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def trained_weights() -> Path:
     """The shipped trained weights (kevscore/model/demo_model/model.safetensors), checked against the SHA-256
     that the training run recorded beside them (training.json)."""
@@ -56,8 +52,9 @@ def write_demo_files(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
         shutil.copyfile(TRAINED_DIR / name, dest / name)
     added = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
     ids = {t["content"]: t["id"] for t in added}
-    _write_json(dest / "config.json", cfg.to_hf() | {"bos_token_id": None, "eos_token_id": ids["<|im_end|>"],
-                                                     "pad_token_id": ids["<|endoftext|>"], "dtype": "float32"})
+    config = cfg.to_hf() | {"bos_token_id": None, "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
+                            "dtype": "float32"}
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "utf-8")
 
 
 def build_demo_checkpoint(dest: Path) -> None:
