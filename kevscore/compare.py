@@ -24,7 +24,7 @@ import torch
 
 from kevscore.baselines import naive_call
 from kevscore.durable import write_atomic, write_json
-from kevscore.engine.backend import build_runner, resolve_device, synchronize
+from kevscore.engine.backend import build_runner, resolve_device
 from kevscore.engine.pipeline import Engine, Scores
 from kevscore.errors import KevscoreError, rows_phrase
 from kevscore.job.data import argmax, read_input
@@ -159,11 +159,7 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
     first = "warm-up and graph capture" if device.type == "cuda" else "warm-up"
     for p in PATHS:  # first calls capture each path's graphs; warm-up is reported apart from latency
         log(f"{name}: {first}, {p} path ({max(warmup, 1)} calls)")
-        t0 = time.perf_counter()
-        for _ in range(max(warmup, 1)):
-            call(p)
-        synchronize(device)
-        res.warmup_s[p] = time.perf_counter() - t0
+        res.warmup_s[p] = timed(lambda p=p: [call(p) for _ in range(max(warmup, 1))], device)[1]
     res.capture_s = getattr(runner, "capture_s", 0.0) - capture0
     snapshot = [t.clone() for t in _bank_views(runner.bank)]
     log(f"{name}: timing {reps} calls per path, alternating")

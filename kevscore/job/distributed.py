@@ -126,12 +126,8 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, status: RankStatus,
         return ranks.gather(status)
     parts: PartStore | None = ranks.step(lambda: open_parts(job, progress) if ranks.rank == 0 else None, inputs.message)
     try:
-        def score():
-            nonlocal parts
-            parts = parts or open_parts(job, progress, member=True)
-            return score_job(job, parts, progress, ranks.rank)
-
-        result = ranks.step(score, inputs.message)
+        parts = ranks.step(lambda: parts or open_parts(job, progress, member=True), inputs.message)  # the others join
+        result = ranks.step(lambda: score_job(job, parts, progress, ranks.rank), inputs.message)
         status.reused = result.resumed == result.windows
         status.seconds, status.load_s = time.perf_counter() - t0, result.load_s
         status.work_s = result.stats.prefill_s + result.stats.score_s
