@@ -49,11 +49,9 @@ def invariant_threads(device: torch.device, batch_invariant: bool) -> Iterator[N
     """Under --batch-invariant on the CPU, one intra-op thread while the job runs: a reduction split over
     threads rounds by the thread count, which differs between a one-process run and a torchrun rank
     (OMP_NUM_THREADS=1), so the promise of bit-identical results across shard counts needs a fixed count."""
-    if not batch_invariant or device.type != "cpu":
-        yield
-        return
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if batch_invariant and device.type == "cpu":
+        torch.set_num_threads(1)
     try:
         yield
     finally:

@@ -64,7 +64,7 @@ class BankStore:
         self.root = Path(root)
         self.model = model
         self.max_bytes = max_bytes
-        self._warn_cb = warn
+        self._warn_cb = warn or (lambda message: None)
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         self.stats = BankStats()
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
@@ -92,8 +92,7 @@ class BankStore:
 
     def warn(self, message: str) -> None:
         self.stats.warnings.append(message)
-        if self._warn_cb is not None:
-            self._warn_cb(message)
+        self._warn_cb(message)
 
     def _clean_tmp(self) -> None:
         """Remove the temporary files of processes that no longer run (their owner lock is free or gone)."""

@@ -34,15 +34,15 @@ def label_branches(labels: Sequence[Tokens]) -> tuple[list[Tokens], list[int]]:
 
 
 class Scoring:
-    """Rows cut into units that the engine batches: each unit a branch from its row's bank entry."""
+    """Rows cut into units that the engine batches: each unit a branch from its row's bank entry. A way of scoring
+    (`LastToken`, `Continuations`) implements every method whose body here is its docstring."""
     units: list[int]
 
     def row(self, unit: int) -> int:
-        raise NotImplementedError
+        """The row the unit scores."""
 
     def tokens(self, unit: int) -> list[int]:
         """The unit's branch tokens."""
-        raise NotImplementedError
 
     def scored(self, unit: int) -> int:
         """How many of the unit's last tokens are scored."""
@@ -50,15 +50,12 @@ class Scoring:
 
     def device_scores(self, runner, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
         """What `finish` needs of a batch, gathered on the device from its hidden states (`runner.score`)."""
-        raise NotImplementedError
 
     def finish(self, batch: Batch, host: torch.Tensor) -> list[Result]:
         """The rows the batch completes, from `device_scores` read back as float64."""
-        raise NotImplementedError
 
     def fail(self, unit: int) -> int:
         """A unit that cannot be scored (its row is reported as failed); returns how many rows it completes."""
-        raise NotImplementedError
 
     def sizes(self, units: list[int], prefix_len: dict[int, int]) -> tuple[dict, dict, dict | None]:
         """Per unit its branch length, its document's length and its positions to score (None: one each)."""

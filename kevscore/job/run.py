@@ -326,11 +326,9 @@ def check_outputs(opts: RunOptions, sources: list[Path], output: Path, overwrite
     """The output, its errors file and its parts directory must not be (or hold) anything this run reads:
     the input files, the template, files of the model or bank directory."""
     inputs = sources + ([Path(opts.template)] if opts.template else [])
-    model = Path(opts.model) if Path(opts.model).is_dir() and opts.model not in MODEL_NAMES else None
-    within = [d for d in (model, opts.bank) if d is not None]
-    check_output_path(output, inputs, overwrite, within)
-    if opts.skip_invalid:
-        check_output_path(errors_path(output), inputs, overwrite, within)
+    within = [d for d in (None if opts.model in MODEL_NAMES else Path(opts.model), opts.bank) if d is not None]
+    for path in [output, errors_path(output)] if opts.skip_invalid else [output]:
+        check_output_path(path, inputs, overwrite, within)
     check_parts_dir(output, inputs)
 
 
