@@ -47,13 +47,10 @@ class Interrupted(KeyboardInterrupt):
 
 def _reach(spec: str | None, point: str) -> bool:
     """Count this arrival at `point` under hook setting `spec`; True on the arrival the setting names."""
-    if not spec:
-        return False
-    name, _, nth = spec.partition(":")
-    if name != point:
+    if not spec or spec.partition(":")[0] != point:
         return False
     _reached[spec, point] += 1
-    return _reached[spec, point] == int(nth or 1)
+    return _reached[spec, point] == int(spec.partition(":")[2] or 1)
 
 
 def point(name: str) -> None:

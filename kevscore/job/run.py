@@ -246,16 +246,15 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
         else:
             result = score_job(job, parts, progress)
             merge_job(job, parts, result, progress)
-    except Interrupted as exc:
+    except BaseException as exc:
         parts.abandon()  # a directory this run created, holding no part yet, is removed
+        if not isinstance(exc, Interrupted):
+            raise
         if not parts.dir.exists():
             raise Interrupted(f"interrupted ({exc}) before any window was complete; nothing was written") from None
         done = sum(parts.done.values())
         raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(p.windows)} windows ({done:,} rows) are "
                           f"kept in {parts.dir}; rerun the same command to resume") from None
-    except BaseException:
-        parts.abandon()
-        raise
     parts.remove()
     if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
         result.warnings.append(warning)

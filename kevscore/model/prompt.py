@@ -188,26 +188,23 @@ class PromptCheck:
 def encode(table, tokenizer, template: Template, default_labels: Sequence[str], max_positions: int) -> Encoded:
     """Tokenize an `InputTable`; documents are tokenized once per distinct text, then deduplicated by ids."""
     texts = list(dict.fromkeys(table.documents))
-    slots: dict[str, int] = {}  # prefix key -> its slot in `prefixes`: texts of the same ids share it
-    prefixes: list[list[int]] = []
+    slots: dict[str, tuple[int, list[int]]] = {}  # prefix key -> (its slot, its ids): texts of the same ids share it
     slot_of_text = {}
     for text, ids in zip(texts, tokenize(tokenizer, [template.prefix(t) for t in texts])):
-        slot_of_text[text] = slots.setdefault(prefix_key(ids), len(prefixes))
-        if slot_of_text[text] == len(prefixes):
-            prefixes.append(ids)
+        slot_of_text[text] = slots.setdefault(prefix_key(ids), (len(slots), ids))[0]
+    prefixes = [ids for _, ids in slots.values()]
     row_prefix = [slot_of_text[doc] for doc in table.documents]
     branches = tokenize(tokenizer, [template.branch(q) for q in table.questions])
     labels = table.labels or [list(default_labels)] * len(table)
     check = PromptCheck(tokenizer, table.sources[0].name if table.sources else "input", max_positions)
     label_ids, label_tails = [], []
-    for i, row in enumerate(labels):
+    for i, (row, branch) in enumerate(zip(labels, branches)):
         reason, firsts, tails = check.label_tokens(row)
         if reason:
             raise check.label_error(i, reason) if table.labels else KevscoreError(f"--labels: {reason}")
         label_ids.append(firsts)
         label_tails.append(tails)
-    for i, b in enumerate(branches):
-        check.prompt(i, len(prefixes[row_prefix[i]]), len(b), max(map(len, label_tails[i])))
+        check.prompt(i, len(prefixes[row_prefix[i]]), len(branch), max(map(len, tails)))
     if error := check.error():
         raise error
     return Encoded(prefixes, row_prefix, branches, [list(x) for x in labels], label_ids,
