@@ -275,18 +275,17 @@ def branch_case(cfg, r: int, t: int, gen: torch.Generator) -> tuple:
 
 
 def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: torch.Generator) -> None:
-    """FLA's solve, then one kernel for w/u, the state read by index and the output (kernels/branch_wy.py),
+    """The solve, then one kernel for w/u, the state read by index and the output (kernels/branch_wy.py),
     against the stages they replace (gate cumsum, FLA's kkt + solve and w/u, FLA's scan on the gathered states,
     FLA's output), per DeltaNet layer: "fused wy T" the whole branch path (gate + solve + kernel) at each
     launch, "wy parts T" each kernel alone; the floor is the fused kernel's HBM traffic (each bank entry read
-    once). FLA's kernels run with the launch configurations a job pins on this GPU (`kernels/tuning.py`)."""
+    once). FLA's kernels run at the oracles' pins for this GPU (tests/fla_oracles.py)."""
     import fla_oracles
 
-    from kevscore.kernels import fla_ops, tuning
+    from kevscore.kernels import fla_ops
     from kevscore.kernels.branch_wy import branch_wy
     from kevscore.model.config import LINEAR
 
-    tuning.pin_for(torch.cuda.get_device_name())
     layers = cfg.layer_types.count(LINEAR)
     for tt in lengths:
         q, k, v, gate, beta, bank, slots = branch_case(cfg, r, tt, gen)
@@ -303,7 +302,7 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
         record(f"fused wy {tt}", "stages (gate, WY, scan, output)", timed(lambda: fla_oracles.gdr_branch(
             q, k, v, gate, beta, bank, slots, "indexed")), layers)
         record(f"wy parts {tt}", "gate cumsum", timed(lambda: fla_ops.gate_cumsum(gate)), layers)
-        record(f"wy parts {tt}", "FLA kkt + solve", timed(lambda: fla_ops.solve_chunks(k, gc, beta)), layers)
+        record(f"wy parts {tt}", "kkt + solve", timed(lambda: fla_ops.solve_chunks(k, gc, beta)), layers)
         for launch in sweep(WY_LAUNCHES):
             name = str(launch)[1:-1].replace("'", "") or "default"
             record(f"wy parts {tt}", f"fused wy {name}", timed(lambda: branch_wy(
@@ -323,11 +322,10 @@ def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:
 
     import fla_oracles
 
-    from kevscore.kernels import fla_ops, tuning
+    from kevscore.kernels import fla_ops
     from kevscore.kernels.branch_wy import prefill_wy
     from kevscore.model.config import LINEAR
 
-    tuning.pin_for(torch.cuda.get_device_name())
     layers = cfg.layer_types.count(LINEAR)
     lens = [1700] * (m // 1700) + ([m % 1700] if m % 1700 else [])
     cu = torch.tensor([0, *lens], device=DEV).cumsum(0)
@@ -357,17 +355,19 @@ KKT_CONFIGS = [(64, 1, 3)] + [(bk, w, st) for bk in (32, 64) for w in (1, 2, 4) 
 
 
 def bench_kkt_solve(record, sweep, cfg, branch: tuple[int, int], m: int, gen: torch.Generator) -> None:
-    """FLA's kkt + solve kernel (`fla_ops.solve_chunks`) at each configuration of its autotuner's list, per
-    DeltaNet layer: on a scoring batch of branch = (rows, tokens) and on prefill's m tokens of 1,700-token
-    documents. The pin (tuning.py) is the autotuner's choice; at one warp ptxas spills ~780 B (sm90_build.py),
-    at two or more nothing. The floor: k, beta and the gate read, (I + A)^-1 written."""
-    import kkt_solve_candidate
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel as kernel
+    """The solve (`kernels/kkt_solve.py`) at 1, 2 and 4 warps against FLA's kkt + solve kernel at each
+    configuration of its autotuner's list (tests/fla_oracles.solve_chunks; the oracles' pin is its
+    autotuner's choice), per DeltaNet layer: on a scoring batch of branch = (rows, tokens) and on prefill's m
+    tokens of 1,700-token documents, each row of ours named with its distance from FLA's output. The floor: k,
+    beta and the gate read, (I + A)^-1 written."""
+    import fla_oracles
 
-    from kevscore.kernels import fla_ops, tuning
+    from kevscore.kernels import fla_ops
+    from kevscore.kernels.kkt_solve import solve_chunks
     from kevscore.model.config import LINEAR
 
-    tuner, layers = tuning.autotuner(kernel), cfg.layer_types.count(LINEAR)
+    tuner = fla_oracles.autotuner(fla_oracles.chunk_gated_delta_rule_fwd_kkt_solve_kernel)
+    layers = cfg.layer_types.count(LINEAR)
     pinned = tuner.configs
     r, t = branch
     lens = [1700] * (m // 1700) + ([m % 1700] if m % 1700 else [])
@@ -380,24 +380,16 @@ def bench_kkt_solve(record, sweep, cfg, branch: tuple[int, int], m: int, gen: to
             gc = fla_ops.decay_cumsum(*gate, 64, fla_ops.RCP_LN2, cu_, chunks_)
             hv = beta.shape[2]
             floor = copy_ms(k.numel() * 2 + beta.numel() * 6 + k.shape[0] * k.shape[1] * hv * 64 * 2)
+            fla = fla_oracles.solve_chunks(k, gc, beta, None, cu_, chunks_)
+            for warps in sweep((1, 2, 4)):
+                rel = fla_oracles.lower_distance(solve_chunks(k, gc, beta, None, cu_, chunks_, num_warps=warps), fla, cu_)
+                record(name, f"ours warps {warps} (rel {rel:.1e})", timed(
+                    lambda: solve_chunks(k, gc, beta, None, cu_, chunks_, num_warps=warps)), layers, floor)
             for bk, warps, stages in sweep(KKT_CONFIGS):
                 tuner.configs = [triton.Config({"BK": bk}, num_warps=warps, num_stages=stages)]
                 tuner.cache.clear()
-                record(name, f"BK {bk} warps {warps} stages {stages}", timed(
-                    lambda: fla_ops.solve_chunks(k, gc, beta, None, cu_, chunks_)), layers, floor)
-            # the candidate of kkt_solve_candidate.py (NOTES 77): its lower blocks against FLA's, then its launches
-            tuner.configs = pinned
-            tuner.cache.clear()
-            fla = fla_ops.solve_chunks(k, gc, beta, None, cu_, chunks_)
-            for warps in sweep((4, 1, 2)):
-                try:  # a candidate: a launch that does not compile is reported, not fatal
-                    ours = kkt_solve_candidate.kkt_solve(k, gc, beta, cu_, chunks_, num_warps=warps)
-                except Exception as err:  # noqa: BLE001
-                    print(f"    candidate warps {warps} skipped: {str(err)[:120]}")
-                    continue
-                rel = kkt_solve_candidate.lower_distance(ours, fla, cu_)
-                record(name, f"candidate warps {warps} (rel {rel:.1e})", timed(lambda: kkt_solve_candidate.kkt_solve(
-                    k, gc, beta, cu_, chunks_, num_warps=warps)), layers, floor)
+                record(name, f"FLA BK {bk} warps {warps} stages {stages}", timed(
+                    lambda: fla_oracles.solve_chunks(k, gc, beta, None, cu_, chunks_)), layers, floor)
     finally:
         tuner.configs = pinned
         tuner.cache.clear()

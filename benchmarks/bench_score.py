@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--fla", nargs="+", default=[], choices=["conv", "wy", "prefill", "prefill-stages"],
+    ap.add_argument("--fla", nargs="+", default=[], choices=["conv", "solve", "wy", "prefill", "prefill-stages"],
                     help="A/B: the fla_ops functions of these swaps run as FLA's own ops (tests/fla_oracles.py SWAPS)")
     args = ap.parse_args()
     if args.fla:

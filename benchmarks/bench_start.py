@@ -40,7 +40,6 @@ def child(model: str, serial: bool) -> dict:
     lap("import FLA's kernels (fla_ops)")
     from kevscore.engine import cuda_runner  # noqa: F401
     from kevscore.engine.warmup import compile_kernels
-    from kevscore.kernels import tuning
     from kevscore.model.config import SHAPES
     lap("import kevscore's GPU modules")
     torch.cuda.init()
@@ -50,7 +49,6 @@ def child(model: str, serial: bool) -> dict:
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     (a @ a).sum().item()
     lap("first cuBLAS matmul")
-    tuning.pin_for(torch.cuda.get_device_name())
     compiles = {"compiled": 0, "cache hits": 0}
 
     def listen(*, cache_hit: bool, **_):

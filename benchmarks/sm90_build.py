@@ -113,6 +113,13 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
                     dict(H=16, HV=32, K=128, V=128, BV=bv, BT1=bt1, BT2=bt2), wp, 1, wy_aligned))
     out.append(("wy fp32 demo", _branch_wy_kernel, wy_t | {n: "*fp32" for n in ("q", "k", "v", "beta", "a_inv", "o")},
                 dict(H=2, HV=4, K=64, V=64, BV=64, BT1=64, BT2=64), 4, 1, wy_aligned))
+    from kevscore.kernels.kkt_solve import _kkt_solve_kernel
+
+    kkt_t = {"k": "*bf16", "g": "*fp32", "beta": "*bf16", "A": "*bf16", "cu_seqlens": "*i64", "chunk_indices": "*i64",
+             "T": "i32"}
+    for packed in (False, True):
+        out.append((f"kkt solve packed {packed} warps 1", _kkt_solve_kernel, kkt_t,
+                    dict(H=16, HV=32, G=2, K=128, IS_VARLEN=packed, PRECISION="tf32"), 1, 1, ("k", "g", "beta", "A")))
     from kevscore.kernels.elementwise import _rms_norm_kernel
 
     norm_t = {n: "*bf16" for n in ("x", "res", "y", "res_out")} | {"w": "*fp32", "n_rows": "i32", "eps": "fp32"}
@@ -132,25 +139,28 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
 
 def fp32_variants() -> list[tuple]:
     """What an fp32 model (--dtype fp32) launches at the Kev-4B shape, compiled with its dots in 3xTF32 (main):
-    our branch attention at its fp32 tiles and the chunk loop at 1 stage, FLA's kernels as `fla_variants`."""
+    our branch attention at its fp32 tiles, the chunk loop at 1 stage and our solve, FLA's kernels as `fla_variants`."""
     from kevscore.kernels.branch_attn import _branch_attn_kernel
     from kevscore.kernels.fla_ops import ATTN_FP32 as a32
-    attn, chunks = (next(v for v in variants() if v[0].startswith(name)) for name in ("attention bm", "chunks packed"))
+    attn, chunks, kkt = (next(v for v in variants() if v[0].startswith(name))
+                         for name in ("attention bm", "chunks packed", "kkt solve packed False"))
     f32 = lambda types: {n: "*fp32" if t == "*bf16" else t for n, t in types.items()}  # noqa: E731
     return [("fp32 attention", _branch_attn_kernel, f32(attn[2]),
              attn[3] | {"BM": a32["block_m"], "BN": a32["block_n"]}, a32["num_warps"], a32["num_stages"], attn[6]),
             ("fp32 chunks packed, 1 stage", chunks[1], f32(chunks[2]), chunks[3], 4, 1, chunks[6]),
+            ("fp32 kkt solve", kkt[1], f32(kkt[2]), kkt[3] | {"PRECISION": "tf32x3"}, 1, 1, kkt[6]),
             *((f"fp32 fla {name}", *rest) for name, *rest in fla_variants("*fp32"))]
 
 
 def fla_variants(act: str) -> list[tuple]:
     """FLA's four gated-delta-rule kernels of a scoring call at the Kev-4B shape, with activations of type `act`
-    at the launch configurations pinned for the H200 (kevscore.kernels.tuning); in fp32, the copy of its
-    (I + A)^-1 kernel that an fp32 model runs (fla_ops._kkt_solve_fp32)."""
+    at the launch configurations the oracles pin on the H200 (tests/fla_oracles.PINS); in fp32, the copy of its
+    (I + A)^-1 kernel with 3xTF32 merges that the cuda tests' oracle runs (tests/fla_oracles.kkt_solve_fp32)."""
     import importlib
+    import sys
 
-    from kevscore.kernels.fla_ops import _kkt_solve_fp32
-    from kevscore.kernels.tuning import PINS
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from fla_oracles import PINS, kkt_solve_fp32
 
     shape, v = dict(H=16, HV=32, K=128, BT=64), dict(V=128)
     per_kernel = {  # kernel -> (argument types, constexprs besides the pin's, 16-aligned arguments)
@@ -179,7 +189,7 @@ def fla_variants(act: str) -> list[tuple]:
         short = name.removeprefix("chunk_gated_delta_rule_fwd_").removesuffix("_kernel")
         kernel = getattr(importlib.import_module(module), name)
         if act == "*fp32" and short == "kkt_solve":
-            kernel = _kkt_solve_fp32()
+            kernel = kkt_solve_fp32()
         out.append((short, kernel, types, consts, launch["num_warps"], launch["num_stages"], aligned))
     return out
 

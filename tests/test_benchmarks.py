@@ -142,7 +142,8 @@ def test_kernels_compile_for_the_h200(tmp_path):
 
     wy = benchmark("sm90_build").WY_DEFAULTS
     assert all(bv == default_block_v(*tiles) for tiles, bv, _ in wy)
-    defaults = {"conv block_t 4 warps 1 tiles 1", "swiglu gemm 128 x 256 x 64 warps 8 stages 3"} | {
+    defaults = {"conv block_t 4 warps 1 tiles 1", "swiglu gemm 128 x 256 x 64 warps 8 stages 3",
+                "kkt solve packed False warps 1", "kkt solve packed True warps 1"} | {
         f"wy T tiles {bt1}+{bt2} bv {bv} warps {wp}" for (bt1, bt2), bv, wp in wy}
     assert all(r["spill_bytes"] == 0 for r in rows if r["variant"] in defaults)
     assert defaults <= {r["variant"] for r in rows}
@@ -151,11 +152,11 @@ def test_kernels_compile_for_the_h200(tmp_path):
     # an fp32 model (--dtype fp32) launches these at the Kev-4B shape, its dots in 3xTF32: each fits in a block's
     # 227 KB of shared memory (branch attention's bf16 tiles would take 512 KB in fp32)
     fp32 = [r for r in rows if r["variant"].startswith("fp32 ")]
-    assert len(fp32) == 6 and all(r["shared"] <= 227 * 1024 for r in fp32), fp32
+    assert len(fp32) == 7 and all(r["shared"] <= 227 * 1024 for r in fp32), fp32
     assert sum(r["variant"].startswith("fla ") for r in rows) == 4  # FLA's pinned kernels in bf16 as well
     # which an fp32 model's 3xTF32 leaves alone: no dot of a bf16 model's kernels has fp32 operands without a
     # precision of its own, so their code is the same under TRITON_F32_DEFAULT (set process-wide for fp32)
-    bf16 = ("fla ", "chunks packed", "attention bm 128 bn 64", "wy T tiles")
+    bf16 = ("fla ", "chunks packed", "attention bm 128 bn 64", "wy T tiles", "kkt solve")
     again = run(ROOT / "benchmarks" / "sm90_build.py", "--only", ",".join(bf16), "--json", tmp_path / "again.json",
                 env={"TRITON_F32_DEFAULT": "tf32x3"})
     assert again.returncode == 0, again.stderr[-3000:]

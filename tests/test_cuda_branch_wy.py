@@ -1,5 +1,5 @@
-"""GPU tests (marked `cuda`) of the fused WY kernel after FLA's solve (`kernels/branch_wy.py`, `fla_ops.gdr_branch`):
-against FLA's chunk pipeline on the same inputs (tests/fla_oracles.py, indexed), every launch that
+"""GPU tests (marked `cuda`) of the solve and the fused WY kernel (`kernels/kkt_solve.py`, `kernels/branch_wy.py`,
+`fla_ops.gdr_branch`): against FLA's kernels on the same inputs (tests/fla_oracles.py, indexed), every launch that
 bench_kernels.py sweeps, the two paths bitwise equal, graph replays with new slots, and the model with the
 fused kernel against the model with FLA's pipeline."""
 import pytest
@@ -40,6 +40,42 @@ def stages_and_fused(monkeypatch, inputs, launch: dict | None = None):
 def test_fused_wy_close_to_fla_pipeline(dims, rows, t, dtype, monkeypatch):
     ref, ours = stages_and_fused(monkeypatch, branch_inputs(rows, t, *dims, dtype, seed=rows * 1000 + t))
     assert relative(ours, ref) < TOLERANCE[dtype], relative(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[1], [17], [64], [85], [128], [1, 64, 130, 1700, 63]], ids=str)
+@pytest.mark.parametrize("dims", list(DIMS.values()), ids=list(DIMS))
+def test_solve_close_to_flas_kernel_and_the_reference(dims, lengths, dtype):
+    """`kkt_solve.solve_chunks` against FLA's kkt + solve kernel (as FLA launches it) on what both write and
+    `branch_wy` reads: rows of one length (8 rows of each), or packed documents (several: `cu_seqlens`); in fp32
+    also against `gdr_ref.chunk_inverse`, closely. What `branch_wy` reads is written, nothing past a row's
+    16-column block."""
+    import fla_oracles
+
+    from kevscore.kernels import fla_ops, gdr_ref
+
+    h, hv, dk, _ = dims
+    packed = len(lengths) > 1
+    t, rows = (sum(lengths), 1) if packed else (lengths[0], 8)
+    _, k, _, gate, beta, _, _ = branch_inputs(rows, t, h, hv, dk, 64, dtype, seed=t + 7 * rows)
+    cu = chunks = None
+    if packed:
+        cu = torch.tensor([0, *lengths], device=DEV).cumsum(0)
+        chunks = torch.tensor([(d, c) for d, n in enumerate(lengths) for c in range(-(-n // 64))], device=DEV)
+    gc = fla_ops.decay_cumsum(*gate, 64, fla_ops.RCP_LN2, cu, chunks)
+    ours = fla_ops.solve_chunks(k, gc, beta, torch.full((rows, t, hv, 64), float("nan"), device=DEV, dtype=dtype),
+                                cu, chunks)
+    fla = fla_oracles.solve_chunks(k, gc, beta, None, cu, chunks)
+    # fp32: FLA's k k^T in the process's default precision (TF32 unless an fp32 model set 3xTF32), ours in 3xTF32
+    assert fla_oracles.lower_distance(ours, fla, cu) < (2e-4 if dtype == torch.float32 else 1e-3)
+    rows_in_chunk = torch.arange(t, device=DEV)
+    if packed:
+        rows_in_chunk = rows_in_chunk - cu[torch.searchsorted(cu, rows_in_chunk, right=True) - 1]
+    col, row = torch.arange(64, device=DEV)[None, :], (rows_in_chunk % 64)[:, None]
+    written, read, past = ~ours.isnan(), (col <= row)[None, :, None, :], (col >= (row // 16 + 1) * 16)[None, :, None, :]
+    assert written[read.expand_as(written)].all() and not written[past.expand_as(written)].any()
+    if dtype == torch.float32 and not packed:
+        assert fla_oracles.lower_distance(ours, gdr_ref.chunk_inverse(k, gc, beta)) < 1e-5
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=str)
@@ -87,6 +123,15 @@ def test_model_with_fused_wy_keeps_paths_bitwise(tiny):
     truth = cpu_engine(tiny, docs=enc.prefixes).run(enc, "indexed").probs
     off = lambda a, b: max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))  # noqa: E731
     assert off(out["indexed"], truth) < off(base, truth) + 0.01, (off(out["indexed"], truth), off(base, truth))
+
+
+def test_model_with_our_solve_close_to_flas(tiny):
+    """The model with our kkt + solve and with FLA's (prefill and branches): the same products merged in the same
+    order, so the probabilities differ by bf16 rounding at most; indexed == gathered."""
+    enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 100, 200])
+    base, out = with_oracle(tiny, "solve", enc)
+    assert out["indexed"] == out["gathered"]
+    assert max(abs(x - y) for ra, rb in zip(out["indexed"], base) for x, y in zip(ra, rb)) < 0.01
 
 
 PREFILL_DOCS = [1, 17, 64, 65, 200, 1700, 130]

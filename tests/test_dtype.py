@@ -186,17 +186,16 @@ def test_the_output_of_an_fp32_job_reads_back(src, tmp_path):
 
 
 def test_the_fp32_solve_kernel_keeps_flas_launch_interface():
-    """fla_ops._kkt_solve_fp32, FLA's (I + A)^-1 kernel re-jitted with 3xTF32 merges, takes the same constexprs
+    """fla_oracles.kkt_solve_fp32, FLA's (I + A)^-1 kernel re-jitted with 3xTF32 merges, takes the same constexprs
     and unspecialized arguments as FLA's own (a clone without its annotations compiled nothing on the GPU)."""
     pytest.importorskip("fla")
     import triton
-
-    from kevscore.kernels.fla_ops import _kkt_solve_fp32, chunk_gated_delta_rule_fwd_kkt_solve_kernel
+    from fla_oracles import chunk_gated_delta_rule_fwd_kkt_solve_kernel, kkt_solve_fp32
 
     fla = chunk_gated_delta_rule_fwd_kkt_solve_kernel
     while not isinstance(fla, triton.runtime.jit.JITFunction):
         fla = fla.fn
-    ours = _kkt_solve_fp32()
+    ours = kkt_solve_fp32()
     assert ours.constexprs == fla.constexprs and len(ours.constexprs) >= 6
     assert ours.do_not_specialize == fla.do_not_specialize and ours.arg_names == fla.arg_names
     assert ours.fn.__globals__["SOLVE_TRIL_DOT_PRECISION"].value == "tf32x3"

@@ -1,5 +1,7 @@
 """Prefill planning on the CPU: the host-side indices of a packed group, group budgets, and the entries a
 packed group writes against one document at a time."""
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import cpu_engine, synthetic, transformers_states
@@ -71,14 +73,17 @@ def test_groups_pack_sorted_documents_within_the_budget(tiny):
 
 
 PINS_OFFERED = """
-from kevscore.kernels import fla_packages, tuning
+import sys
+sys.path.insert(0, {tests!r})
+from kevscore.kernels import fla_packages
 fla_packages.defer_package_inits()
 import fla.utils._device as device
 device.get_all_max_shared_mem = lambda: [232448]  # an H200's shared memory per block, as FLA reads it there
 import importlib
-for (module, kernel), wanted in tuning.PINS["H200"].items():
-    tuner = tuning.autotuner(getattr(importlib.import_module(module), kernel))
-    assert sum(tuning.matches(c, wanted) for c in tuner.configs) >= 1, (kernel, tuner.configs)
+import fla_oracles
+for (module, kernel), wanted in fla_oracles.PINS["H200"].items():
+    tuner = fla_oracles.autotuner(getattr(importlib.import_module(module), kernel))
+    assert sum(fla_oracles.matches(c, wanted) for c in tuner.configs) >= 1, (kernel, tuner.configs)
 print("offered")
 """
 
@@ -90,7 +95,8 @@ def test_pins_name_configurations_fla_offers():
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-c", PINS_OFFERED], capture_output=True, text=True, timeout=300)
+    script = PINS_OFFERED.format(tests=str(Path(__file__).parent))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "offered" in res.stdout, res.stderr[-3000:]
 
 
@@ -183,9 +189,9 @@ def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatc
                               torch.bfloat16),
               finished_marker(small, gpu, "gathered", torch.bfloat16),
               finished_marker(small, gpu, "indexed", torch.float32)}
-    monkeypatch.setenv("KEVSCORE_AUTOTUNE", "1")  # FLA's kernels autotuned, not pinned (kernels/tuning.py)
+    monkeypatch.setenv("KEVSCORE_FUSED_MLP", "0")  # cuBLAS and swiglu_rows for the MLP: other kernels
     others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))
-    monkeypatch.delenv("KEVSCORE_AUTOTUNE")
+    monkeypatch.delenv("KEVSCORE_FUSED_MLP")
     digests = measure.source_digests()
     monkeypatch.setattr(measure, "source_digests", lambda: {**digests, "kevscore/kernels/gate.py": "changed"})
     others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))

@@ -40,7 +40,6 @@ class GraphRunner(EagerRunner):
         self.graphs: dict[tuple, CapturedBatch] = {}
         self.pool = None
         self.capture_s = 0.0  # warm-up (autotuning) and capture time, reported apart from scoring
-        self.pinned: list[str] = []  # FLA kernels whose launch configuration is pinned (kernels/tuning.py)
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
         if self.eager:
@@ -97,10 +96,9 @@ def fp32_dots(dtype: torch.dtype) -> None:
 
 def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int], capacity: int | None,
                       eager: bool, dtype: torch.dtype = torch.bfloat16) -> GraphRunner:
-    from kevscore.kernels import fla_ops, tuning
+    from kevscore.kernels import fla_ops
 
     fp32_dots(dtype)
-    pinned = tuning.pin_for(torch.cuda.get_device_name(device))
     model = KevModel.from_weights(ckpt.config, ckpt.weights, fla_ops, dtype, device)
     free, _ = torch.cuda.mem_get_info(device)
     layout = BankLayout.plan(ckpt.config, dtype, doc_tokens, int(free * BANK_SHARE), capacity)
@@ -110,7 +108,6 @@ def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[i
     runner.similar_lengths = dtype == torch.float32
     free, _ = torch.cuda.mem_get_info(device)
     runner.prefill_tokens = prefill_group_tokens(free, prefill_bytes_per_token(ckpt.config, dtype.itemsize))
-    runner.pinned = pinned
     return runner
 
 

@@ -202,7 +202,7 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
     if device.type != "cuda":
         return None
     from kevscore.engine import cuda_runner
-    from kevscore.kernels import fla_ops, tuning  # noqa: F401
+    from kevscore.kernels import fla_ops  # noqa: F401
 
     cuda_runner.fp32_dots(dtype)  # before the thread compiles anything
     triton_hashed = hash_triton()

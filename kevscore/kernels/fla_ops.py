@@ -1,31 +1,25 @@
-"""The GPU backend of the layer ops: flash-linear-attention's Triton kernels and ours.
+"""The GPU backend of the layer ops: our Triton kernels, on flash-linear-attention's (fla-core 0.5.2) helpers.
 
-The GPU backend of the layer ops: flash-linear-attention's Triton kernels (pinned fla-core 0.5.2),
-our kernels (fused conv front end, the gated delta rule after FLA's solve, branch attention, norms), and
-flash attention over packed documents for prefill. Same functions as `kevscore.kernels.torch_ops`.
-
-The gated delta rule runs our gate cumsum and FLA's kkt + solve kernel, then one kernel of ours
-(`kernels/branch_wy.py`) for the WY representation, the state scan and the output. For branches the two
-paths differ only in where that kernel reads each row's initial state: `indexed` from the bank by slot,
-`gathered` from the rows' states copied out of it. Prefill passes the chunk indices computed on the host
-(`runner.prefill_inputs`), so no stage synchronizes with the GPU to derive them. FLA's own ops (its conv, its
-w/u, scan and output kernels, its whole `chunk_gated_delta_rule`), which these kernels replace, are the
-oracles of the cuda tests and the A/B of the benchmarks: tests/fla_oracles.py.
+Our kernels (the fused conv front end, the gated delta rule's gate cumsum, solve and fused WY, branch
+attention, norms, the MLP's fused GEMM) and flash attention over packed documents for prefill; same functions
+as `kevscore.kernels.torch_ops`. The gated delta rule runs the gate cumsum (`kernels/gate.py`), the solve
+(`kernels/kkt_solve.py`), then one kernel (`kernels/branch_wy.py`) for the WY representation, the state scan
+and the output. For branches the two paths differ only in where that kernel reads each row's initial state:
+`indexed` from the bank by slot, `gathered` from the rows' states copied out of it. Prefill passes the chunk
+indices computed on the host (`runner.prefill_inputs`), so no stage synchronizes with the GPU to derive them.
+FLA's own ops (its conv, its solve, w/u, scan and output kernels, its whole `chunk_gated_delta_rule`), which
+these kernels replace, are the oracles of the cuda tests and the A/B of the benchmarks: tests/fla_oracles.py.
 """
 from __future__ import annotations
 
-import functools
 import os
-import types
 
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # always FLA's own Triton kernels
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-import triton  # noqa: E402
 
-# FLA's kernel modules, not its packages' whole imports (several seconds, `fla_packages`)
-from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel  # noqa: E402
+# FLA's modules, not its packages' whole imports (several seconds, `fla_packages`)
 from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
@@ -34,6 +28,7 @@ from kevscore.kernels.branch_wy import MAX_T, branch_wy, prefill_wy, rows_wy  # 
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, sigmoid_gate, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.gdr_ref import CHUNK  # noqa: E402
+from kevscore.kernels.kkt_solve import solve_chunks  # noqa: E402
 from kevscore.kernels.swiglu_gemm import HALF, interleave, swiglu_gemm  # noqa: E402
 
 # the MLP's gate|up GEMM with SwiGLU in its epilogue (`kernels/swiglu_gemm.py`) for bf16 models, where the GPU
@@ -113,7 +108,7 @@ def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, 
 
 def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
     """Packed documents from zero states (q and k l2-normalized, as `prefill_front` leaves them): the output;
-    one kernel after FLA's solve writes each document's final state into its bank entry `bank[ctx.slots[d]]`
+    one kernel after the solve writes each document's final state into its bank entry `bank[ctx.slots[d]]`
     (`branch_wy.prefill_wy`). gate = (a, A_log, dt_bias): the decay -exp(A_log) * softplus(a + dt_bias)."""
     cu, chunks = ctx.cu_seqlens_long, ctx.chunk_indices
     gc = decay_cumsum(*gate, CHUNK, RCP_LN2, cu, chunks)
@@ -128,43 +123,9 @@ def gate_cumsum(gate) -> torch.Tensor:
     return decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2)
 
 
-def solve_chunks(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, a: torch.Tensor | None = None,
-                 cu_seqlens=None, chunk_indices=None) -> torch.Tensor:
-    """FLA's kkt + solve kernel on rows of equal length (or packed documents: `cu_seqlens`, `chunk_indices`):
-    (I + A)^-1 of each 64-token chunk and value head into `a` [R, T, HV, 64] (k's dtype), which it returns; it
-    writes the blocks on and below the diagonal of valid rows only, so a new buffer (a None) holds garbage
-    elsewhere, which `branch_wy` never reads. In fp32 the kernel is `_kkt_solve_fp32`."""
-    b, t, h, kd = k.shape
-    hv = beta.shape[2]
-    a = torch.empty(b, t, hv, CHUNK, device=k.device, dtype=k.dtype) if a is None else a
-    grid = (triton.cdiv(t, CHUNK) if cu_seqlens is None else chunk_indices.shape[0], b * hv)
-    args = dict(k=k, g=gc, beta=beta, A=a, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, T=t, H=h, HV=hv,
-                K=kd, BT=CHUNK, BC=16)
-    if k.dtype == torch.float32:  # at FLA's H200 pin (tuning.py)
-        _kkt_solve_fp32()[grid](**args, USE_G=True, IS_VARLEN=cu_seqlens is not None, BK=64, num_warps=1, num_stages=3)
-    else:
-        chunk_gated_delta_rule_fwd_kkt_solve_kernel[grid](**args)
-    return a
-
-
-@functools.cache
-def _kkt_solve_fp32():
-    """FLA's fused kernel of the solved (I + A)^-1 blocks with its block merges' dots in 3xTF32, as an fp32
-    model's other dots: FLA names TF32 for them in a module constant (SOLVE_TRIL_DOT_PRECISION) on GPUs that
-    have it, so this is its function over a copy of its module's globals with the constant changed, compiled
-    as a kernel of its own (FLA's stays as it is for bf16)."""
-    jit, fn = None, chunk_gated_delta_rule_fwd_kkt_solve_kernel
-    while hasattr(fn, "fn"):  # through FLA's heuristics, autotuner and jit (or the interpreter's) to its function
-        jit, fn = fn, fn.fn
-    scope = {**fn.__globals__, "SOLVE_TRIL_DOT_PRECISION": triton.language.constexpr("tf32x3")}
-    clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-    clone.__annotations__, clone.__kwdefaults__ = fn.__annotations__, fn.__kwdefaults__  # its constexprs
-    return triton.jit(do_not_specialize=getattr(jit, "do_not_specialize", ["T"]))(clone)
-
-
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
     """gate = (a, A_log, dt_bias); q and k l2-normalized, as `branch_front` leaves them. The gate cumsum,
-    FLA's solve, then one kernel that reads each row's state from the bank by slot (`branch_wy` for branches of
+    the solve, then one kernel that reads each row's state from the bank by slot (`branch_wy` for branches of
     up to 128 tokens, `rows_wy` beyond); `gathered` gives it the rows' states copied out and an identity index,
     so both paths compute alike to the bit."""
     gc = gate_cumsum(gate)

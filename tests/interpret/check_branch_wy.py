@@ -1,5 +1,5 @@
 """Run under TRITON_INTERPRET=1: the fused WY kernel (w/u, the state read by index, v_new, output; second
-chunk masked) after FLA's kkt + solve kernel, on the CPU in fp32: FLA's solve gives `gdr_ref.chunk_inverse`
+chunk masked) after our kkt + solve kernel, on the CPU in fp32: the solve gives `gdr_ref.chunk_inverse`
 on the lower triangles it writes; the three kernels (our gate cumsum, the solve, ours) give
 `torch_ops.gdr_branch` on both paths and `gdr_ref.branch_wy`; rows share bank entries, the slots are a strided
 upload-buffer column, the bank is never written, and the gathered form (the rows' states copied out, an
@@ -8,25 +8,11 @@ their raw bits."""
 import time
 
 import torch
-import triton
-from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
 
 from kevscore.kernels import gdr_ref, torch_ops
 from kevscore.kernels.branch_wy import branch_wy
 from kevscore.kernels.gate import gate_cumsum
-
-SOLVE = chunk_gated_delta_rule_fwd_kkt_solve_kernel.fn.fn  # under FLA's heuristics and autotuner: no driver here
-
-
-def fla_solve(k, gc, beta):
-    """FLA's kkt + solve kernel as fla_ops.solve_chunks launches it, into a buffer that is not zeroed."""
-    r, t, h, dk = k.shape
-    a = torch.full((r, t, beta.shape[2], 64), float("nan"))
-    SOLVE[(triton.cdiv(t, 64), r * beta.shape[2])](k=k, g=gc, beta=beta, A=a, cu_seqlens=None, chunk_indices=None,
-                                                  T=t, H=h, HV=beta.shape[2], K=dk, BT=64, BC=16, BK=32, USE_G=True,
-                                                  IS_VARLEN=False)
-    return a
-
+from kevscore.kernels.kkt_solve import solve_chunks
 
 entries, rows = 5, 4
 start = time.perf_counter()
@@ -51,7 +37,7 @@ for (h, hv, dk, dv, launch), lengths in [((2, 4, 32, 32, {}), (1, 17, 64, 65, 85
         index = upload[:, 4]
 
         gc = gate_cumsum(*gate, 64, gdr_ref.RCP_LN2)
-        a_inv = fla_solve(k, gc, beta)
+        a_inv = solve_chunks(k, gc, beta, torch.full((rows, t, hv, 64), float("nan")))  # lower triangles written
         ref_inv = gdr_ref.chunk_inverse(k, gc, beta)
         low = (torch.arange(64) <= (torch.arange(t) % 64)[:, None])[None, :, None, :]
         assert (a_inv - ref_inv).where(low, 0.0).abs().max() < 1e-5, t

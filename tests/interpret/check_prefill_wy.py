@@ -2,12 +2,12 @@
 (Triton 3.8's interpreter multiplies bf16 dot operands as their raw bits).
 
 Prefill (`prefill_wy`: every chunk of each packed document from a zero state, its final state out), after our
-varlen gate cumsum and FLA's varlen kkt + solve kernel, against `gdr_ref.chunk_gated_delta_rule` run on each
-document alone: outputs and final states. Documents of 1 to 200 tokens (one partial chunk, exact chunks, a
-partial last chunk), value heads narrower than the 64-column block (masked) and two blocks of them.
-Rows (`rows_wy`: branches longer than `branch_wy`'s two chunks, each from a bank entry read by index) against
-`gdr_ref.branch_wy`, the bank never written. On both, benchmarks/kkt_solve_candidate.py's kernel against FLA's
-kkt + solve."""
+varlen gate cumsum and our varlen kkt + solve kernel (`kkt_solve.solve_chunks`), against
+`gdr_ref.chunk_gated_delta_rule` run on each document alone: outputs and final states. Documents of 1 to 200
+tokens (one partial chunk, exact chunks, a partial last chunk), value heads narrower than the 64-column block
+(masked) and two blocks of them. Rows (`rows_wy`: branches longer than `branch_wy`'s two chunks, each from a
+bank entry read by index) against `gdr_ref.branch_wy`, the bank never written. On both, our kkt + solve kernel
+against FLA's on the same inputs."""
 import sys
 import time
 from pathlib import Path
@@ -19,12 +19,13 @@ from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_so
 from kevscore.kernels import gdr_ref
 from kevscore.kernels.branch_wy import prefill_wy, rows_wy
 from kevscore.kernels.gate import gate_cumsum
+from kevscore.kernels.kkt_solve import solve_chunks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import kkt_solve_candidate  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for fla_oracles
+from fla_oracles import lower_distance  # noqa: E402
 
 SOLVE = chunk_gated_delta_rule_fwd_kkt_solve_kernel.fn.fn  # under FLA's heuristics and autotuner: no driver here
-candidate = 0.0  # the candidate's largest distance from FLA's kernel
+solve_distance = 0.0  # our solve's largest distance from FLA's kernel
 
 
 def chunk_indices(lengths: list[int]) -> torch.Tensor:
@@ -47,11 +48,12 @@ for (h, hv, dk, dv, launch), lengths in [((2, 4, 32, 32, {}), (1, 17, 64, 130)),
     a = torch.randn(1, n, hv, generator=gen) * 2
     A_log, dt_bias = torch.randn(hv, generator=gen) * 0.5, torch.randn(hv, generator=gen)
     gc = gate_cumsum(a, A_log, dt_bias, 64, gdr_ref.RCP_LN2, cu, chunks)
-    a_inv = torch.full((1, n, hv, 64), float("nan"))  # only the lower triangles of valid rows are written and read
-    SOLVE[(chunks.shape[0], hv)](k=k, g=gc, beta=beta, A=a_inv, cu_seqlens=cu, chunk_indices=chunks, T=n, H=h, HV=hv,
+    # only the lower triangles of valid rows are written and read
+    a_inv = solve_chunks(k, gc, beta, torch.full((1, n, hv, 64), float("nan")), cu, chunks)
+    fla = torch.full((1, n, hv, 64), float("nan"))
+    SOLVE[(chunks.shape[0], hv)](k=k, g=gc, beta=beta, A=fla, cu_seqlens=cu, chunk_indices=chunks, T=n, H=h, HV=hv,
                                  K=dk, BT=64, BC=16, BK=32, USE_G=True, IS_VARLEN=True)
-    candidate = max(candidate, kkt_solve_candidate.lower_distance(kkt_solve_candidate.kkt_solve(k, gc, beta, cu, chunks),
-                                                                  a_inv, cu))
+    solve_distance = max(solve_distance, lower_distance(a_inv, fla, cu))
     bank = torch.full((len(lengths) + 2, hv, dk, dv), float("nan"))  # each document's entry, two left alone
     slots = torch.randperm(len(lengths) + 2, generator=gen)[:len(lengths)]
     out = prefill_wy(q, k, v, gc, beta, a_inv, cu, bank, slots, **launch)
@@ -73,10 +75,11 @@ for rows, t, hv, d in [(3, 129, 2, 32), (2, 200, 4, 64)]:
     beta = torch.rand(rows, t, hv, generator=gen)
     gc = gate_cumsum(torch.randn(rows, t, hv, generator=gen), torch.randn(hv, generator=gen) * 0.5,
                      torch.randn(hv, generator=gen), 64, gdr_ref.RCP_LN2)
-    a_inv = torch.full((rows, t, hv, 64), float("nan"))
-    SOLVE[(triton.cdiv(t, 64), rows * hv)](k=k, g=gc, beta=beta, A=a_inv, cu_seqlens=None, chunk_indices=None, T=t,
+    a_inv = solve_chunks(k, gc, beta, torch.full((rows, t, hv, 64), float("nan")))
+    fla = torch.full((rows, t, hv, 64), float("nan"))
+    SOLVE[(triton.cdiv(t, 64), rows * hv)](k=k, g=gc, beta=beta, A=fla, cu_seqlens=None, chunk_indices=None, T=t,
                                            H=1, HV=hv, K=d, BT=64, BC=16, BK=32, USE_G=True, IS_VARLEN=False)
-    candidate = max(candidate, kkt_solve_candidate.lower_distance(kkt_solve_candidate.kkt_solve(k, gc, beta), a_inv))
+    solve_distance = max(solve_distance, lower_distance(a_inv, fla))
     bank = torch.randn(5, hv, d, d, generator=gen) * 0.3
     snapshot = bank.clone()
     upload = torch.randint(0, 5, (rows, 3), generator=gen)
@@ -86,6 +89,6 @@ for rows, t, hv, d in [(3, 129, 2, 32), (2, 200, 4, 64)]:
     error = ((out - ref).norm() / ref.norm()).item()
     print(f"rows {rows} x {t} tokens, V {d}: relative error {error:.3g}")
     worst = max(worst, error)
-print(f"kkt + solve candidate against FLA's: relative distance {candidate:.3g}")
+print(f"kkt + solve against FLA's: relative distance {solve_distance:.3g}")
 print(f"max relative error {worst:.3g} in {time.perf_counter() - start:.1f} s")
-assert worst < 1e-4 and candidate < 1e-5, (worst, candidate)
+assert worst < 1e-4 and solve_distance < 1e-5, (worst, solve_distance)

@@ -9,9 +9,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for fla_oracles
 import fla_oracles  # noqa: E402
 
-from kevscore.kernels import gdr_ref, tuning  # noqa: E402
+from kevscore.kernels import gdr_ref  # noqa: E402
 
-tuning.pin_for("NVIDIA H200")  # FLA's w/u kernel with one configuration: nothing to time in the interpreter
+fla_oracles.pin_for("NVIDIA H200")  # FLA's w/u kernel with one configuration: nothing to time in the interpreter
 torch.cuda.is_current_stream_capturing = lambda: False  # (a CPU build of torch has no CUDA to ask)
 h, hv, dk, dv = 2, 4, 64, 32
 worst = 0.0

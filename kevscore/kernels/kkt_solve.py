@@ -1,17 +1,13 @@
-"""A candidate for FLA's kkt + solve kernel, measured against it before it may enter the package (NOTES 77).
+"""(I + A)^-1 of each 64-token chunk, A = strictly_lower(beta_i k_i . k_j exp2(g_i - g_j)): the gated delta rule's solve.
 
-(I + A)^-1 of each 64-token chunk, A = strictly_lower(beta_i k_i . k_j exp2(g_i - g_j)), written as FLA's
-`chunk_gated_delta_rule_fwd_kkt_solve_kernel` writes it ([B, T, HV, 64] in k's dtype, the blocks on and below the
-diagonal of valid rows; `kevscore.kernels.gdr_ref.chunk_inverse` is the torch reference). FLA runs one program
-per (chunk, value head) on one warp (its fastest configuration on the H200, NOTES 53) and each program does its
-four 16 x 16 forward substitutions one after another. Here one program serves a key head's value heads (GQA:
-2 per key head at Kev-4B), so the ten 16 x 16 blocks of k k^T are computed once for them, and a value head's four
-diagonal blocks are substituted together, as one [4, 16, 16] tensor: 14 steps a value head instead of 4 x 14.
-The block merges are FLA's (the same products in the same order). sm_90a (benchmarks/sm90_build.py's ptxas) at
-Kev-4B's heads: 253-255 registers at 1, 2 and 4 warps, no spill (FLA's at its 1-warp pin: 255 and 776 B).
-
-    python benchmarks/kkt_solve_candidate.py            # the Triton interpreter on the CPU: against FLA's
-    python benchmarks/bench_kernels.py --only "kkt solve"   # on a GPU: against FLA's kernel (its "candidate" rows)
+Written as FLA's `chunk_gated_delta_rule_fwd_kkt_solve_kernel` writes it ([R, T, HV, 64] in k's dtype: for each
+row of a chunk, the blocks on and below the diagonal, rows past T not written), from the same products merged
+in the same order, so either kernel can feed `kernels/branch_wy.py`; FLA's is the cuda tests' oracle
+(tests/fla_oracles.py), `gdr_ref.chunk_inverse` the torch reference. One program serves a key head's G value
+heads (GQA) on one warp: the ten 16 x 16 blocks of k k^T on and below the diagonal are computed once for them,
+and a value head's four diagonal blocks are inverted together, by forward substitution over one [4, 16, 16]
+tensor (14 dependent steps where four blocks one after another take 4 x 14). The substitution's steps do not
+spread over warps: one warp is the fastest launch, at 2 and 4 the program waits on its barriers.
 """
 from __future__ import annotations
 
@@ -19,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 from fla.ops.utils.op import exp2
+from fla.utils import IS_TF32_SUPPORTED
+
+CHUNK = 64
 
 
 @triton.jit
@@ -44,13 +43,14 @@ def _blocks(b_ai):
 
 @triton.jit
 def _merge(a, b, PRECISION: tl.constexpr):
+    """a b at the solve's precision (fp32 operands: whatever the process's default for Triton's dots)."""
     return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["T"])
-def kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
-                     G: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
-    """G = HV / H value heads a program."""
+def _kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
+                      G: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+    """One program per (chunk, row and key head); grid (chunks, R * H)."""
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     if IS_VARLEN:
@@ -69,17 +69,18 @@ def kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexp
     k3 = tl.load(p_k + (t0 + 48 + o_i)[:, None] * (H * K), mask=m3[:, None], other=0.0)
     # k k^T's ten blocks on and below the diagonal, once for the key head's G value heads; a block row past the
     # chunk's last token (a short last chunk: a branch's second) stays zero, its dots skipped
-    kk00 = tl.dot(k0, tl.trans(k0))
+    kk00 = _merge(k0, tl.trans(k0), PRECISION)
     kk11, kk10 = tl.zeros([16, 16], dtype=tl.float32), tl.zeros([16, 16], dtype=tl.float32)
     kk22, kk20, kk21 = kk11, kk11, kk11
     kk33, kk30, kk31, kk32 = kk11, kk11, kk11, kk11
     if t0 + 16 < T:
-        kk11, kk10 = tl.dot(k1, tl.trans(k1)), tl.dot(k1, tl.trans(k0))
+        kk11, kk10 = _merge(k1, tl.trans(k1), PRECISION), _merge(k1, tl.trans(k0), PRECISION)
     if t0 + 32 < T:
-        kk22, kk20, kk21 = tl.dot(k2, tl.trans(k2)), tl.dot(k2, tl.trans(k0)), tl.dot(k2, tl.trans(k1))
+        kk22, kk20 = _merge(k2, tl.trans(k2), PRECISION), _merge(k2, tl.trans(k0), PRECISION)
+        kk21 = _merge(k2, tl.trans(k1), PRECISION)
     if t0 + 48 < T:
-        kk33, kk30 = tl.dot(k3, tl.trans(k3)), tl.dot(k3, tl.trans(k0))
-        kk31, kk32 = tl.dot(k3, tl.trans(k1)), tl.dot(k3, tl.trans(k2))
+        kk33, kk30 = _merge(k3, tl.trans(k3), PRECISION), _merge(k3, tl.trans(k0), PRECISION)
+        kk31, kk32 = _merge(k3, tl.trans(k1), PRECISION), _merge(k3, tl.trans(k2), PRECISION)
 
     p_a = A + (bos * HV + i_h * G) * 64 + (t0 + o_i)[:, None] * (HV * 64) + o_i[None, :]
     for j in tl.static_range(G):
@@ -99,7 +100,7 @@ def kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexp
         b_d += tl.where((o_b == 2)[:, None, None], _gated(kk22, g2, g2, b2, m2, m2, True)[None], 0.0)
         b_d += tl.where((o_b == 3)[:, None, None], _gated(kk33, g3, g3, b3, m3, m3, True)[None], 0.0)
         b_ai = -b_d
-        for i in range(2, tl.minimum(16, T - t0)):  # block 0's rows: the most of any block
+        for i in range(2, tl.minimum(16, T - t0)):  # block 0's valid rows; blocks 1-3 have rows only if it has 16
             b_a = tl.sum(tl.where((o_i == i)[None, :, None], -b_d, 0.0), 1)  # row i of every block [4, 16]
             b_a = tl.where((o_i < i)[None, :], b_a, 0.0)
             b_a += tl.sum(b_a[:, :, None] * b_ai, 1)
@@ -112,7 +113,7 @@ def kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexp
         a30 = _gated(kk30, g3, g0, b3, m3, m0, False)
         a31 = _gated(kk31, g3, g1, b3, m3, m1, False)
         a32 = _gated(kk32, g3, g2, b3, m3, m2, False)
-        # FLA's block merges, in its order
+        # the off-diagonal blocks of the inverse from the diagonal ones, as FLA merges them
         ai10 = -_merge(_merge(ai11, a10, PRECISION), ai00, PRECISION)
         ai21 = -_merge(_merge(ai22, a21, PRECISION), ai11, PRECISION)
         ai32 = -_merge(_merge(ai33, a32, PRECISION), ai22, PRECISION)
@@ -134,44 +135,19 @@ def kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexp
         tl.store(p + 48 * HV * 64 + 48, ai33.to(dt), mask=m3[:, None])
 
 
-def kkt_solve(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, cu_seqlens=None, chunk_indices=None,
-              num_warps: int = 1, num_stages: int = 1) -> torch.Tensor:
-    """`kevscore.kernels.fla_ops.solve_chunks`' interface and output, through the candidate kernel."""
-    b, t, h, kd = k.shape
+def solve_chunks(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, a: torch.Tensor | None = None,
+                 cu_seqlens=None, chunk_indices=None, num_warps: int = 1) -> torch.Tensor:
+    """(I + A)^-1 of each 64-token chunk and value head of rows of equal length (or of packed documents:
+    `cu_seqlens`, `chunk_indices`) into `a` [R, T, HV, 64] (k's dtype), which it returns; k [R, T, H, K] (K a
+    power of two), gc the chunk-local cumulative log2 decay [R, T, HV] (fp32), beta [R, T, HV]. Only the blocks
+    on and below the diagonal of valid rows are written, so a new buffer (a None) holds garbage elsewhere, which
+    `branch_wy` never reads. Its dots of fp32 operands (the block merges; in an fp32 model k k^T too) run in TF32
+    on bf16 models (as FLA's) and in 3xTF32, fp32's precision, on fp32 models, whatever the process's default."""
+    r, t, h, dk = k.shape
     hv = beta.shape[2]
-    a = torch.empty(b, t, hv, 64, device=k.device, dtype=k.dtype)
-    grid = (triton.cdiv(t, 64) if cu_seqlens is None else chunk_indices.shape[0], b * h)
-    kkt_solve_kernel[grid](k, gc, beta, a, cu_seqlens, chunk_indices, t, H=h, HV=hv, G=hv // h, K=kd,
-                           IS_VARLEN=cu_seqlens is not None,
-                           PRECISION="tf32x3" if k.dtype == torch.float32 else "tf32",
-                           num_warps=num_warps, num_stages=num_stages)
+    a = torch.empty(r, t, hv, CHUNK, device=k.device, dtype=k.dtype) if a is None else a
+    grid = (triton.cdiv(t, CHUNK) if cu_seqlens is None else chunk_indices.shape[0], r * h)
+    precision = ("tf32x3" if k.dtype == torch.float32 else "tf32") if IS_TF32_SUPPORTED else "ieee"
+    _kkt_solve_kernel[grid](k, gc, beta, a, cu_seqlens, chunk_indices, t, H=h, HV=hv, G=hv // h, K=dk,
+                            IS_VARLEN=cu_seqlens is not None, PRECISION=precision, num_warps=num_warps, num_stages=1)
     return a
-
-
-def lower_distance(ours: torch.Tensor, want: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> float:
-    """Relative distance of two [B, T, HV, 64] outputs on what is written and read: each row's entries on and
-    below its own token (its place in its 64-token chunk; chunks start at each document's first token)."""
-    rows = torch.arange(ours.shape[1], device=ours.device)
-    if cu_seqlens is not None:
-        rows = rows - cu_seqlens[torch.searchsorted(cu_seqlens, rows, right=True) - 1]
-    lower = (torch.arange(64, device=ours.device)[None, :] <= (rows % 64)[:, None])[None, :, None, :]
-    diff = torch.where(lower, ours.float() - want.float(), 0.0)
-    return (diff.norm() / torch.where(lower, want.float(), 0.0).norm()).item()
-
-
-def main() -> None:
-    """Checks the candidate in the Triton interpreter (where `tests/interpret/check_prefill_wy.py` compares it with
-    FLA's kernel on the same inputs)."""
-    import argparse
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    check = Path(__file__).resolve().parent.parent / "tests" / "interpret" / "check_prefill_wy.py"
-    raise SystemExit(subprocess.call([sys.executable, str(check)], env={**os.environ, "TRITON_INTERPRET": "1"}))
-
-
-if __name__ == "__main__":
-    main()
