@@ -250,7 +250,7 @@ def plan_table(plan) -> Table:
                                      f"prefill {plan.prefill_tokens_per_s:,.0f} tokens/s, scoring "
                                      f"{plan.score_rows_per_s:,.1f} rows/s")
         table.add_row("estimate", f"about {_duration(plan.estimate_s)} on {plan.device}")
-        gpu = ("without Triton autotuning and CUDA-graph capture at the start (tens of seconds)"
+        gpu = ("without the kernels' compiles and CUDA-graph capture at the start (seconds)"
                if plan.device.startswith("cuda") else "a GPU (--device cuda) is not estimated here")
         table.add_row("assumes", f"the whole input runs at the calibrated rates; {gpu}")
     return table
