@@ -1,8 +1,9 @@
 """flash-linear-attention's kernel modules imported without its package-level imports.
 
 flash-linear-attention's kernel modules without its package-level imports: `fla`'s `__init__` imports
-every layer and model (and transformers), `fla.ops`' every op, `fla.modules`' every module and
-`fla.ops.gated_delta_rule`'s every form of the rule: most of the seconds `import fla` takes. These packages
+every layer and model (and transformers), `fla.ops`' every op, `fla.ops.utils`' every utility kernel,
+`fla.modules`' every module and `fla.ops.gated_delta_rule`'s every form of the rule: most of the seconds
+`import fla` takes. These packages
 are registered unexecuted, so importing one kernel module runs that module and its own imports only; each
 package runs its `__init__` the first time code asks it for a name it does not have yet, so code that
 uses `fla` as a whole still finds all of it."""
@@ -13,7 +14,7 @@ import importlib.util
 import sys
 from types import ModuleType
 
-PACKAGES = ("fla", "fla.ops", "fla.modules", "fla.ops.gated_delta_rule")
+PACKAGES = ("fla", "fla.ops", "fla.ops.utils", "fla.modules", "fla.ops.gated_delta_rule")
 
 
 def _unexecuted(name: str) -> ModuleType:
