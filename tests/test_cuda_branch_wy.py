@@ -66,8 +66,9 @@ def test_solve_close_to_flas_kernel_and_the_reference(dims, lengths, dtype):
     ours = fla_ops.solve_chunks(k, gc, beta, torch.full((rows, t, hv, 64), float("nan"), device=DEV, dtype=dtype),
                                 cu, chunks)
     fla = fla_oracles.solve_chunks(k, gc, beta, None, cu, chunks)
-    # fp32: FLA's k k^T in the process's default precision (TF32 unless an fp32 model set 3xTF32), ours in 3xTF32
-    assert fla_oracles.lower_distance(ours, fla, cu) < (2e-4 if dtype == torch.float32 else 1e-3)
+    # in fp32 FLA's k k^T takes the process's default precision (TF32 unless an fp32 model set 3xTF32), ours
+    # 3xTF32: FLA's is then the looser of the two, and the reference below bounds ours
+    assert fla_oracles.lower_distance(ours, fla, cu) < 1e-3
     rows_in_chunk = torch.arange(t, device=DEV)
     if packed:
         rows_in_chunk = rows_in_chunk - cu[torch.searchsorted(cu, rows_in_chunk, right=True) - 1]
