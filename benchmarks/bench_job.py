@@ -167,7 +167,14 @@ def child(args) -> None:
     opts = RunOptions(input=Path(args.input), output=Path(args.output), model=args.model, device=args.device,
                       overwrite=True, batch_rows=args.batch_rows)
     host_groups = time_prefill_on_host() if cuda else []
-    result = run_job(opts, timeline)
+    swaps = contextlib.nullcontext()
+    if args.fla:  # an A/B: fla_ops' functions of these swaps replaced by FLA's own ops, on every thread
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from fla_oracles import swapped
+
+        swaps = swapped(*args.fla)
+    with swaps:
+        result = run_job(opts, timeline)
     phases, steps, host_steps = [], [], []
     if cuda:
         torch.cuda.synchronize()  # events of the job's phases, on the clock of `origin`
@@ -302,6 +309,8 @@ def run_start(args, start: str, data: Path, folder: Path, cache: Path) -> dict:
         cmd += ["--logs", str(args.logs / f"stacks-{start}.jsonl")]
     if args.trace_first_group:
         cmd += ["--trace", str((args.logs or folder) / f"trace-{start}.json")]
+    if args.fla:
+        cmd += ["--fla", *args.fla]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if args.logs:
@@ -489,6 +498,9 @@ def main() -> None:
     ap.add_argument("--trace-first-group", action="store_true",
                     help="trace each job's first prefill group with torch's profiler (chrome trace in --logs) and "
                          "summarize its kernels: GPU busy against the group's span")
+    ap.add_argument("--fla", nargs="+", default=[], choices=["conv", "solve", "wy", "prefill", "prefill-stages"],
+                    help="A/B: the jobs with the fla_ops functions of these swaps run as FLA's own ops "
+                         "(tests/fla_oracles.py SWAPS; the warm start is the measure, a cold one also autotunes them)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--trace", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--input", help=argparse.SUPPRESS)

@@ -8,7 +8,8 @@
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
 # NCU=1|'kernel:bench name,...' (Nsight Compute, --clock-control none; default the branch conv and attention),
 # JOB=1 (benchmarks/bench_job.py: issue 17's whole job cold and warm, baselines, scoring budgets, prefill alone; JOB_ARGS='...'),
-# JOB_AB='NAME=value' (the same job again with that environment, e.g. a KEVSCORE_ switch: job-ab.json),
+# JOB_AB='NAME=value' and/or JOB_AB_ARGS='--fla solve' (the same job again with that environment or those bench_job
+# arguments, e.g. a KEVSCORE_ switch or FLA's ops swapped in: job-ab.json),
 # START=1 (benchmarks/bench_start.py: a job's start step by step in fresh processes, cold and warm),
 # CPU_TESTS='tests/a.py tests/b.py' (those CPU tests first, on the image's transformers and tokenizers).
 # Tests run under pytest-xdist so that a crashing test is reported instead of ending the run.
@@ -57,8 +58,8 @@ if [ "${NCU:-0}" != 0 ]; then  # Nsight Compute on our kernels at the benchmark'
 fi
 if [ "${JOB:-0}" = 1 ]; then  # the job benchmark keeps its own Triton cache (its cold start empties it)
   python3 benchmarks/bench_job.py ${JOB_ARGS:---profile} --logs "$OUT" --json "$OUT/job.json" 2>&1 | tee "$OUT/job.log" | tail -14
-  if [ -n "${JOB_AB:-}" ]; then  # the A/B's logs stay on the machine: $OUT brings back 8 files at most
-    mkdir -p /tmp/job-ab && env "$JOB_AB" python3 benchmarks/bench_job.py ${JOB_ARGS:---profile} --logs /tmp/job-ab \
+  if [ -n "${JOB_AB:-}${JOB_AB_ARGS:-}" ]; then  # the A/B's logs stay on the machine: $OUT brings back 8 files at most
+    mkdir -p /tmp/job-ab && env ${JOB_AB:+"$JOB_AB"} python3 benchmarks/bench_job.py ${JOB_ARGS:---profile} ${JOB_AB_ARGS:-} --logs /tmp/job-ab \
       --json "$OUT/job-ab.json" 2>&1 | tee "$OUT/job-ab.log" | tail -14
   fi
 fi

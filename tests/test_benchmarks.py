@@ -236,11 +236,12 @@ def test_job_stack_sampling_covers_its_seconds_from_its_start():
 
 
 def test_job_benchmark_runs_a_job_on_the_cpu(tmp_path):
-    """bench_job.py runs `kevscore run`'s job in a child process and reports its phases (CPU, demo model)."""
+    """bench_job.py runs `kevscore run`'s job in a child process and reports its phases (CPU, demo model); an A/B's
+    swaps (`--fla`, fla_ops' functions: the GPU's, so the CPU job runs as it would) reach the child."""
     out = tmp_path / "job.json"
     res = run(ROOT / "benchmarks" / "bench_job.py", "--device", "cpu", "--model", "demo", "--rows", "12",
               "--docs", "3", "--doc-words", "12", "--question-words", "3", "--starts", "warm",
-              "--baseline-docs", "0", "--prefill-docs", "", "--json", out)
+              "--baseline-docs", "0", "--prefill-docs", "", "--fla", "solve", "--json", out)
     assert res.returncode == 0, res.stderr[-2000:]
     job = json.loads(out.read_text())["jobs"]["warm"]
     assert job["rows"] == 12 and job["documents"] == 3
