@@ -39,7 +39,7 @@ class GraphRunner(EagerRunner):
         self.eager = eager
         self.graphs: dict[tuple, CapturedBatch] = {}
         self.pool = None
-        self.capture_s = 0.0  # warm-up (autotuning) and capture time, reported apart from scoring
+        self.capture_s = 0.0  # warm-up (first launches) and capture time, reported apart from scoring
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
         if self.eager:

@@ -17,7 +17,7 @@ import triton.language as tl
 from fla.ops.utils.op import exp2
 from fla.utils import IS_TF32_SUPPORTED
 
-CHUNK = 64
+from kevscore.kernels.gdr_ref import CHUNK
 
 
 @triton.jit
