@@ -9,7 +9,7 @@ from conftest import cpu_engine, synthetic, transformers_states
 from kevscore.engine.bank import BankLayout, StateBank
 from kevscore.engine.pipeline import Scores
 from kevscore.engine.plan import prefill_group_tokens
-from kevscore.engine.runner import prefill_inputs
+from kevscore.engine.runner import prefill_inputs, upload_together
 
 
 def test_prefill_inputs_index_what_fla_and_the_layers_derive(demo):
@@ -34,6 +34,19 @@ def test_prefill_inputs_index_what_fla_and_the_layers_derive(demo):
         assert ctx.tail_valid[d].tolist() == [j >= 3 - n for j in range(3)]
         assert [t for t, ok in zip(ctx.tail_index[d].tolist(), ctx.tail_valid[d].tolist()) if ok] == want[3 - min(n, 3):]
 
+
+
+def test_upload_together_gives_each_tensor_back_aligned():
+    """One buffer carries every index tensor: each view equals its tensor (dtype, shape, values), empty ones
+    included, and starts 16-byte aligned (a misaligned view would make int64 loads fault on a GPU)."""
+    tensors = [torch.arange(5), torch.tensor([[True, False, True]]), torch.arange(3, dtype=torch.int32),
+               torch.empty(0, 2, dtype=torch.int64), torch.tensor([[7, -1], [2, 9]])]
+    out = upload_together(tensors, torch.device("cpu"))
+    assert [(t.dtype, t.shape) for t in out] == [(t.dtype, t.shape) for t in tensors]
+    assert all(torch.equal(a, b) for a, b in zip(out, tensors))
+    base = out[0].untyped_storage().data_ptr()
+    assert {t.untyped_storage().data_ptr() for t in out} == {base}
+    assert all((t.data_ptr() - base) % 16 == 0 for t in out if t.numel())
 
 @pytest.mark.parametrize("free, per_token, expected", [
     (80 << 30, 270_000, 65536),        # an H200 after model and bank: the cap
