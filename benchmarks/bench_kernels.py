@@ -308,18 +308,6 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
             record(f"wy parts {tt}", f"fused wy {name}", timed(lambda: branch_wy(
                 q, k, v, gc, beta, a_inv, bank, slots, **launch)), layers, floor)
             record(f"fused wy {tt}", f"gate + solve + fused wy {name}", timed(lambda: fused_path(launch)), layers)
-        # DeltaNet's gated output norm at the default launch: a kernel of its own after, or in the epilogue
-        from kevscore.kernels.elementwise import gated_rms_norm_heads
-
-        z = torch.randn(q.shape[0], tt, 2 * v[0, 0].numel(), device=DEV, generator=gen).to(torch.bfloat16)
-        norm = (z[..., : v[0, 0].numel()].view(v.shape), torch.rand(v.shape[3], device=DEV).to(torch.bfloat16), 1e-6)
-        out = branch_wy(q, k, v, gc, beta, a_inv, bank, slots, norm=norm)
-        rel = ((out.float() - gated_rms_norm_heads(branch_wy(q, k, v, gc, beta, a_inv, bank, slots), *norm).float()).norm()
-               / out.float().norm()).item()
-        record(f"wy norm {tt}", "fused wy, then the gated norm", timed(lambda: gated_rms_norm_heads(
-            branch_wy(q, k, v, gc, beta, a_inv, bank, slots), *norm)), layers, floor)
-        record(f"wy norm {tt}", f"fused wy with the norm in its epilogue (rel {rel:.1e})", timed(lambda: branch_wy(
-            q, k, v, gc, beta, a_inv, bank, slots, norm=norm)), layers, floor)
 
 
 PREFILL_WY_LAUNCHES = ({}, dict(num_stages=2), dict(num_stages=3), dict(num_stages=4), dict(block_v=64, num_warps=8),

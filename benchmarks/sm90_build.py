@@ -104,15 +104,15 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
                     ("x", "w", "conv", "q", "k", "v", "b", "beta", "pos", "sx_r", "sx_t", "sb_r", "sb_t")))
     from kevscore.kernels.branch_wy import _branch_wy_kernel
 
-    wy_t = {n: "*bf16" for n in ("q", "k", "v", "beta", "a_inv", "o", "z", "w_norm")} | {
-        "g": "*fp32", "bank": "*fp32", "index": "*i64", "index_stride": "i32", "bank_stride": "i64", "T": "i32",
-        "scale": "fp32", "s_zr": "i32", "s_zt": "i32", "eps": "fp32"}
-    wy_aligned = ("q", "k", "v", "g", "beta", "a_inv", "bank", "index", "o", "z", "w_norm", "s_zr", "s_zt")
-    for (bt1, bt2), bv, wp in WY_VARIANTS:  # whole heads (BV 128) with the gated output norm, as the model runs them
-        out.append((f"wy T tiles {bt1}+{bt2} bv {bv} warps {wp}{' norm' * (bv == 128)}", _branch_wy_kernel, wy_t,
-                    dict(H=16, HV=32, K=128, V=128, BV=bv, BT1=bt1, BT2=bt2, NORM=bv == 128), wp, 1, wy_aligned))
+    wy_t = {n: "*bf16" for n in ("q", "k", "v", "beta", "a_inv", "o")} | {"g": "*fp32", "bank": "*fp32", "index": "*i64",
+                                                                          "index_stride": "i32", "bank_stride": "i64",
+                                                                          "T": "i32", "scale": "fp32"}
+    wy_aligned = ("q", "k", "v", "g", "beta", "a_inv", "bank", "index", "o")
+    for (bt1, bt2), bv, wp in WY_VARIANTS:
+        out.append((f"wy T tiles {bt1}+{bt2} bv {bv} warps {wp}", _branch_wy_kernel, wy_t,
+                    dict(H=16, HV=32, K=128, V=128, BV=bv, BT1=bt1, BT2=bt2), wp, 1, wy_aligned))
     out.append(("wy fp32 demo", _branch_wy_kernel, wy_t | {n: "*fp32" for n in ("q", "k", "v", "beta", "a_inv", "o")},
-                dict(H=2, HV=4, K=64, V=64, BV=64, BT1=64, BT2=64, NORM=True), 4, 1, wy_aligned))
+                dict(H=2, HV=4, K=64, V=64, BV=64, BT1=64, BT2=64), 4, 1, wy_aligned))
     from kevscore.kernels.kkt_solve import _kkt_solve_kernel
 
     kkt_t = {"k": "*bf16", "g": "*fp32", "beta": "*bf16", "A": "*bf16", "cu_seqlens": "*i64", "chunk_indices": "*i64",

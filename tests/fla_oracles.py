@@ -239,14 +239,11 @@ def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
                        chunk_indices=chunks)
 
 
-def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
-               norm: tuple | None = None) -> torch.Tensor:
+def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
     """Branch rows (q and k l2-normalized) from their states gathered out of the bank, for either path: our
-    gate cumsum, then FLA's stages (solve and w/u, state scan, output), then the gated output norm `norm` =
-    (z, weight, eps) by our kernel of its own."""
+    gate cumsum, then FLA's stages (solve and w/u, state scan, output)."""
     gc = fla_ops.gate_cumsum(gate)
     w, u = wy_repr(k.contiguous(), v.contiguous(), gc, beta.contiguous())
     h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=gc, initial_state=bank.index_select(0, slots),
                                                chunk_size=CHUNK)
-    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)
-    return o if norm is None else fla_ops.gated_rms_norm(o, *norm)
+    return chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=gc, scale=q.shape[-1] ** -0.5, chunk_size=CHUNK)

@@ -38,7 +38,6 @@ import triton
 import triton.language as tl
 from fla.ops.utils.op import exp2
 
-from kevscore.kernels.elementwise import gated_rms_norm_heads
 from kevscore.kernels.gdr_ref import CHUNK
 
 BC = tl.constexpr(CHUNK)  # A_inv's row length: the solve's chunk
@@ -47,12 +46,10 @@ MAX_T = 2 * CHUNK
 
 @triton.jit
 def _chunk(q, k, v, beta, g, a_inv, o, b_h, t0, T, o_v, m_v, scale, H: tl.constexpr, HV: tl.constexpr,
-           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, z=None, s_zt=0, w_norm=None, eps=0.0,
-           NORM: tl.constexpr = False):
+           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
     """Writes the output of the BT tokens from t0 (masked past T) from the state entering them, b_h [K, BV]
     (fp32; the dots take it in the input dtype); returns their v_new (fp32) and cumulative gate, which a state
-    update needs (with the keys, which it reads again: `_state_after`). NORM (the program holds whole heads,
-    BV >= V): the output goes through DeltaNet's gated output norm first (`_gated_out_norm`)."""
+    update needs (with the keys, which it reads again: `_state_after`)."""
     dt = k.dtype.element_ty
     b_h = b_h.to(dt)
     o_t, o_j, o_k = t0 + tl.arange(0, BT), tl.arange(0, BT), tl.arange(0, K)
@@ -74,20 +71,8 @@ def _chunk(q, k, v, beta, g, a_inv, o, b_h, t0, T, o_v, m_v, scale, H: tl.conste
     b_s = tl.where(m_low, b_s * exp2(tl.where(m_low, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
     b_o = tl.dot(b_q, b_h) * exp2(b_g)[:, None]
     b_o = b_o * scale + tl.dot(b_s.to(dt), b_vn.to(dt)) * scale
-    if NORM:
-        b_o = _gated_out_norm(b_o.to(o.dtype.element_ty).to(tl.float32), z, s_zt, w_norm, eps, o_t, o_v, m_tv, V)
     tl.store(o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
     return b_vn, b_g
-
-
-@triton.jit
-def _gated_out_norm(b_x, z, s_zt, w_norm, eps, o_t, o_v, m_tv, V: tl.constexpr):
-    """weight * x * rstd(x) * silu(z) over each token's whole head, x as the output is stored (the separate
-    norm's arithmetic, `elementwise.gated_rms_norm_heads`); z read in place at token stride s_zt."""
-    b_z = tl.load(z + o_t[:, None] * s_zt + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    b_rstd = 1 / tl.sqrt(tl.sum(b_x * b_x, 1) / V + eps)
-    b_y = b_x * b_rstd[:, None] * tl.load(w_norm + o_v, mask=o_v < V, other=0.0).to(tl.float32)[None, :]
-    return b_y * b_z * tl.sigmoid(b_z)
 
 
 @triton.jit
@@ -102,13 +87,12 @@ def _state_after(b_h, k, g, b_vn, b_g, t0, T, H: tl.constexpr, HV: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["T"])
-def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_stride, o, T, scale, z, s_zr, s_zt,
-                      w_norm, eps, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                      BT1: tl.constexpr, BT2: tl.constexpr, NORM: tl.constexpr):
+def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_stride, o, T, scale,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                      BT1: tl.constexpr, BT2: tl.constexpr):
     i_v, i_rh = tl.program_id(0), tl.program_id(1)
     i_r, i_h = i_rh // HV, i_rh % HV
     slot = tl.load(index + i_r * index_stride).to(tl.int64)
-    z += i_r.to(tl.int64) * s_zr + i_h * V
     q += (i_r * T * H + i_h // (HV // H)).to(tl.int64) * K
     k += (i_r * T * H + i_h // (HV // H)).to(tl.int64) * K
     v += (i_r * T * HV + i_h).to(tl.int64) * V
@@ -121,10 +105,10 @@ def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_s
     m_v = o_v < V
     p_h = bank + slot * bank_stride + i_h * K * V + o_k[:, None] * V + o_v[None, :]
     b_vn, b_g = _chunk(q, k, v, beta, g, a_inv, o, tl.load(p_h, mask=m_v[None, :], other=0.0), 0, T, o_v, m_v, scale,
-                       H, HV, K, V, BT1, z, s_zt, w_norm, eps, NORM)
+                       H, HV, K, V, BT1)
     if BT2 > 0:  # T > 64: the first chunk was full; the state after it, then the second chunk
         b_h = _state_after(tl.load(p_h, mask=m_v[None, :], other=0.0), k, g, b_vn, b_g, 0, T, H, HV, K, BT1)
-        _chunk(q, k, v, beta, g, a_inv, o, b_h, BT1, T, o_v, m_v, scale, H, HV, K, V, BT2, z, s_zt, w_norm, eps, NORM)
+        _chunk(q, k, v, beta, g, a_inv, o, b_h, BT1, T, o_v, m_v, scale, H, HV, K, V, BT2)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -179,11 +163,8 @@ def default_block_v(bt1: int, bt2: int, fp32: bool = False) -> int:
 def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
               block_v: int | None = None, num_warps: int = 4, num_stages: int = 1,
-              tiles: tuple[int, ...] = (16, 32, 64), norm: tuple | None = None) -> torch.Tensor:
-    """o [R, T, HV, V] (v's dtype) of branches of T <= 128 tokens, row r from `bank[index[r * index_stride]]`;
-    with `norm` = (z, weight, eps), DeltaNet's gated output norm of it (`gated_rms_norm_heads`' arithmetic), in
-    this kernel's epilogue where a program holds whole heads (block_v >= V), else by that kernel after it. z
-    [R, T, HV, V] with heads packed (a slice of the projection output, read in place at its row and token strides).
+              tiles: tuple[int, ...] = (16, 32, 64)) -> torch.Tensor:
+    """o [R, T, HV, V] (v's dtype) of branches of T <= 128 tokens, row r from `bank[index[r * index_stride]]`.
 
     q, k [R, T, H, K] l2-normalized, v [R, T, HV, V], beta [R, T, HV]: contiguous, as `branch_conv` writes
     them; g [R, T, HV] fp32, the chunk-local cumulative gate in log2 (`gate.gate_cumsum`); a_inv
@@ -203,14 +184,11 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     bv = min(block_v or default_block_v(bt1, bt2, v.dtype == torch.float32), triton.next_power_of_2(vd))
     # Triton 3.6 (the H200's) computes the output's bf16 S v_new dot wrong with 32 value columns on 4 warps
     num_warps = num_warps if bv >= 64 else max(num_warps, 8)
-    fused = norm is not None and bv >= vd
-    z, weight, eps = norm if fused else (v, v, 0.0)  # without the norm: placeholders no program reads
-    assert z.shape == v.shape and z.stride()[2:] == (vd, 1)
     o = torch.empty_like(v)
     _branch_wy_kernel[(triton.cdiv(vd, bv), r * hv)](
-        q, k, v, g, beta, a_inv, bank, index, stride, bank.stride(0), o, t, kd ** -0.5, z, z.stride(0), z.stride(1),
-        weight, eps, H=h, HV=hv, K=kd, V=vd, BV=bv, BT1=bt1, BT2=bt2, NORM=fused, num_warps=num_warps, num_stages=num_stages)
-    return gated_rms_norm_heads(o, *norm) if norm is not None and not fused else o
+        q, k, v, g, beta, a_inv, bank, index, stride, bank.stride(0), o, t, kd ** -0.5, H=h, HV=hv, K=kd, V=vd,
+        BV=bv, BT1=bt1, BT2=bt2, num_warps=num_warps, num_stages=num_stages)
+    return o
 
 
 def prefill_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -123,21 +123,17 @@ def gate_cumsum(gate) -> torch.Tensor:
     return decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2)
 
 
-def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
-               norm: tuple | None = None) -> torch.Tensor:
+def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
     """gate = (a, A_log, dt_bias); q and k l2-normalized, as `branch_front` leaves them. The gate cumsum,
     the solve, then one kernel that reads each row's state from the bank by slot (`branch_wy` for branches of
-    up to 128 tokens, with the gated output norm `norm` = (z, weight, eps) in its epilogue where it holds whole
-    heads; `rows_wy` beyond, the norm after); `gathered` gives it the rows' states copied out and an identity
-    index, so both paths compute alike to the bit."""
+    up to 128 tokens, `rows_wy` beyond); `gathered` gives it the rows' states copied out and an identity index,
+    so both paths compute alike to the bit."""
     gc = gate_cumsum(gate)
     if path == "gathered":
         bank, slots = bank.index_select(0, slots), torch.arange(slots.shape[0], device=slots.device)
-    a_inv = solve_chunks(k, gc, beta)
-    if q.shape[1] <= MAX_T:
-        return branch_wy(q, k, v, gc, beta, a_inv, bank, slots, slots.stride(0), norm=norm, **FUSED_WY_LAUNCH)
-    o = rows_wy(q, k, v, gc, beta, a_inv, bank, slots, slots.stride(0), **CHUNKS_WY_LAUNCH)
-    return o if norm is None else gated_rms_norm(o, *norm)
+    short = q.shape[1] <= MAX_T
+    return (branch_wy if short else rows_wy)(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots,
+                                             slots.stride(0), **(FUSED_WY_LAUNCH if short else CHUNKS_WY_LAUNCH))
 
 
 def sdpa_causal(q, k, v):

@@ -152,10 +152,9 @@ def _runs(cu_seqlens: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
     return out
 
 
-def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str,
-               norm: tuple | None = None) -> torch.Tensor:
+def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
     """Rows start from bank entries `slots`; `gathered` copies them into a row buffer first.
-    gate = (a, A_log, dt_bias), see `gdr_ref.gate_decay`; norm = (z, weight, eps): `gated_rms_norm` after."""
+    gate = (a, A_log, dt_bias), see `gdr_ref.gate_decay`."""
     c = gdr_ref.chunk_size(q.shape[1])  # a short branch: one chunk of its own length
     q, k = (gdr_ref.repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
     gc = gdr_ref.chunk_cumsum(gdr_ref.gate_decay(*gate), c)
@@ -165,8 +164,7 @@ def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, pat
         h, v_new, _ = gdr_ref.state_scan(k, w, u, gc, initial_state=h0, chunk=c)
     else:
         h, v_new = gdr_ref.state_scan_indexed(k, w, u, gc, bank, slots, slots.stride(0), chunk=c)
-    o = gdr_ref.chunk_output(q, k, v_new, h, gc, q.shape[-1] ** -0.5, c).to(v.dtype)
-    return o if norm is None else gated_rms_norm(o, *norm)
+    return gdr_ref.chunk_output(q, k, v_new, h, gc, q.shape[-1] ** -0.5, c).to(v.dtype)
 
 
 def _sdpa(q, k, v, mask):

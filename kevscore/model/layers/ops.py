@@ -62,7 +62,6 @@ class Ops(Protocol):
         document d's final state [HV, K, V] goes into the bank's states at entry `ctx.slots[d]`."""
 
     def gdr_branch(self, q: Tensor, k: Tensor, v: Tensor, gate: tuple[Tensor, Tensor, Tensor], beta: Tensor,
-                   bank: Tensor, slots: Tensor, path: str, norm: tuple[Tensor, Tensor, float] | None = None) -> Tensor:
+                   bank: Tensor, slots: Tensor, path: str) -> Tensor:
         """Branch rows from the bank's states of entries `slots`, read in place (`indexed`) or copied out
-        first (`gathered`, the --state-read mode): the same results. norm = (z, weight, eps): the output goes
-        through `gated_rms_norm(o, z, weight, eps)`, where a backend may fuse it."""
+        first (`gathered`, the --state-read mode): the same results."""
