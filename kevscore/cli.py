@@ -335,12 +335,11 @@ def compare(
     """Run the gathered and indexed paths on the same weights and inputs; time them and check parity.
     Exits 1 when any case shows a probability difference, a decision flip or a changed bank (the fp32
     baseline's flips are reported, with their rows in --json, not failures)."""
-    from kevscore.compare import CompareOptions
-    from kevscore.compare import compare as run_compare
+    from kevscore import compare as comparing
 
-    opts = options_of(CompareOptions, locals(), cases=cases.split(",") if cases else None)
+    opts = options_of(comparing.CompareOptions, locals(), cases=cases.split(",") if cases else None)
     with _failing():
-        report = run_compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
+        report = comparing.compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
     (console if console.is_terminal else Console(stderr=True, width=80)).print(display.compare_table(report))
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)

@@ -58,10 +58,9 @@ def point(name: str) -> None:
     test hook names it)."""
     if marks := os.environ.get(MARKS):
         _mark(Path(marks), name)
-    if _reach(os.environ.get(KILL), name):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if _reach(os.environ.get(SIGINT), name):
-        os.kill(os.getpid(), signal.SIGINT)
+    for hook, sig in ((KILL, signal.SIGKILL), (SIGINT, signal.SIGINT)):
+        if _reach(os.environ.get(hook), name):
+            os.kill(os.getpid(), sig)
     if _reach(os.environ.get(ENOSPC), name):
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {ENOSPC})")
 
