@@ -100,8 +100,7 @@ class JsonProgress(Reporter):
         self.resumed = 0
 
     def emit(self, event: str, **fields) -> None:
-        self.stream.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
-        self.stream.flush()
+        print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), file=self.stream, flush=True)
 
     def rates(self) -> dict:
         rows, total = self.done.get("score", 0), self.total.get("score", 0)
@@ -290,9 +289,7 @@ def provenance_table(record: dict) -> Table:
 
 
 def _when(t: float | None, short: bool = False) -> str:
-    import datetime
-
-    return datetime.datetime.fromtimestamp(t).strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S") if t else "-"
+    return time.strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
 def inspect_table(r: dict) -> Table:

@@ -105,11 +105,10 @@ class StopSignals:
         self._old.clear()
 
     def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
         if self.requested is not None:
             raise KeyboardInterrupt
-        self.requested = name
-        self._warn(f"{name}: stopping after the current batch (send it again to stop at once)")
+        self.requested = signal.Signals(signum).name
+        self._warn(f"{self.requested}: stopping after the current batch (send it again to stop at once)")
 
     def check(self) -> None:
         """Raise Interrupted when a stop was requested (the engine calls this between batches)."""
