@@ -9,8 +9,7 @@ def main() -> None:
     try:
         # the imports below take a second or more before the progress display can start
         if line := starting_line(sys.argv[1:], sys.stderr.isatty()):
-            sys.stderr.write(line)
-            sys.stderr.flush()
+            print(line, end="", file=sys.stderr, flush=True)
         with _deferred_interrupt():
             # A SIGINT inside a C extension's import can surface as an ImportError that a library catches
             # and works around: the heavy imports run with it held, and it is raised once they are done.

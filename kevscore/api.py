@@ -1,7 +1,7 @@
 """The Python API: a `Scorer` keeps a model loaded and runs `kevscore run` jobs on tables and files.
 
-The Python API: a `Scorer` keeps a model loaded and scores tables, data frames and files with it as
-`kevscore run` does; the command line runs its jobs through a Scorer too.
+It scores tables, data frames and files as `kevscore run` does; the command line runs its jobs through a
+Scorer too.
 
     scorer = Scorer("demo", device="cpu", labels=["Yes", "No"])
     table = scorer.score(questions)                     # a pyarrow Table, a pandas DataFrame or a path

@@ -10,7 +10,6 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -121,13 +120,13 @@ def run(
     input: str = typer.Argument(..., metavar="INPUT", help="Questions (document, question[, doc_id, question_id, "
                                 "labels]): Parquet, CSV or JSON Lines (by extension), a directory or glob of "
                                 "Parquet files, or a URI pyarrow reads (s3://...)."),
-    documents: Optional[str] = option(None, "--documents", panel=IO, metavar="FILE",
+    documents: str | None = option(None, "--documents", panel=IO, metavar="FILE",
                                       help="Documents (doc_id, document); questions then carry doc_id."),
-    output: Optional[Path] = option(None, "-o", "--output", panel=IO, metavar="FILE",
+    output: Path | None = option(None, "-o", "--output", panel=IO, metavar="FILE",
                                     help="Default: <input stem>.scores.parquet beside the input. The extension "
                                     "picks the format: .parquet, .csv, .jsonl; - for JSON Lines on stdout."),
     overwrite: bool = option(False, "--overwrite", panel=IO, help="Replace an existing output file."),
-    limit: Optional[int] = option(None, "--limit", panel=IO, metavar="N",
+    limit: int | None = option(None, "--limit", panel=IO, metavar="N",
                                   help="Score only the input's first N rows (a quick look; only they are checked)."),
     dry_run: bool = option(False, "--dry-run", panel=IO, help="Check the whole input and print the plan (documents, "
                            "rows, windows, waves, tokens) with a time estimate from a short calibration run; write "
@@ -147,12 +146,12 @@ def run(
     state_read: str = option("indexed", "--state-read", panel=MODEL, metavar="[indexed|gathered]",
                              help="How each row's document state is read from the bank: in place (indexed) or "
                              "copied out first (gathered); the same probabilities."),
-    path: Optional[str] = typer.Option(None, "--path", hidden=True, help="The old spelling of --state-read."),
+    path: str | None = typer.Option(None, "--path", hidden=True, help="The old spelling of --state-read."),
     labels: str = option("Yes,No", "--labels", panel=MODEL, metavar="LABELS",
                          help="Comma-separated labels, at least two; spaces around them are dropped (quote a label "
                          "to keep them: '\" Yes\",\" No\"'). A label of several tokens scores the sum of its tokens' "
                          "log-probabilities."),
-    template: Optional[Path] = option(None, "--template", panel=MODEL, metavar="FILE",
+    template: Path | None = option(None, "--template", panel=MODEL, metavar="FILE",
                                       help="Text file with {document} and {question}."),
     window: int = option(1024, "--window", panel=LONG, metavar="N", help="Documents per window: all their rows "
                          "are read, scored and written as one part before the next window (bounds host memory)."),
@@ -161,14 +160,14 @@ def run(
     skip_invalid: bool = option(False, "--skip-invalid", panel=LONG, help="Set aside rows that cannot be scored on "
                                 "their own (e.g. a prompt over the model's limit) into <output stem>.errors.parquet "
                                 "instead of stopping."),
-    bank: Optional[Path] = option(None, "--bank", panel=LONG, metavar="DIR",
+    bank: Path | None = option(None, "--bank", panel=LONG, metavar="DIR",
                                   help="Keep bank entries on disk in DIR between runs."),
-    bank_max_gb: Optional[float] = option(None, "--bank-max-gb", panel=LONG, metavar="N",
+    bank_max_gb: float | None = option(None, "--bank-max-gb", panel=LONG, metavar="N",
                                           help="Evict least-recently-used entries to stay under N GB."),
     gpus: int = option(1, "--gpus", panel=LONG, metavar="N", help="Run N processes on this machine, one per GPU, "
                        "under torch's launcher (the same as torchrun --nproc-per-node N -m kevscore run ...)."),
     batch_rows: int = option(64, "--batch-rows", panel=SPEED, metavar="N", help="Most question rows per batch."),
-    bank_capacity: Optional[int] = option(None, "--bank-capacity", panel=SPEED, metavar="N",
+    bank_capacity: int | None = option(None, "--bank-capacity", panel=SPEED, metavar="N",
                                           help="Bank entries (default: from memory)."),
     eager: bool = option(False, "--eager", panel=SPEED, help="GPU: run without CUDA graphs."),
     batch_invariant: bool = option(False, "--batch-invariant", panel=SPEED, help="One row per batch and one document "
@@ -272,7 +271,7 @@ def _run_rank(opts, quiet: bool) -> None:
 @app.command("bank-inspect", cls=Command)
 def bank_inspect(
     directory: Path = typer.Argument(..., metavar="DIR", help="A bank directory (kevscore run --bank DIR)."),
-    entry: Optional[str] = option(None, "--entry", metavar="KEY", help="Show one entry (a key or a unique key "
+    entry: str | None = option(None, "--entry", metavar="KEY", help="Show one entry (a key or a unique key "
                                   "prefix)."),
     verify: bool = typer.Option(False, "--verify", help="Read every entry and check its checksums."),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON to stdout."),
@@ -313,34 +312,33 @@ def info(
 @app.command(cls=Command)
 def compare(
     model: str = option("demo", "--model", metavar="MODEL", help=MODEL_HELP),
-    data: Optional[Path] = option(None, "--data", metavar="FILE", help="Rows from this Parquet instead of synthetic "
+    data: Path | None = option(None, "--data", metavar="FILE", help="Rows from this Parquet instead of synthetic "
                                   "cases."),
-    documents: Optional[Path] = option(None, "--documents", metavar="FILE", help="With --data: its documents Parquet."),
+    documents: Path | None = option(None, "--documents", metavar="FILE", help="With --data: its documents Parquet."),
     reps: int = option(15, "--reps", metavar="N", help="Measured calls per path and case."),
     warmup: int = option(3, "--warmup", metavar="N", help="Warm-up calls per path and case (on a GPU, graph capture "
                          "included)."),
-    cases: Optional[str] = option(None, "--cases", metavar="CASES", help="Comma-separated: shared, distinct, padded, "
+    cases: str | None = option(None, "--cases", metavar="CASES", help="Comma-separated: shared, distinct, padded, "
                                   "long-branch, long-document, cold, mixed, warm (default all; with --data the last "
                                   "three)."),
-    json_path: Optional[Path] = option(None, "--json", metavar="FILE",
+    json_path: Path | None = option(None, "--json", metavar="FILE",
                                        help="Write the full report (every sample) here."),
-    plot: Optional[Path] = option(None, "--plot", metavar="FILE",
+    plot: Path | None = option(None, "--plot", metavar="FILE",
                                   help="Write a PNG of the latency distributions here."),
     device: str = option("auto", "--device", metavar="[cpu|cuda|auto]", help="auto: the GPU if there is one."),
     batch_rows: int = option(64, "--batch-rows", metavar="N", help="Most question rows per batch."),
-    baseline: Optional[str] = option(None, "--baseline", metavar="[hf|fp32]", help="hf: also time transformers on "
+    baseline: str | None = option(None, "--baseline", metavar="[hf|fp32]", help="hf: also time transformers on "
                                      "document + question; fp32 (GPU): also time the model in fp32 and count the "
                                      "rows whose prediction differs from bf16's."),
 ) -> None:
     """Run the gathered and indexed paths on the same weights and inputs; time them and check parity.
     Exits 1 when any case shows a probability difference, a decision flip or a changed bank (the fp32
     baseline's flips are reported, with their rows in --json, not failures)."""
-    from kevscore.compare import CompareOptions
-    from kevscore.compare import compare as run_compare
+    from kevscore import compare as comparing
 
-    opts = options_of(CompareOptions, locals(), cases=cases.split(",") if cases else None)
+    opts = options_of(comparing.CompareOptions, locals(), cases=cases.split(",") if cases else None)
     with _failing():
-        report = run_compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
+        report = comparing.compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
     (console if console.is_terminal else Console(stderr=True, width=80)).print(display.compare_table(report))
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)

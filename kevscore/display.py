@@ -100,8 +100,7 @@ class JsonProgress(Reporter):
         self.resumed = 0
 
     def emit(self, event: str, **fields) -> None:
-        self.stream.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
-        self.stream.flush()
+        print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), file=self.stream, flush=True)
 
     def rates(self) -> dict:
         rows, total = self.done.get("score", 0), self.total.get("score", 0)
@@ -290,9 +289,7 @@ def provenance_table(record: dict) -> Table:
 
 
 def _when(t: float | None, short: bool = False) -> str:
-    import datetime
-
-    return datetime.datetime.fromtimestamp(t).strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S") if t else "-"
+    return time.strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
 
 def inspect_table(r: dict) -> Table:
@@ -349,9 +346,11 @@ def compare_table(r: dict) -> Table:
     """Per case: rows, each path's median latency (p10-p90 below), their ratio and parity; 80 columns."""
     env = r["environment"]
     where = env.get("gpu") or f"CPU, {env.get('threads')} threads"
-    unit = "GPU-event ms" if r["timer"] == "cuda-events" else "wall-clock ms"
-    table = Table(title=escape(f"kevscore compare · {r['model']} · {where}"),
-                  caption=f"{unit}: median, p10-p90 below", caption_justify="left")
+    unit, first = (("GPU-event ms", "warm-up incl. graph capture") if r["timer"] == "cuda-events"
+                   else ("wall-clock ms", "warm-up"))
+    warm = ", ".join(f"{c['name']} {sum(c['warmup_s'].values()):.1f} s" for c in r["cases"])
+    table = Table(title=escape(f"kevscore compare · {r['model']} · {where}"), caption_justify="left",
+                  caption=f"{unit}: median, p10-p90 below; {first} (not in the latencies): {warm}")
     for name in ("case", "rows", "gathered", "indexed", "i / g", "parity"):
         words = name in ("case", "parity")
         table.add_column(name, justify="left" if words else "right", no_wrap=not words, overflow="fold")
@@ -362,9 +361,6 @@ def compare_table(r: dict) -> Table:
         name = c["name"] + (f"\n+{c['prefilled_in_call']} prefilled" if c["prefilled_in_call"] else "")
         ratio = f"{s['indexed_over_gathered']:.3f}" + ("\n[yellow]noise[/]" if s.get("spread_overlap") else "")
         table.add_row(escape(name), f"{c['rows']:,}", lat["gathered"], lat["indexed"], ratio, _parity(c))
-    warm = ", ".join(f"{c['name']} {sum(c['warmup_s'].values()):.1f} s" for c in r["cases"])
-    first = "warm-up incl. graph capture" if r["timer"] == "cuda-events" else "warm-up"
-    table.caption += f"; {first} (not in the latencies): {warm}"
     if any(c.get("hf_ms") for c in r["cases"]):
         table.caption += "; transformers naive: " + ", ".join(
             f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"

@@ -147,8 +147,7 @@ def remembered(name: str, key: str, compute: Callable[[], str], keep: Callable[[
     cache = cache_root() / name
     known = read_json_object(cache) or {}
     if not isinstance(known.get(key), str):
-        known = {k: v for k, v in known.items() if keep(k)}
-        known[key] = compute()
+        known = {k: v for k, v in known.items() if keep(k)} | {key: compute()}
         with contextlib.suppress(OSError, KevscoreFailure):
             cache.parent.mkdir(parents=True, exist_ok=True)
             write_json(cache, known)

@@ -58,10 +58,9 @@ def point(name: str) -> None:
     test hook names it)."""
     if marks := os.environ.get(MARKS):
         _mark(Path(marks), name)
-    if _reach(os.environ.get(KILL), name):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if _reach(os.environ.get(SIGINT), name):
-        os.kill(os.getpid(), signal.SIGINT)
+    for hook, sig in ((KILL, signal.SIGKILL), (SIGINT, signal.SIGINT)):
+        if _reach(os.environ.get(hook), name):
+            os.kill(os.getpid(), sig)
     if _reach(os.environ.get(ENOSPC), name):
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {ENOSPC})")
 
@@ -106,11 +105,10 @@ class StopSignals:
         self._old.clear()
 
     def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
         if self.requested is not None:
             raise KeyboardInterrupt
-        self.requested = name
-        self._warn(f"{name}: stopping after the current batch (send it again to stop at once)")
+        self.requested = signal.Signals(signum).name
+        self._warn(f"{self.requested}: stopping after the current batch (send it again to stop at once)")
 
     def check(self) -> None:
         """Raise Interrupted when a stop was requested (the engine calls this between batches)."""

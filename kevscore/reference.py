@@ -36,8 +36,7 @@ def force_torch_kernels() -> None:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
     for name in KERNELS:
-        fn = getattr(modeling, name, None)
-        if fn is not None:
+        if (fn := getattr(modeling, name, None)) is not None:
             setattr(modeling, name, _device_dispatch(fn))
 
 

@@ -1,12 +1,10 @@
 """flash-linear-attention's kernel modules imported without its package-level imports.
 
-flash-linear-attention's kernel modules without its package-level imports: `fla`'s `__init__` imports
-every layer and model (and transformers), `fla.ops`' every op, `fla.ops.utils`' every utility kernel,
-`fla.modules`' every module and `fla.ops.gated_delta_rule`'s every form of the rule: most of the seconds
-`import fla` takes. These packages
-are registered unexecuted, so importing one kernel module runs that module and its own imports only; each
-package runs its `__init__` the first time code asks it for a name it does not have yet, so code that
-uses `fla` as a whole still finds all of it."""
+`fla`'s `__init__` imports every layer and model (and transformers), `fla.ops`' every op, `fla.ops.utils`'
+every utility kernel, `fla.modules`' every module and `fla.ops.gated_delta_rule`'s every form of the rule:
+most of the seconds `import fla` takes. These packages are registered unexecuted, so importing one kernel
+module runs that module and its own imports only; each package runs its `__init__` the first time code asks
+it for a name it does not have yet, so code that uses `fla` as a whole still finds all of it."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -41,8 +39,7 @@ def defer_package_inits() -> None:
     except importlib.metadata.PackageNotFoundError:  # not an installed release: import it as it is
         return
     for name in PACKAGES:
-        module = _unexecuted(name)
-        sys.modules[name] = module
+        sys.modules[name] = module = _unexecuted(name)
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(sys.modules[parent], child, module)

@@ -74,8 +74,8 @@ def _dispatcher(key: tuple[int, str], original: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _recording(found: dict, met: Callable[[tuple], None] = lambda key: None):
-    """This thread's Triton launches record their compilation in `found` (and call `met` with each new key)
+def _recording(found: dict, met: Callable[[tuple], None]):
+    """This thread's Triton launches record their compilation in `found` (and call `met` with each new one)
     instead of compiling, and launch nothing; other threads' launches run as usual."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
@@ -84,7 +84,7 @@ def _recording(found: dict, met: Callable[[tuple], None] = lambda key: None):
         target, name = self.device_caches[device][2], (self.module, self.fn.__qualname__, str(key))
         if name not in found:
             found[name] = (self, signature, constexprs, options, attrs, target, time.perf_counter())
-            met(name)
+            met(found[name])
         # Triton's launcher returns without launching when there is no kernel
 
     def refuse_timing(self, *args, **kwargs):
@@ -112,12 +112,6 @@ def _compile_one(i: int, kernel: tuple, results) -> None:
     results.put((i, took))
 
 
-def source_length(kernel: tuple) -> int:
-    """A recorded kernel's source length: the longest compile first, so the compiles' wall (set by the last to
-    end) is not a slow one begun after the quick ones."""
-    return len(getattr(kernel[0], "src", ""))
-
-
 class _Compiles:
     """Each recorded kernel (`pending`, in the order met) compiled in a process forked for it (which holds this
     process's memory as it was: the kernel's JIT function and everything it refers to), at most `slots` at a
@@ -139,7 +133,9 @@ class _Compiles:
     def add(self, kernel: tuple) -> None:
         self.pending.append(kernel)
         self.queued.append(len(self.pending) - 1)
-        self.queued.sort(key=lambda j: source_length(self.pending[j]))
+        # by source length: the longest compile first, so the compiles' wall (set by the last to end) is not a
+        # slow one begun after the quick ones
+        self.queued.sort(key=lambda j: len(getattr(self.pending[j][0], "src", "")))
         self._fill()
 
     def _fill(self) -> None:
@@ -162,9 +158,7 @@ class _Compiles:
         while not self.results.empty():
             i, took = self.results.get()
             self.seconds[i] = took
-        for i, process in list(self.running.items()):
-            if process.exitcode is not None:
-                del self.running[i]
+        self.running = {i: process for i, process in self.running.items() if process.exitcode is None}
 
     def finish(self, timeout_s: float) -> list[float | None]:
         """Wait for every compile (queued ones forked as slots free); each one's seconds, None where it failed."""
@@ -214,7 +208,7 @@ def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = la
     t0 = time.perf_counter()
     try:
         try:
-            with _recording(found, (lambda name: compiles.add(found[name])) if compiles.slots else lambda name: None):
+            with _recording(found, compiles.add):  # no slots (one core): each kernel waits, and is never forked
                 dry_run()
         except Exception as exc:  # noqa: BLE001 - the dry run's output is garbage anyway; the real run decides
             report.skipped = f"dry pass: {type(exc).__name__}: {exc}".splitlines()[0]

@@ -171,11 +171,8 @@ def _sdpa(q, k, v, mask):
     """q [B, T, H, D], k/v [B, S, Hkv, D], mask [B, T, S] or None (causal)."""
     gqa = q.shape[2] != k.shape[2]  # each KV head serves its query heads in place (no repeated copies)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=gqa)
-    return out.transpose(1, 2)
+    mask = None if mask is None else mask.unsqueeze(1)  # one mask for all heads
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa).transpose(1, 2)
 
 
 def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
