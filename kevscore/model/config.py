@@ -1,8 +1,7 @@
 """Kev model configuration: the subset of a Qwen3.5 text config that kevscore's layers need."""
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kevscore.errors import KevscoreError
@@ -76,13 +75,13 @@ class KevConfig:
         types = text.get("layer_types") or [FULL if (i + 1) % text.get("full_attention_interval", 4) == 0 else LINEAR
                                             for i in range(layers)]
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        given = {f.name: text[f.name] for f in dataclasses.fields(cls) if f.name in text}
+        given = {f.name: text[f.name] for f in fields(cls) if f.name in text}
         return cls(**{**HF_DEFAULTS, **given, **{k: v for k, v in rope.items() if k in HF_ROPE},
                       "layer_types": tuple(types[:layers]), "tie_word_embeddings": bool(tie)})
 
     def to_hf(self) -> dict[str, Any]:
         """A `qwen3_5_text` config.json dict that transformers' Qwen3_5TextConfig accepts."""
-        d = dataclasses.asdict(self)
+        d = asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["num_hidden_layers"] = self.num_layers
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
