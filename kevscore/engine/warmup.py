@@ -98,11 +98,10 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
         for docs, branches in zip(PREFILL_GROUPS, ([b for b in BRANCHES if b[1] > 64], [b for b in BRANCHES if b[1] <= 64])):
             prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
             batches = [(d, rows, length) for d in range(len(docs)) for rows, length in branches]
-            n_rows = sum(rows for _, rows, _ in batches)
             lengths = [length for _, rows, length in batches for _ in range(rows)]
             tails = [[(5, 6), ()] if length == LABELLED else [(), ()] for length in lengths]
             enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)], [[7] * n for n in lengths],
-                          [["a", "b"]] * n_rows, [[3, 4]] * n_rows, tails)
+                          [["a", "b"]] * len(lengths), [[3, 4]] * len(lengths), tails)
             stats = engine.run(enc, path).stats
             prefill_s, score_s = prefill_s + stats.prefill_s, score_s + stats.score_s
         synchronize(device)

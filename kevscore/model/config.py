@@ -107,26 +107,19 @@ SHAPES: dict[str, KevConfig] = {
 
 def weight_shapes(cfg: KevConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every text-model tensor of `Qwen3_5ForCausalLM` for this config."""
-    h, d = cfg.hidden_size, cfg.head_dim
+    h, d, mlp, hv = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.linear_num_value_heads
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    block = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (mlp, h),
+             "mlp.up_proj.weight": (mlp, h), "mlp.down_proj.weight": (h, mlp)}
+    linear = {"in_proj_qkv.weight": (cfg.conv_dim, h), "in_proj_z.weight": (cfg.value_dim, h), "in_proj_b.weight": (hv, h),
+              "in_proj_a.weight": (hv, h), "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), "A_log": (hv,),
+              "dt_bias": (hv,), "norm.weight": (cfg.linear_value_head_dim,), "out_proj.weight": (h, cfg.value_dim)}
+    attention = {"q_proj.weight": (2 * nh * d, h), "k_proj.weight": (nkv * d, h), "v_proj.weight": (nkv * d, h),
+                 "o_proj.weight": (h, nh * d), "q_norm.weight": (d,), "k_norm.weight": (d,)}
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
               "lm_head.weight": (cfg.vocab_size, h)}
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-                       p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-                       p + "mlp.down_proj.weight": (h, cfg.intermediate_size)})
-        if kind == LINEAR:
-            a, hv = p + "linear_attn.", cfg.linear_num_value_heads
-            shapes.update({a + "in_proj_qkv.weight": (cfg.conv_dim, h), a + "in_proj_z.weight": (cfg.value_dim, h),
-                           a + "in_proj_b.weight": (hv, h), a + "in_proj_a.weight": (hv, h),
-                           a + "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
-                           a + "A_log": (hv,), a + "dt_bias": (hv,),
-                           a + "norm.weight": (cfg.linear_value_head_dim,),
-                           a + "out_proj.weight": (h, cfg.value_dim)})
-        else:
-            a, nh, nkv = p + "self_attn.", cfg.num_attention_heads, cfg.num_key_value_heads
-            shapes.update({a + "q_proj.weight": (2 * nh * d, h), a + "k_proj.weight": (nkv * d, h),
-                           a + "v_proj.weight": (nkv * d, h), a + "o_proj.weight": (h, nh * d),
-                           a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+    for i, kind in enumerate(cfg.layer_types):  # per layer its block's tensors, then its mixer's
+        mixer, mixer_shapes = ("linear_attn.", linear) if kind == LINEAR else ("self_attn.", attention)
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in block.items()})
+        shapes.update({f"model.layers.{i}.{mixer}{name}": shape for name, shape in mixer_shapes.items()})
     return shapes
