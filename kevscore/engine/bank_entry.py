@@ -199,8 +199,7 @@ def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torc
         view = memoryview(buf.numpy())
         done = 0
         while done < size:
-            got = f.readinto(view[done:])
-            if not got:
+            if not (got := f.readinto(view[done:])):
                 raise EntryError(f"truncated while reading ({done} of {size} bytes)")
             done += got
     entry = _parse_header(view, size)
