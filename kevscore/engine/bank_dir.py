@@ -29,14 +29,6 @@ def entry_record(entry: EntryFile, path: Path, root: Path, last_used: float) -> 
             "file_bytes": entry.size, "created": float(entry.meta["created"]), "last_used": last_used, "doc_ids": []}
 
 
-def _check_record(key: str, rec) -> None:
-    ok = (isinstance(rec, dict) and all(isinstance(rec.get(name), kind) for name, kind in RECORD_FIELDS.items())
-          and all(type(v) is int for v in rec["bytes"].values()) and all(isinstance(i, str) for i in rec["doc_ids"])
-          and rec["file"] == f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}")
-    if not ok:
-        raise TypeError(f"malformed record for entry {key[:12]}")
-
-
 def merge_ids(old: Sequence[str], new: Sequence[str]) -> list[str]:
     return list(dict.fromkeys([*old, *new]))[:MAX_DOC_IDS]
 
@@ -98,7 +90,10 @@ def read_index(root: Path) -> dict:
     if not all(isinstance(about, dict) for about in models.values()):
         raise TypeError("malformed models table")
     for key, rec in entries.items():
-        _check_record(key, rec)
+        if not (isinstance(rec, dict) and all(isinstance(rec.get(name), kind) for name, kind in RECORD_FIELDS.items())
+                and all(type(v) is int for v in rec["bytes"].values()) and all(isinstance(i, str) for i in rec["doc_ids"])
+                and rec["file"] == f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}"):
+            raise TypeError(f"malformed record for entry {key[:12]}")
     return data
 
 

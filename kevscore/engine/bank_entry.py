@@ -5,7 +5,6 @@ backend), its safetensors file (the layers' declared tensors, the prefix ids, me
 reading it back with every check (header, layout, shapes, key, checksums). `bank_store` keeps the entries."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -14,7 +13,7 @@ import os
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -51,7 +50,7 @@ def model_fingerprint(ckpt, dtype: torch.dtype, backend: str, weights: str | Non
     before), the bank dtype and the ops backend (CPU fp32 torch ops and GPU bf16 FLA kernels make different
     entries for the same weights)."""
     about = {"name": ckpt.name, "dtype": str(dtype).removeprefix("torch."), "backend": backend,
-             "weights": weights or weights_digest(ckpt), "config": dataclasses.asdict(ckpt.config)}
+             "weights": weights or weights_digest(ckpt), "config": asdict(ckpt.config)}
     return Fingerprint(hashlib.sha256(json.dumps(about, sort_keys=True).encode()).hexdigest(), about)
 
 
@@ -69,13 +68,12 @@ def weights_digest(ckpt) -> str:
         if flat.numel() > 1 << 20:  # 65537 evenly spaced elements, the last one included
             flat = torch.cat([flat[::max(1, flat.numel() // 65536)], flat[-1:]])
         samples.append(flat.contiguous().view(torch.uint8))
-    host = torch.cat(samples).cpu().numpy() if samples else None
-    digest, at = hashlib.sha256(), 0
-    for name, sample in zip(names, samples):
+    host = torch.cat(samples).cpu().split([s.numel() for s in samples]) if samples else ()
+    digest = hashlib.sha256()
+    for name, sample in zip(names, host):
         t = ckpt.weights[name]
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        digest.update(host[at:at + sample.numel()].tobytes())
-        at += sample.numel()
+        digest.update(sample.numpy().tobytes())
     return "mem:" + digest.hexdigest()
 
 
@@ -141,7 +139,6 @@ def _checked_header(head: bytes, size: int) -> EntryFile:
     if sorted(header) != sorted(TENSORS):
         raise EntryError(f"tensors {sorted(header)}, expected {sorted(TENSORS)}")
     tensors = {}
-    spans = []
     data_start = 8 + n
     for name, spec in header.items():
         dtype, shape, begin, end = _tensor_spec(name, spec)
@@ -150,8 +147,7 @@ def _checked_header(head: bytes, size: int) -> EntryFile:
         if end - begin != DTYPES[dtype].itemsize * math.prod(shape):
             raise EntryError(f"tensor {name!r}: byte range {begin}..{end} does not hold {shape} {dtype}")
         tensors[name] = (dtype, shape, data_start + begin, data_start + end)
-        spans.append((begin, end))
-    spans.sort()
+    spans = sorted((begin - data_start, end - data_start) for _, _, begin, end in tensors.values())
     if spans[0][0] != 0 or any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
         raise EntryError("tensor byte ranges do not tile the data")
     if data_start + spans[-1][1] != size:
@@ -203,8 +199,7 @@ def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torc
         view = memoryview(buf.numpy())
         done = 0
         while done < size:
-            got = f.readinto(view[done:])
-            if not got:
+            if not (got := f.readinto(view[done:])):
                 raise EntryError(f"truncated while reading ({done} of {size} bytes)")
             done += got
     entry = _parse_header(view, size)

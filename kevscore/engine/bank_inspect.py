@@ -46,8 +46,7 @@ def _chosen_entry(root: Path, keys: list[str], prefix: str | None) -> str | None
     """The one key starting with `prefix` (None without a prefix); a one-line error for none or several."""
     if prefix is None:
         return None
-    matches = [k for k in keys if k.startswith(prefix)]
-    if not matches:
+    if not (matches := [k for k in keys if k.startswith(prefix)]):
         raise KevscoreError(f"{root}: no entry {prefix!r}")
     if len(matches) > 1:
         raise KevscoreError(f"{root}: entry {prefix!r} is ambiguous ({len(matches)} entries start with it)")

@@ -90,7 +90,6 @@ class Engine:
 
     def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Reporter = QUIET) -> None:
         """Every row of `enc`, wave by wave through the bank, into `scores` (its stats accumulate)."""
-        bank = self.runner.bank
         doc_tokens = [len(p) for p in enc.prefixes]
         stats = scores.stats
         stats.prefixes += len(enc.prefixes)
@@ -99,7 +98,7 @@ class Engine:
         rows_of: list[list[int]] = [[] for _ in enc.prefixes]
         for r, p in enumerate(enc.row_prefix):
             rows_of[p].append(r)
-        for wave in plan_waves(doc_tokens, bank.layout.entries, bank.layout.tokens):
+        for wave in plan_waves(doc_tokens, self.runner.bank.layout.entries, self.runner.bank.layout.tokens):
             stats.waves += 1
             slot_of = self.prefill_wave(enc, wave, stats, progress)
             self.score_rows(enc, [r for d in wave for r in rows_of[d]], slot_of, path, scores, progress)
@@ -190,12 +189,10 @@ class Engine:
                     pending = None  # the batch launched before: finished while the GPU runs the next one
                     for batch in plan_batches(scoring.units, lengths, docs, self.max_rows, self.max_tokens, scored):
                         launched = self._score_batch(enc, scoring, batch, slot_of, prefix_len, path, scores, progress)
-                        if pending is not None:
-                            self._finish_batch(scoring, *pending, scores, progress)
+                        self._finish_batch(scoring, pending, scores, progress)
                         pending = launched
                         self._between("score")
-                    if pending is not None:
-                        self._finish_batch(scoring, *pending, scores, progress)
+                    self._finish_batch(scoring, pending, scores, progress)
         finally:
             synchronize(self.runner.device)
             scores.stats.score_s += time.perf_counter() - t0
@@ -238,8 +235,7 @@ class Engine:
                 lengths, docs, scored = scoring.sizes(part, prefix_len)
                 sub = make_batch(part, lengths, docs, self.max_rows, scored)
                 launched = self._score_batch(enc, scoring, sub, slot_of, prefix_len, path, scores, progress)
-                if launched is not None:
-                    self._finish_batch(scoring, *launched, scores, progress)
+                self._finish_batch(scoring, launched, scores, progress)
             return None
         if not out.is_cuda:
             return batch, out.clone(), None  # the runner may reuse its output buffer for the next batch
@@ -249,9 +245,12 @@ class Engine:
         copied.record()
         return batch, host, copied
 
-    def _finish_batch(self, scoring: Scoring, batch: Batch, host: torch.Tensor, copied, scores: Scores,
-                      progress: Reporter) -> None:
-        """A launched batch's scores, once its copy to the host is done: into `scores`, float64 on the host."""
+    def _finish_batch(self, scoring: Scoring, launched: tuple | None, scores: Scores, progress: Reporter) -> None:
+        """The scores of a batch `_score_batch` launched (None: none to finish), once its copy to the host is done:
+        into `scores`, float64 on the host."""
+        if launched is None:
+            return
+        batch, host, copied = launched
         if copied is not None:
             copied.synchronize()
         done = scoring.finish(batch, host.double())

@@ -94,14 +94,12 @@ class EagerRunner:
         model.attach_bank(bank)
 
     def prefill(self, docs: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
-        empty = [s for d, s in zip(docs, slots) if not d]
-        for s in empty:  # a document with no tokens leaves the state where the model starts
-            self.bank.state[:, s].zero_()
-            self.bank.conv[:, s].zero_()
-        real = [(d, s) for d, s in zip(docs, slots) if d]
-        if real:
-            ids, ctx = prefill_inputs([d for d, _ in real], [s for _, s in real], self.bank, self.device,
-                                      self.model.cfg.linear_conv_kernel_dim - 1)
+        for d, s in zip(docs, slots):
+            if not d:  # a document with no tokens leaves the state where the model starts
+                self.bank.state[:, s].zero_()
+                self.bank.conv[:, s].zero_()
+        if real := [(d, s) for d, s in zip(docs, slots) if d]:
+            ids, ctx = prefill_inputs(*zip(*real), self.bank, self.device, self.model.cfg.conv_state_len)
             self.model.prefill(ids, ctx)
 
     def upload(self, batch: Batch, branches, slots, prefix_lens) -> torch.Tensor:

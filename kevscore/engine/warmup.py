@@ -8,12 +8,11 @@ thread time that the load hides."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -35,7 +34,7 @@ BRANCHES = ((4, 32), (2, 24), (2, LABELLED), (2, 10), (2, 60), (2, 70), (2, 80),
 def small_model(cfg: KevConfig) -> KevConfig:
     """The job's layer shapes in a DeltaNet layer and two attention layers (prefill skips the last layer's
     output, so the job's other attention layers need the middle one), over a small vocabulary."""
-    return dataclasses.replace(cfg, layer_types=(LINEAR, FULL, FULL), vocab_size=min(cfg.vocab_size, 1024))
+    return replace(cfg, layer_types=(LINEAR, FULL, FULL), vocab_size=min(cfg.vocab_size, 1024))
 
 
 def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None = None,
@@ -55,13 +54,13 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         attention.start()
     try:
         if marker is not None and marker.is_file():
-            steps["precompile"] = dataclasses.asdict(Precompiled(skipped="every kernel is in Triton's cache"))
+            steps["precompile"] = asdict(Precompiled(skipped="every kernel is in Triton's cache"))
             triton_hashed()
         else:
             run_each_shape = shape_pass(cfg, device, path, dtype)
             with attention_stubbed(device):
                 if marker is not None:
-                    steps["precompile"] = dataclasses.asdict(
+                    steps["precompile"] = asdict(
                         precompile(run_each_shape, triton_hashed, lambda: triton_hashed(wait=False)))
                 triton_hashed()
                 t0 = time.perf_counter()
@@ -99,11 +98,10 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
         for docs, branches in zip(PREFILL_GROUPS, ([b for b in BRANCHES if b[1] > 64], [b for b in BRANCHES if b[1] <= 64])):
             prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
             batches = [(d, rows, length) for d in range(len(docs)) for rows, length in branches]
-            n_rows = sum(rows for _, rows, _ in batches)
             lengths = [length for _, rows, length in batches for _ in range(rows)]
             tails = [[(5, 6), ()] if length == LABELLED else [(), ()] for length in lengths]
             enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)], [[7] * n for n in lengths],
-                          [["a", "b"]] * n_rows, [[3, 4]] * n_rows, tails)
+                          [["a", "b"]] * len(lengths), [[3, 4]] * len(lengths), tails)
             stats = engine.run(enc, path).stats
             prefill_s, score_s = prefill_s + stats.prefill_s, score_s + stats.score_s
         synchronize(device)
@@ -187,7 +185,7 @@ class WarmUp:
     thread: threading.Thread
     seconds: float | None = None  # how long it ran (None: still running when the job stopped waiting)
     error: str | None = None      # why it stopped early; the job meets the same error where it reports it
-    steps: dict = dataclasses.field(default_factory=dict)  # seconds of the context and of compile_kernels' steps
+    steps: dict = field(default_factory=dict)  # seconds of the context and of compile_kernels' steps
 
     def join(self, timeout: float) -> dict:
         self.thread.join(timeout)

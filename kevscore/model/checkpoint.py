@@ -61,10 +61,8 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
     """`demo`, a benchmark shape name (`kev-0.8b`, `kev-4b`) or a checkpoint directory. The tokenizer loads
     first: `tokenizer_ready(tokenizer, config)` is called before the weights load (a job tokenizes its input
     meanwhile)."""
-    from kevscore.model.demo import demo_checkpoint_dir
-
     if spec in SHAPES:
-        tok, cfg = load_tokenizer(demo_checkpoint_dir()), SHAPES[spec]
+        tok, cfg = load_tokenizer(model_directory("demo")), SHAPES[spec]
         tokenizer_ready(tok, cfg)
         return Checkpoint(spec, cfg, random_weights(cfg, seed, torch.bfloat16, device), tok)
     directory = model_directory(spec)
@@ -264,12 +262,9 @@ def read_safetensors(path: Path, device: str | torch.device = "cpu") -> dict[str
              else sorted(p.name for p in path.glob("*.safetensors")))
     if not files:
         raise KevscoreError(f"{path}: no *.safetensors weight files")
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (path / name).is_file():
-            raise KevscoreError(f"{index}: lists {name}, which is missing")
-        weights.update(load_file(str(path / name), device=str(device)))
-    return weights
+    if missing := [name for name in files if not (path / name).is_file()]:
+        raise KevscoreError(f"{index}: lists {missing[0]}, which is missing")
+    return {key: t for name in files for key, t in load_file(str(path / name), device=str(device)).items()}
 
 
 def normalize_names(weights: dict[str, torch.Tensor], cfg: KevConfig, path: Path) -> dict[str, torch.Tensor]:

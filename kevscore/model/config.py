@@ -1,8 +1,7 @@
 """Kev model configuration: the subset of a Qwen3.5 text config that kevscore's layers need."""
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kevscore.errors import KevscoreError
@@ -76,13 +75,13 @@ class KevConfig:
         types = text.get("layer_types") or [FULL if (i + 1) % text.get("full_attention_interval", 4) == 0 else LINEAR
                                             for i in range(layers)]
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-        given = {f.name: text[f.name] for f in dataclasses.fields(cls) if f.name in text}
+        given = {f.name: text[f.name] for f in fields(cls) if f.name in text}
         return cls(**{**HF_DEFAULTS, **given, **{k: v for k, v in rope.items() if k in HF_ROPE},
                       "layer_types": tuple(types[:layers]), "tie_word_embeddings": bool(tie)})
 
     def to_hf(self) -> dict[str, Any]:
         """A `qwen3_5_text` config.json dict that transformers' Qwen3_5TextConfig accepts."""
-        d = dataclasses.asdict(self)
+        d = asdict(self)
         d["layer_types"] = list(self.layer_types)
         d["num_hidden_layers"] = self.num_layers
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
@@ -108,26 +107,19 @@ SHAPES: dict[str, KevConfig] = {
 
 def weight_shapes(cfg: KevConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every text-model tensor of `Qwen3_5ForCausalLM` for this config."""
-    h, d = cfg.hidden_size, cfg.head_dim
+    h, d, mlp, hv = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.linear_num_value_heads
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    block = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (mlp, h),
+             "mlp.up_proj.weight": (mlp, h), "mlp.down_proj.weight": (h, mlp)}
+    linear = {"in_proj_qkv.weight": (cfg.conv_dim, h), "in_proj_z.weight": (cfg.value_dim, h), "in_proj_b.weight": (hv, h),
+              "in_proj_a.weight": (hv, h), "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), "A_log": (hv,),
+              "dt_bias": (hv,), "norm.weight": (cfg.linear_value_head_dim,), "out_proj.weight": (h, cfg.value_dim)}
+    attention = {"q_proj.weight": (2 * nh * d, h), "k_proj.weight": (nkv * d, h), "v_proj.weight": (nkv * d, h),
+                 "o_proj.weight": (h, nh * d), "q_norm.weight": (d,), "k_norm.weight": (d,)}
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,),
               "lm_head.weight": (cfg.vocab_size, h)}
-    for i, kind in enumerate(cfg.layer_types):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-                       p + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-                       p + "mlp.down_proj.weight": (h, cfg.intermediate_size)})
-        if kind == LINEAR:
-            a, hv = p + "linear_attn.", cfg.linear_num_value_heads
-            shapes.update({a + "in_proj_qkv.weight": (cfg.conv_dim, h), a + "in_proj_z.weight": (cfg.value_dim, h),
-                           a + "in_proj_b.weight": (hv, h), a + "in_proj_a.weight": (hv, h),
-                           a + "conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
-                           a + "A_log": (hv,), a + "dt_bias": (hv,),
-                           a + "norm.weight": (cfg.linear_value_head_dim,),
-                           a + "out_proj.weight": (h, cfg.value_dim)})
-        else:
-            a, nh, nkv = p + "self_attn.", cfg.num_attention_heads, cfg.num_key_value_heads
-            shapes.update({a + "q_proj.weight": (2 * nh * d, h), a + "k_proj.weight": (nkv * d, h),
-                           a + "v_proj.weight": (nkv * d, h), a + "o_proj.weight": (h, nh * d),
-                           a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)})
+    for i, kind in enumerate(cfg.layer_types):  # per layer its block's tensors, then its mixer's
+        mixer, mixer_shapes = ("linear_attn.", linear) if kind == LINEAR else ("self_attn.", attention)
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in block.items()})
+        shapes.update({f"model.layers.{i}.{mixer}{name}": shape for name, shape in mixer_shapes.items()})
     return shapes

@@ -8,7 +8,7 @@ from torch import nn
 
 from kevscore.model.config import FULL, LINEAR, KevConfig
 from kevscore.model.layers.attention import Attention
-from kevscore.model.layers.common import MLP, BankTensor, BranchContext, Context, PrefillContext, Rotary
+from kevscore.model.layers.common import MLP, BankTensor, BranchContext, Context, PrefillContext, Rotary, frozen_param
 from kevscore.model.layers.deltanet import DeltaNet
 from kevscore.model.layers.ops import Ops
 
@@ -32,8 +32,8 @@ class Block(nn.Module):
         self.mixer = MIXERS[kind](cfg, ops)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, ops)
         # 1 + weight of Qwen3.5's zero-centred RMSNorms, in fp32
-        self.input_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
-        self.post_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.input_scale = frozen_param(cfg.hidden_size)
+        self.post_scale = frozen_param(cfg.hidden_size)
         self.eps = cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: Context, cos, sin, keep=None):
@@ -64,12 +64,11 @@ class KevModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.embed = frozen_param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, kind, ops) for kind in cfg.layer_types)
-        self.final_scale = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.final_scale = frozen_param(cfg.hidden_size)
         self.ops = ops
-        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else frozen_param(cfg.vocab_size, cfg.hidden_size)
 
     @classmethod
     def from_weights(cls, cfg: KevConfig, weights: dict[str, torch.Tensor], ops: Ops,

@@ -40,9 +40,8 @@ def save(path: Path, key: str, tokenizer) -> None:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # not the transformers this mirrors
         return
-    cls = type(tokenizer)
     fast = isinstance(tokenizer, TokenizersBackend) and isinstance(getattr(tokenizer, "backend_tokenizer", None), Tokenizer)
-    if not fast or any(getattr(cls, m, None) is not getattr(TokenizersBackend, m, None) for m in ENCODE_PATH):
+    if not fast or any(getattr(type(tokenizer), m, None) is not getattr(TokenizersBackend, m, None) for m in ENCODE_PATH):
         return
     meta = {"format": FORMAT, "key": key, "chat": chat_call(tokenizer), **{name: getattr(tokenizer, name) for name in KEPT}}
     file = snapshot_file(path)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kevscore.model.config import KevConfig
-from kevscore.model.layers.common import TOKENS, BankTensor, Context, PrefillContext
+from kevscore.model.layers.common import TOKENS, BankTensor, Context, PrefillContext, frozen_param
 from kevscore.model.layers.ops import Ops
 
 
@@ -19,10 +19,9 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.splits = [2 * self.nh * self.d, self.nkv * self.d, self.nkv * self.d]
         self.eps = cfg.rms_norm_eps
-        p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)  # noqa: E731
-        self.qkv_proj = p(sum(self.splits), cfg.hidden_size)
-        self.q_scale, self.k_scale = p(self.d), p(self.d)  # 1 + weight of the zero-centred norms, fp32
-        self.o_proj = p(cfg.hidden_size, self.nh * self.d)
+        self.qkv_proj = frozen_param(sum(self.splits), cfg.hidden_size)
+        self.q_scale, self.k_scale = frozen_param(self.d), frozen_param(self.d)  # 1 + weight of the zero-centred norms, fp32
+        self.o_proj = frozen_param(cfg.hidden_size, self.nh * self.d)
         self.bank_kv: torch.Tensor | None = None  # [2, tokens, Hkv, D], this layer's view of the bank's K/V pool
 
     def forward(self, x: torch.Tensor, ctx: Context, cos: torch.Tensor, sin: torch.Tensor,

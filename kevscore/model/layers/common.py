@@ -14,6 +14,11 @@ from kevscore.model.layers.ops import Ops
 TOKENS = "tokens"  # a bank tensor's token axis: one row per document token (an entry owns a range of them)
 
 
+def frozen_param(*shape: int) -> nn.Parameter:
+    """A parameter of `shape`, allocated but not initialized (the model's `load` fills it), never trained."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
 @dataclass(frozen=True, slots=True)
 class BankTensor:
     """One tensor of the bank entry a layer reads to continue from a document, declared by the layer (like
@@ -92,8 +97,8 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, inner: int, ops: Ops):
         super().__init__()
         self.ops = ops
-        self.gate_up = nn.Parameter(torch.empty(2 * inner, hidden), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(hidden, inner), requires_grad=False)
+        self.gate_up = frozen_param(2 * inner, hidden)
+        self.down = frozen_param(hidden, inner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.ops.swiglu_proj(x, self.gate_up), self.down)

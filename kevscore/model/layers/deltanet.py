@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kevscore.model.config import KevConfig
-from kevscore.model.layers.common import BankTensor, BranchContext, Context, PrefillContext
+from kevscore.model.layers.common import BankTensor, BranchContext, Context, PrefillContext, frozen_param
 from kevscore.model.layers.ops import Ops
 
 
@@ -28,12 +28,11 @@ class DeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.splits = [cfg.conv_dim, cfg.value_dim, self.hv, self.hv]
         self.eps = cfg.rms_norm_eps
-        p = lambda *shape: nn.Parameter(torch.empty(*shape), requires_grad=False)  # noqa: E731
-        self.in_proj = p(sum(self.splits), cfg.hidden_size)  # qkv | z | b | a
-        self.conv_weight = p(cfg.conv_dim, cfg.linear_conv_kernel_dim)
-        self.A_log, self.dt_bias = p(self.hv), p(self.hv)
-        self.norm_weight = p(self.dv)
-        self.out_proj = p(cfg.hidden_size, cfg.value_dim)
+        self.in_proj = frozen_param(sum(self.splits), cfg.hidden_size)  # qkv | z | b | a
+        self.conv_weight = frozen_param(cfg.conv_dim, cfg.linear_conv_kernel_dim)
+        self.A_log, self.dt_bias = frozen_param(self.hv), frozen_param(self.hv)
+        self.norm_weight = frozen_param(self.dv)
+        self.out_proj = frozen_param(cfg.hidden_size, cfg.value_dim)
         self.bank_state: torch.Tensor | None = None  # [E, HV, K, V] fp32, this layer's view of the bank (BANK)
         self.bank_conv: torch.Tensor | None = None   # [E, conv_dim, k - 1]
 
