@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,13 +174,10 @@ def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
     """The reader's rows as tables, only the first `limit` of them; its schema's empty table first (an input
     of no rows still has its columns)."""
     yield reader.schema.empty_table()
-    left = limit
+    left = sys.maxsize if limit is None else limit
     for batch in reader:
-        if left is not None:
-            batch = batch.slice(0, left)
-            left -= batch.num_rows
-        yield pa.Table.from_batches([batch])
-        if left == 0:
+        yield pa.Table.from_batches([batch.slice(0, left)])
+        if (left := left - batch.num_rows) <= 0:
             return
 
 

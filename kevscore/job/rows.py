@@ -71,8 +71,7 @@ class RowReader:
 
     def __init__(self, scan: InputScan):
         self.scan = scan
-        cols = ["question"] + [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id),
-                                                 ("labels", scan.has_labels)) if has]
+        cols = ["question", *scan.columns]
         self.docs = None if scan.documents_path is None else Cursor(scan.documents_path, ["document"])
         self.rows = Cursor(scan.path, cols + (["document"] if self.docs is None else []))
 
