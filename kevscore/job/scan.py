@@ -184,9 +184,8 @@ class InputScan:
 
     def set_aside(self, rows: Iterable[int], reason: str) -> None:
         for r in rows:
-            if r not in self.invalid:
-                self.invalid[r] = reason
-                self.doc_of_row[r] = -1
+            self.invalid.setdefault(r, reason)  # a row keeps the first reason found
+            self.doc_of_row[r] = -1
 
 
 def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False,
