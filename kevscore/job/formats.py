@@ -198,10 +198,9 @@ class Carry:
     input column but the document text and those the output has, under the user's names."""
 
     def __init__(self, source: Source, taken: Sequence[str], warn: Callable[[str], None]):
-        schema = pq.read_schema(source.path)
         theirs = {v: k for k, v in source.rename.items()}
         self.columns: list[tuple[str, pa.Field]] = []
-        for f in schema:
+        for f in pq.read_schema(source.path):
             name = theirs.get(f.name, f.name)
             if f.name in ("document", "doc_id", "question_id", "labels"):
                 continue  # the text is not repeated; the output has the others already
