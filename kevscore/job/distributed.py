@@ -56,6 +56,7 @@ class Ranks:
     """This process's place in a torchrun job, and the status exchange that ends each step of the job."""
     rank: int
     world: int
+    local: int = 0  # the rank among this machine's processes: which of its GPUs
 
     def step(self, work: Callable[[], T], message: Callable[[str], str] = str) -> T:
         """Run `work` on this rank, then learn every rank's outcome: when any failed, raise on every rank a
@@ -94,30 +95,28 @@ def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> Distr
     """This process's share of a torchrun job; returns the whole job's result on every rank."""
     import torch.distributed as dist
 
-    rank, world, local = world_from_env() or (0, 1, 0)
+    ranks = Ranks(*(world_from_env() or (0, 1, 0)))
     t0 = time.perf_counter()
     dist.init_process_group("gloo", timeout=TIMEOUT)
     try:
-        ranks = Ranks(rank, world)
-        status = RankStatus(rank, host_rank=f"{local} of node {os.environ.get('GROUP_RANK', '0')}")
         with contextlib.ExitStack() as stack:
             ranks.step(lambda: stack.enter_context(invariant_threads(resolve_device(opts.device), opts.batch_invariant)))
-            statuses = _run(opts, progress or Reporter(), ranks, status, local, stack)
+            statuses = _run(opts, progress or Reporter(), ranks, stack)
         result = DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
-        if (summary := os.environ.get("KEVSCORE_SUMMARY_JSON")) and rank == 0:  # for benchmarks: the job's figures
+        if (summary := os.environ.get("KEVSCORE_SUMMARY_JSON")) and ranks.rank == 0:  # for benchmarks: the job's figures
             Path(summary).write_text(json.dumps(dataclasses.asdict(result), default=str))
         return result
     finally:
         dist.destroy_process_group()
 
 
-def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, status: RankStatus, local: int,
-         stack: contextlib.ExitStack) -> list[RankStatus]:
+def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.ExitStack) -> list[RankStatus]:
     """The job's steps, each ended by a status exchange: prepare (every rank), open the parts (rank 0),
     score (every rank, its own windows), merge (rank 0). Returns every rank's status."""
     t0 = time.perf_counter()
+    status = RankStatus(ranks.rank, host_rank=f"{ranks.local} of node {os.environ.get('GROUP_RANK', '0')}")
     inputs = ranks.step(lambda: stack.enter_context(opened_inputs(opts)))
-    job = ranks.step(lambda: _start(opts, inputs, ranks.world, local), inputs.message)
+    job = ranks.step(lambda: _start(opts, inputs, ranks), inputs.message)
     windows = job.prep.windows
     status.rows = int(windows.rows[windows.of_rank(ranks.rank)].sum())
     if job.prep.finished is not None:  # the output exists: this very job's (nothing to do), or refused
@@ -142,13 +141,13 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, status: RankStatus,
     return statuses
 
 
-def _start(opts: RunOptions, inputs, world: int, local: int) -> Job:
+def _start(opts: RunOptions, inputs, ranks: Ranks) -> Job:
     import torch
 
     check_options(opts)
     if opts.device != "cpu" and torch.cuda.is_available():
-        torch.cuda.set_device(local % torch.cuda.device_count())
-    return start_job(opts, inputs, output_path(opts), LoadedModel(), world)
+        torch.cuda.set_device(ranks.local % torch.cuda.device_count())
+    return start_job(opts, inputs, output_path(opts), LoadedModel(), ranks.world)
 
 
 def launch(argv: list[str], nproc: int) -> None:

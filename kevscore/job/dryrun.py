@@ -15,7 +15,6 @@ from kevscore.job.options import RunOptions, check_options
 from kevscore.job.rows import RowReader
 from kevscore.job.run import WARM_UP_WAIT_S, LoadedModel, Prepared, job_runner, prepare
 from kevscore.job.windows import make_engine
-from kevscore.model.prompt import encode
 
 CALIBRATION_DOCS = 4    # documents scored to measure the rates (after one warm-up document)
 CALIBRATION_ROWS = 64   # at most this many of their rows
@@ -66,11 +65,8 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
 
 def count_waves(p: Prepared, entries: int, tokens: int) -> int:
     """Bank loads the job needs: per window, its documents in waves that fit the bank."""
-    waves = 0
-    for w in range(len(p.windows)):
-        docs = dict.fromkeys(p.doc_of_row[p.windows.rows_of(w)].tolist())
-        waves += len(plan_waves([int(p.doc_tokens[d]) for d in docs], entries, tokens))
-    return waves
+    windows = (dict.fromkeys(p.doc_of_row[p.windows.rows_of(w)].tolist()) for w in range(len(p.windows)))
+    return sum(len(plan_waves(p.doc_tokens[list(docs)].tolist(), entries, tokens)) for docs in windows)
 
 
 def calibrate(plan: Plan, opts: RunOptions, p: Prepared, engine: Engine) -> None:
@@ -81,7 +77,7 @@ def calibrate(plan: Plan, opts: RunOptions, p: Prepared, engine: Engine) -> None
     reader = RowReader(p.scan)
     for group in (docs[:1], docs[1:] or docs[:1]):  # the warm-up, then the measured documents
         picked = rows[np.isin(p.doc_of_row[rows], group)][:CALIBRATION_ROWS]
-        enc = encode(reader.read(picked), p.ckpt.tokenizer, p.template, opts.labels, p.ckpt.config.max_position_embeddings)
+        enc = p.encode(reader.read(picked))
         stats = engine.run(enc, opts.state_read).stats
     plan.calibration_docs, plan.calibration_rows = len(enc.prefixes), len(enc)
     plan.prefill_tokens_per_s = stats.prefix_tokens / stats.prefill_s if stats.prefill_s > 0 else None

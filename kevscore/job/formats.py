@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import json
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,13 +174,10 @@ def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
     """The reader's rows as tables, only the first `limit` of them; its schema's empty table first (an input
     of no rows still has its columns)."""
     yield reader.schema.empty_table()
-    left = limit
+    left = sys.maxsize if limit is None else limit
     for batch in reader:
-        if left is not None:
-            batch = batch.slice(0, left)
-            left -= batch.num_rows
-        yield pa.Table.from_batches([batch])
-        if left == 0:
+        yield pa.Table.from_batches([batch.slice(0, left)])
+        if (left := left - batch.num_rows) <= 0:
             return
 
 
@@ -200,10 +198,9 @@ class Carry:
     input column but the document text and those the output has, under the user's names."""
 
     def __init__(self, source: Source, taken: Sequence[str], warn: Callable[[str], None]):
-        schema = pq.read_schema(source.path)
         theirs = {v: k for k, v in source.rename.items()}
         self.columns: list[tuple[str, pa.Field]] = []
-        for f in schema:
+        for f in pq.read_schema(source.path):
             name = theirs.get(f.name, f.name)
             if f.name in ("document", "doc_id", "question_id", "labels"):
                 continue  # the text is not repeated; the output has the others already

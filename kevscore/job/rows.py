@@ -25,24 +25,24 @@ class Cursor:
         self.starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
         self.it: Iterator[pa.RecordBatch] | None = None
         self.batch: pa.RecordBatch | None = None
-        self.start = 0  # input row of self.batch's first row
+        self.end = 0  # the input row after self.batch's last one
 
     def _group(self, row: int) -> int:
         return int(np.searchsorted(self.starts, row, side="right")) - 1
 
-    def _seek(self, row: int) -> None:
-        group = self._group(row)
-        self.it = record_batches(self.path, self.file, columns=self.columns,
-                                 row_groups=list(range(group, len(self.starts) - 1)))
-        self.batch, self.start = None, int(self.starts[group])
-        self._next()
-
-    def _next(self) -> None:
-        if self.batch is not None:
-            self.start += self.batch.num_rows
-        self.batch = next(self.it, None)
-        if self.batch is None:
-            raise KevscoreError(f"{self.path}: fewer rows than when it was scanned; was it changed?")
+    def _reach(self, row: int) -> None:
+        """Make self.batch the record batch holding `row`, reading on; when `row` lies behind, or whole row groups
+        ahead, reading starts again at its row group (the groups skipped are not decoded)."""
+        if self.batch is None or row < self.end - self.batch.num_rows or self._group(row) > self._group(self.end):
+            group = self._group(row)
+            self.it = record_batches(self.path, self.file, columns=self.columns,
+                                     row_groups=list(range(group, len(self.starts) - 1)))
+            self.end = int(self.starts[group])
+        while row >= self.end:
+            self.batch = next(self.it, None)
+            if self.batch is None:
+                raise KevscoreError(f"{self.path}: fewer rows than when it was scanned; was it changed?")
+            self.end += self.batch.num_rows
 
     def take(self, rows: np.ndarray) -> dict[str, list]:
         """The values of `rows` (ascending input rows) per column, in that order."""
@@ -55,13 +55,9 @@ class Cursor:
         pieces = []
         i = 0
         while i < len(rows):
-            r = int(rows[i])
-            if self.batch is None or r < self.start or self._group(r) > self._group(self.start + self.batch.num_rows):
-                self._seek(r)  # behind, or whole row groups ahead: those are skipped without decoding them
-            while r >= self.start + self.batch.num_rows:
-                self._next()
-            j = int(np.searchsorted(rows, self.start + self.batch.num_rows, side="left"))
-            pieces.append(self.batch.take(pa.array(rows[i:j] - self.start, pa.int64())))
+            self._reach(int(rows[i]))
+            j = int(np.searchsorted(rows, self.end, side="left"))  # the rows in this batch: rows[i:j]
+            pieces.append(self.batch.take(pa.array(rows[i:j] - (self.end - self.batch.num_rows), pa.int64())))
             i = j
         return pa.Table.from_batches(pieces)
 
@@ -71,8 +67,7 @@ class RowReader:
 
     def __init__(self, scan: InputScan):
         self.scan = scan
-        cols = ["question"] + [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id),
-                                                 ("labels", scan.has_labels)) if has]
+        cols = ["question", *scan.columns]
         self.docs = None if scan.documents_path is None else Cursor(scan.documents_path, ["document"])
         self.rows = Cursor(scan.path, cols + (["document"] if self.docs is None else []))
 

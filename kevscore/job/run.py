@@ -17,9 +17,11 @@ import gc
 import resource
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +52,7 @@ from kevscore.job.tokens import in_background, measure_tokens
 from kevscore.job.windows import make_engine, read_window, score_windows
 from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
 from kevscore.model.config import KevConfig
-from kevscore.model.prompt import Template, load_template
+from kevscore.model.prompt import encode, load_template
 
 WARM_UP_WAIT_S = 300        # the longest the job waits for its kernels' compilation (kevscore.engine.warmup)
 
@@ -123,7 +125,7 @@ class Prepared:
     device: torch.device
     dtype: torch.dtype            # the model's (--dtype on this device)
     ckpt: Checkpoint
-    template: Template
+    encode: Callable              # an InputTable's prompts tokenized (kevscore.model.prompt.encode, this job's)
     doc_tokens: np.ndarray        # prefix tokens per document
     doc_of_row: np.ndarray        # each row's document (-1: not scored here)
     windows: Windows
@@ -167,12 +169,14 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     laps.lap("checkpoint")
     doc_tokens = token_pass.result()
     laps.lap("tokens")
+    prompts = partial(encode, tokenizer=loaded.ckpt.tokenizer, template=template, default_labels=opts.labels,
+                      max_positions=loaded.ckpt.config.max_position_embeddings)
     # a shard of a job: the rows of its documents only
     doc_of_row = shard_documents(scan, *opts.shard) if opts.shard is not None else scan.doc_of_row
     # each rank's documents cut into windows as its shard would be, rank 0's first
     windows = join_windows([plan_windows(shard_documents(scan, r, ranks) if ranks > 1 else doc_of_row, doc_tokens,
                                          opts.window, WINDOW_ROWS, WINDOW_TOKENS) for r in range(ranks)])
-    return Prepared(scan, device, dtype, loaded.ckpt, template, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
+    return Prepared(scan, device, dtype, loaded.ckpt, prompts, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
 
 
 @dataclass(slots=True)
@@ -197,8 +201,7 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedMode
     first = None
     if ranks == 1 and p.finished is None and len(p.windows) and not parts_dir(output).exists():  # a new job
         w = int(p.windows.of_rank(0)[0])  # its first window, read and tokenized while the runner is built
-        first = w, in_background(read_window, RowReader(p.scan), p.windows, p.ckpt.tokenizer, p.template, opts.labels,
-                                 p.ckpt.config.max_position_embeddings, w)
+        first = w, in_background(read_window, RowReader(p.scan), p.windows, p.encode, w)
     # a checkpoint's first job hashes its weights' files (gigabytes): beside the runner's build and the warm-up
     weights = in_background(weights_digest, p.ckpt)
     runner = job_runner(opts, p, loaded)
@@ -298,8 +301,7 @@ def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> 
     with closing(store) if store is not None else nullcontext(), StopSignals(progress.warn) as stop:
         result = new_result(job, parts, rank)
         engine = make_engine(opts, job.runner, store, stop)
-        score_windows(opts, p.scan, p.windows, engine, parts, p.ckpt.tokenizer, p.template,
-                      p.ckpt.config.max_position_embeddings, result.stats, progress, rank, job.first_window)
+        score_windows(opts, p.scan, p.windows, engine, parts, p.encode, result.stats, progress, rank, job.first_window)
     result.bank = store.stats if store is not None else None
     return result
 
@@ -347,7 +349,8 @@ def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:
     """doc_of_row keeping only the rows of documents that kevscore.job.shard assigns to `rank` (others -1)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    assignment = assign_documents(scan.costs(), world)
+    costs = scan.doc_chars + scan.question_chars  # a document's text length plus its questions' (kevscore.job.shard)
+    assignment = assign_documents(dict(zip(scan.doc_keys, costs.tolist())), world)
     mine = np.asarray([assignment[k] == rank for k in scan.doc_keys] + [False], dtype=bool)
     return np.where(mine[scan.doc_of_row], scan.doc_of_row, -1).astype(np.int32)
 
@@ -368,7 +371,7 @@ def bank_documents(windows: Windows, doc_of_row: np.ndarray, doc_tokens: np.ndar
 def set_aside_table(scan: InputScan) -> pa.Table:
     """The rows the scan set aside, with their ids and reasons."""
     rows = np.asarray(sorted(scan.invalid), dtype=np.int64)
-    cols = [c for c, has in (("doc_id", scan.has_doc_id), ("question_id", scan.has_question_id)) if has]
+    cols = [c for c in scan.columns if c != "labels"]
     ids = Cursor(scan.path, cols).take(rows) if cols and len(rows) else {}
     return errors_table(rows, [scan.invalid[int(r)] for r in rows], ids.get("doc_id"), ids.get("question_id"))
 

@@ -99,19 +99,15 @@ def check_names(path: Path, names: list[str], required: Sequence[str], reject: s
                             f"use one form or the other")
 
 
-def _type(file: pq.ParquetFile, name: str) -> pa.DataType:
-    return file.schema_arrow.field(name).type
-
-
 def _typed(file: pq.ParquetFile, name: str) -> bool:
     """Whether the file has column `name` of its expected type (TYPES)."""
-    return name in file.schema_arrow.names and TYPES.get(name, (is_string,))[0](_type(file, name))
+    return name in file.schema_arrow.names and TYPES.get(name, (is_string,))[0](file.schema_arrow.field(name).type)
 
 
 def _check_type(path: Path, file: pq.ParquetFile, name: str) -> None:
     if not _typed(file, name):
         expected = TYPES.get(name, (None, "string"))[1]
-        raise KevscoreError(f"{path}: column {name!r} has type {_type(file, name)}, expected {expected}")
+        raise KevscoreError(f"{path}: column {name!r} has type {file.schema_arrow.field(name).type}, expected {expected}")
 
 
 def _nulls(path: Path, column: str, rows: list[int], scan: InputScan | None = None) -> None:
@@ -175,9 +171,7 @@ class InputScan:
     doc_chars: np.ndarray                  # int64 per document: its text's length in characters
     doc_row: np.ndarray                    # int64 per document: a row holding its text (input, or documents file)
     question_chars: np.ndarray | None = None  # int64 per document: its questions' lengths, summed (_scan_questions)
-    has_doc_id: bool = False
-    has_question_id: bool = False
-    has_labels: bool = False
+    columns: list[str] = field(default_factory=list)  # the optional columns it has: doc_id, question_id, labels
     invalid: dict[int, str] = field(default_factory=dict)  # row -> why it is set aside (skip_invalid)
 
     @property
@@ -190,13 +184,8 @@ class InputScan:
 
     def set_aside(self, rows: Iterable[int], reason: str) -> None:
         for r in rows:
-            if r not in self.invalid:
-                self.invalid[r] = reason
-                self.doc_of_row[r] = -1
-
-    def costs(self) -> dict[str, int]:
-        """Document key -> text length plus its questions' lengths: the costs kevscore.job.shard balances."""
-        return {k: int(c) for k, c in zip(self.doc_keys, self.doc_chars + self.question_chars)}
+            self.invalid.setdefault(r, reason)  # a row keeps the first reason found
+            self.doc_of_row[r] = -1
 
 
 def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False,
@@ -215,9 +204,9 @@ def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
     _check_type(path, file, "document")
     docs = _index_documents(path, file, keep_texts)
     scan = InputScan(path, None, file.metadata.num_rows, docs.doc_of_row, docs.keys, np.asarray(docs.chars, np.int64),
-                     np.asarray(docs.first_rows, np.int64), has_doc_id="doc_id" in names)
+                     np.asarray(docs.first_rows, np.int64))
     _nulls(path, "document", docs.null_texts, scan if skip_invalid else None)
-    if scan.has_doc_id:
+    if "doc_id" in names:
         _check_type(path, file, "doc_id")
         _nulls(path, "doc_id", docs.null_ids)
         docs.check_clashes(path)
@@ -231,7 +220,7 @@ def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
     found = _documents_file(documents)
     unknown = [d for d, k in enumerate(keys) if k not in found]
     doc_row, doc_chars = np.array([found.get(k, (-1, 0)) for k in keys], np.int64).reshape(-1, 2).T
-    scan = InputScan(path, documents, len(doc_of_row), doc_of_row, keys, doc_chars, doc_row, has_doc_id=True)
+    scan = InputScan(path, documents, len(doc_of_row), doc_of_row, keys, doc_chars, doc_row)
     if unknown:
         rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(unknown, np.int32))).tolist()
         if not skip_invalid:
@@ -322,7 +311,7 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
     """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths per document."""
     path, names = scan.path, file.schema_arrow.names
     _check_type(path, file, "question")
-    scan.has_question_id, scan.has_labels = "question_id" in names, "labels" in names
+    scan.columns = [c for c in ("doc_id", "question_id", "labels") if c in names]
     columns = ["question"] + [c for c in ("question_id", "labels") if _typed(file, c)]
     null_q, null_qid = [], []
     bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
@@ -347,13 +336,13 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
                         rows.append(i)
                         break
     _nulls(path, "question", null_q, scan if skip_invalid else None)
-    if scan.has_question_id:
+    if "question_id" in names:
         _check_type(path, file, "question_id")
         _nulls(path, "question_id", null_qid)
         _check_duplicates(path, file, qhash)
-    if scan.has_labels:
+    if "labels" in names:
         _check_type(path, file, "labels")
-        t = _type(file, "labels")
+        t = file.schema_arrow.field("labels").type
         for rows, (what, one, _) in zip(bad_labels, LABEL_PROBLEMS):
             if rows and not skip_invalid:
                 raise KevscoreError(f"{path}: column 'labels' ({t}) has {what} at {rows_phrase(rows)}")

@@ -30,8 +30,9 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
         wanted = {int(r): d for d, r in enumerate(scan.doc_row) if r >= 0}
         for start, cols in batches(scan.documents_path, open_parquet(scan.documents_path), ["document"]):
             measure({wanted[start + j]: t for j, t in enumerate(cols["document"]) if start + j in wanted})
-    tail = 0 if scan.has_labels else longest_tail(label_token_ids(tokenizer, default_labels, "--labels"))
-    columns = ["question"] + (["document"] if scan.documents_path is None else []) + (["labels"] if scan.has_labels else [])
+    has_labels = "labels" in scan.columns
+    tail = 0 if has_labels else longest_tail(label_token_ids(tokenizer, default_labels, "--labels"))
+    columns = ["question"] + (["document"] if scan.documents_path is None else []) + (["labels"] if has_labels else [])
     for start, cols in batches(scan.path, open_parquet(scan.path), columns):
         docs = scan.doc_of_row[start:start + len(cols["question"])]
         live = [j for j in range(len(docs)) if docs[j] >= 0]
@@ -39,7 +40,7 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
             measure({int(docs[j]): cols["document"][j] for j in live if doc_tokens[docs[j]] < 0})
         branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
         for j, ids in zip(live, branches):
-            reason, row_tail = check.labels(cols["labels"][j]) if scan.has_labels else (None, tail)
+            reason, row_tail = check.labels(cols["labels"][j]) if has_labels else (None, tail)
             if reason and not skip_invalid:
                 raise check.label_error(start + j, reason)
             # a row whose labels cannot be scored is not measured

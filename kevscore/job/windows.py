@@ -5,6 +5,7 @@ written on another while the next window is scored."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
@@ -19,7 +20,6 @@ from kevscore.job.options import RunOptions
 from kevscore.job.parts import PartStore, errors_table
 from kevscore.job.rows import RowReader
 from kevscore.job.scan import InputScan
-from kevscore.model.prompt import encode
 
 
 def make_engine(opts: RunOptions, runner, store: BankStore | None = None, stop: StopSignals | None = None) -> Engine:
@@ -28,15 +28,14 @@ def make_engine(opts: RunOptions, runner, store: BankStore | None = None, stop: 
                   prefill_tokens=1 if opts.batch_invariant else runner.prefill_tokens, skip_failed=opts.skip_invalid)
 
 
-def read_window(reader: RowReader, windows: Windows, tokenizer, template, labels, max_positions: int, w: int):
-    """Window w's rows and their encoding (kevscore.model.prompt.encode)."""
+def read_window(reader: RowReader, windows: Windows, encode: Callable, w: int):
+    """Window w's rows and their encoding (`encode`: the job's kevscore.model.prompt.encode)."""
     table = reader.read(windows.rows_of(w))
-    return table, encode(table, tokenizer, template, labels, max_positions)
+    return table, encode(table)
 
 
-def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore,
-                  tokenizer, template, max_positions: int, stats: RunStats, progress: Reporter, rank: int = 0,
-                  first: tuple[int, Future] | None = None) -> None:
+def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore, encode: Callable,
+                  stats: RunStats, progress: Reporter, rank: int = 0, first: tuple[int, Future] | None = None) -> None:
     """Score every window of `rank` without a completed part. The next window is read and tokenized on one
     worker thread while this one is scored, and the last window's part is written on another (at most two
     windows' inputs and one window's output in memory); a failure on either thread ends the run with its error.
@@ -49,7 +48,7 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
     progress.start("score", total_rows, done=total_rows - int(windows.rows[todo].sum()))
     progress.event("start", rows=total_rows, windows=len(mine), windows_done=len(mine) - len(todo),
                    rows_done=resumed_rows, set_aside=len(scan.invalid), parts=str(parts.dir))
-    load = partial(read_window, RowReader(scan), windows, tokenizer, template, opts.labels, max_positions)
+    load = partial(read_window, RowReader(scan), windows, encode)
 
     def write(w: int, table, enc, scores: Scores) -> None:  # on the writing thread
         t0 = time.perf_counter()
