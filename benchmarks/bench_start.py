@@ -1,10 +1,10 @@
-"""A job's start on the GPU, step by step, each start in a fresh process: imports, the CUDA context, cuBLAS's
-first matmul, and the warm-up's kernel compilation (kevscore.engine.warmup.compile_kernels at the model's layer
-shapes) with an empty Triton cache (a user's first job) and with the cache a cold start left; the cold start
-once with the parallel compile (kevscore.kernels.precompile) and once without; prefill attention's first calls
-at long shapes, on another thread and on this one (cuDNN's kernel builds); then a checkpoint load's
-steps (transformers' import, the tokenizer, seeded weights), and a warm start's slowest imports. Prints a
-table, writes JSON.
+"""A job's start on the GPU, step by step, each start in a fresh process: imports, the CUDA context, a prefill
+group's first index upload, cuBLAS's first matmul, and the warm-up's kernel compilation
+(kevscore.engine.warmup.compile_kernels at the model's layer shapes) with an empty Triton cache (a user's first
+job) and with the cache a cold start left; the cold start once with the parallel compile
+(kevscore.kernels.precompile) and once without; prefill attention's first calls at long shapes, on another thread
+and on this one (cuDNN's kernel builds); then a checkpoint load's steps (transformers' import, the tokenizer,
+seeded weights), and a warm start's slowest imports. Prints a table, writes JSON.
 
     python benchmarks/bench_start.py --model kev-4b --json benchmarks/results/start-kev-4b-h200.json
 """
@@ -46,6 +46,7 @@ def child(model: str, serial: bool) -> dict:
     lap("torch.cuda.init")
     torch.ones(1, device="cuda").sum().item()
     lap("CUDA context")
+    first_prefill_inputs(lap)
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     (a @ a).sum().item()
     lap("first cuBLAS matmul")
@@ -78,6 +79,27 @@ def child(model: str, serial: bool) -> dict:
     torch.cuda.synchronize()
     lap("seeded weights on the GPU")
     return {"steps": steps, "warm_up": warm_up, "compiles_in_this_process": compiles}
+
+
+def first_prefill_inputs(lap) -> None:
+    """A job-sized prefill group's index tensors (38 documents of ~1,700 tokens), the process's first and second
+    time, its first pinned buffer and copy apart: a job's first group spends ~0.25 s there (NOTES 80-81)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kevscore.engine.runner import prefill_inputs
+
+    host = torch.empty(3 << 20, dtype=torch.uint8, pin_memory=True)
+    lap("first pinned buffer (3 MB)")
+    host.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    lap("its first copy to the GPU")
+    docs, bank = [list(range(1700 + i)) for i in range(38)], SimpleNamespace(entry_start=lambda s: s * 2048)
+    for name in ("first", "second"):
+        prefill_inputs(docs, list(range(38)), bank, "cuda", 3)
+        torch.cuda.synchronize()
+        lap(f"a prefill group's inputs, {name} time")
 
 
 def first_attention_calls(cfg, lap) -> None:
