@@ -147,9 +147,8 @@ class EagerRunner:
 
 
 def upload_together(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The tensors on `device` through one host buffer (pinned for a GPU, copied without waiting) and one copy:
-    views of it, each 16-byte aligned. A pinned allocation of a new size costs the host milliseconds, and a
-    process's first prefill group made one for each of its index tensors while the GPU sat idle."""
+    """The tensors on `device` as views of one buffer, each 16-byte aligned: one host buffer (pinned for a GPU, so
+    the copy does not wait for the GPU's queue) and one copy, rather than an allocation and a copy each."""
     sizes = [t.numel() * t.element_size() for t in tensors]
     starts = [0]
     for size in sizes:
