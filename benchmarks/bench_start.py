@@ -59,7 +59,7 @@ def child(model: str, serial: bool) -> dict:
     triton.knobs.compilation.listener = listen
     if serial:  # no forked workers: the warm-up's real pass compiles every kernel itself, one at a time
         from kevscore.kernels import precompile
-        precompile.precompile = lambda run_each_shape, triton_hashed: precompile.Precompiled(skipped="serial")
+        precompile.precompile = lambda *_: precompile.Precompiled(skipped="serial")
     warm_up = compile_kernels(SHAPES[model], torch.device("cuda"), "indexed")
     lap("compile_kernels")
     first_attention_calls(SHAPES[model], lap)

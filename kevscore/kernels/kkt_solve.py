@@ -1,13 +1,14 @@
 """(I + A)^-1 of each 64-token chunk, A = strictly_lower(beta_i k_i . k_j exp2(g_i - g_j)): the gated delta rule's solve.
 
 Written as FLA's `chunk_gated_delta_rule_fwd_kkt_solve_kernel` writes it ([R, T, HV, 64] in k's dtype: for each
-row of a chunk, the blocks on and below the diagonal, rows past T not written), from the same products merged
-in the same order, so either kernel can feed `kernels/branch_wy.py`; FLA's is the cuda tests' oracle
-(tests/fla_oracles.py), `gdr_ref.chunk_inverse` the torch reference. One program serves a key head's G value
-heads (GQA) on one warp: the ten 16 x 16 blocks of k k^T on and below the diagonal are computed once for them,
-and a value head's four diagonal blocks are inverted together, by forward substitution over one [4, 16, 16]
-tensor (14 dependent steps where four blocks one after another take 4 x 14). The substitution's steps do not
-spread over warps: one warp is the fastest launch, at 2 and 4 the program waits on its barriers.
+row of a chunk, the blocks on and below the diagonal, rows past T not written), from the same products merged in
+the same order, so either kernel can feed `kernels/branch_wy.py`; FLA's is the cuda tests' oracle
+(tests/fla_oracles.py), `gdr_ref.chunk_inverse` the torch reference. One program serves a key head's G value heads
+(GQA) on one warp: the ten 16 x 16 blocks of k k^T on and below the diagonal are computed once for them, and a
+value head's four diagonal blocks (one value head per step of a loop, not unrolled: half the compile) are inverted
+together, by forward substitution over one [4, 16, 16] tensor (14 dependent steps where four blocks one after
+another take 4 x 14). The substitution's steps do not spread over warps: one warp is the fastest launch, at 2 and
+4 the program waits on its barriers.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def _kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constex
         kk31, kk32 = _merge(k3, tl.trans(k1), PRECISION), _merge(k3, tl.trans(k2), PRECISION)
 
     p_a = A + (bos * HV + i_h * G) * 64 + (t0 + o_i)[:, None] * (HV * 64) + o_i[None, :]
-    for j in tl.static_range(G):
+    for j in range(G):
         i_v = i_h * G + j
         p_g, p_b = g + bos * HV + i_v + t0 * HV, beta + bos * HV + i_v + t0 * HV
         g0 = tl.load(p_g + o_i * HV, mask=m0, other=0.0)
@@ -107,32 +108,30 @@ def _kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constex
             b_ai = tl.where((o_i == i)[None, :, None], b_a[:, None, :], b_ai)
         b_ai += (o_i[:, None] == o_i[None, :])[None, :, :]
         ai00, ai11, ai22, ai33 = _blocks(b_ai)
-        a10 = _gated(kk10, g1, g0, b1, m1, m0, False)
-        a20 = _gated(kk20, g2, g0, b2, m2, m0, False)
-        a21 = _gated(kk21, g2, g1, b2, m2, m1, False)
-        a30 = _gated(kk30, g3, g0, b3, m3, m0, False)
-        a31 = _gated(kk31, g3, g1, b3, m3, m1, False)
-        a32 = _gated(kk32, g3, g2, b3, m3, m2, False)
-        # the off-diagonal blocks of the inverse from the diagonal ones, as FLA merges them
-        ai10 = -_merge(_merge(ai11, a10, PRECISION), ai00, PRECISION)
-        ai21 = -_merge(_merge(ai22, a21, PRECISION), ai11, PRECISION)
-        ai32 = -_merge(_merge(ai33, a32, PRECISION), ai22, PRECISION)
-        ai20 = -_merge(ai22, _merge(a20, ai00, PRECISION) + _merge(a21, ai10, PRECISION), PRECISION)
-        ai31 = -_merge(ai33, _merge(a31, ai11, PRECISION) + _merge(a32, ai21, PRECISION), PRECISION)
-        ai30 = -_merge(ai33, _merge(a30, ai00, PRECISION) + _merge(a31, ai10, PRECISION)
-                       + _merge(a32, ai20, PRECISION), PRECISION)
+        # each block of the inverse stored as soon as it is merged, its gated k k^T block made where it is used
+        # (a21 twice): the loop's live set then fits one warp's registers beside the ten kk blocks, with no spill
         dt = A.dtype.element_ty
         p = p_a + j * 64
         tl.store(p, ai00.to(dt), mask=m0[:, None])
-        tl.store(p + 16 * HV * 64, ai10.to(dt), mask=m1[:, None])
         tl.store(p + 16 * HV * 64 + 16, ai11.to(dt), mask=m1[:, None])
-        tl.store(p + 32 * HV * 64, ai20.to(dt), mask=m2[:, None])
-        tl.store(p + 32 * HV * 64 + 16, ai21.to(dt), mask=m2[:, None])
         tl.store(p + 32 * HV * 64 + 32, ai22.to(dt), mask=m2[:, None])
-        tl.store(p + 48 * HV * 64, ai30.to(dt), mask=m3[:, None])
-        tl.store(p + 48 * HV * 64 + 16, ai31.to(dt), mask=m3[:, None])
-        tl.store(p + 48 * HV * 64 + 32, ai32.to(dt), mask=m3[:, None])
         tl.store(p + 48 * HV * 64 + 48, ai33.to(dt), mask=m3[:, None])
+        ai10 = -_merge(_merge(ai11, _gated(kk10, g1, g0, b1, m1, m0, False), PRECISION), ai00, PRECISION)
+        tl.store(p + 16 * HV * 64, ai10.to(dt), mask=m1[:, None])
+        ai21 = -_merge(_merge(ai22, _gated(kk21, g2, g1, b2, m2, m1, False), PRECISION), ai11, PRECISION)
+        tl.store(p + 32 * HV * 64 + 16, ai21.to(dt), mask=m2[:, None])
+        ai20 = -_merge(ai22, _merge(_gated(kk20, g2, g0, b2, m2, m0, False), ai00, PRECISION)
+                       + _merge(_gated(kk21, g2, g1, b2, m2, m1, False), ai10, PRECISION), PRECISION)
+        tl.store(p + 32 * HV * 64, ai20.to(dt), mask=m2[:, None])
+        a31 = _gated(kk31, g3, g1, b3, m3, m1, False)
+        a32 = _gated(kk32, g3, g2, b3, m3, m2, False)
+        ai32 = -_merge(_merge(ai33, a32, PRECISION), ai22, PRECISION)
+        tl.store(p + 48 * HV * 64 + 32, ai32.to(dt), mask=m3[:, None])
+        ai31 = -_merge(ai33, _merge(a31, ai11, PRECISION) + _merge(a32, ai21, PRECISION), PRECISION)
+        tl.store(p + 48 * HV * 64 + 16, ai31.to(dt), mask=m3[:, None])
+        ai30 = -_merge(ai33, _merge(_gated(kk30, g3, g0, b3, m3, m0, False), ai00, PRECISION)
+                       + _merge(a31, ai10, PRECISION) + _merge(a32, ai20, PRECISION), PRECISION)
+        tl.store(p + 48 * HV * 64, ai30.to(dt), mask=m3[:, None])
 
 
 def solve_chunks(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, a: torch.Tensor | None = None,
