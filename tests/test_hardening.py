@@ -418,6 +418,21 @@ def test_batch_invariant_results_do_not_depend_on_the_thread_count(tmp_path, src
     assert seen == [1, 1, 1] and outputs[0] == outputs[1] == outputs[2]
 
 
+def test_a_gpu_job_shortens_the_gil_switch_interval_and_restores_it():
+    """On a GPU the job's thread takes the GIL back within GIL_SWITCH_S after each op while a reader tokenizes;
+    the interval is the process's own again afterwards, and a CPU job leaves it alone."""
+    import torch
+
+    from kevscore.engine.backend import GIL_SWITCH_S, job_threads
+
+    before = sys.getswitchinterval()
+    with job_threads(torch.device("cuda"), False):
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_S) != pytest.approx(before)
+    assert sys.getswitchinterval() == before
+    with job_threads(torch.device("cpu"), True):
+        assert sys.getswitchinterval() == before
+
+
 # ---------------------------------------------------------------- random mutations: scored, or one clean error
 
 def _pick(table: pa.Table, rng, names=None) -> tuple[int, str, pa.DataType] | None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from kevscore.engine.backend import invariant_threads, resolve_device
+from kevscore.engine.backend import job_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
 from kevscore.job.inputs import opened_inputs, output_path
@@ -100,7 +100,7 @@ def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> Distr
     dist.init_process_group("gloo", timeout=TIMEOUT)
     try:
         with contextlib.ExitStack() as stack:
-            ranks.step(lambda: stack.enter_context(invariant_threads(resolve_device(opts.device), opts.batch_invariant)))
+            ranks.step(lambda: stack.enter_context(job_threads(resolve_device(opts.device), opts.batch_invariant)))
             statuses = _run(opts, progress or Reporter(), ranks, stack)
         result = DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
         if (summary := os.environ.get("KEVSCORE_SUMMARY_JSON")) and ranks.rank == 0:  # for benchmarks: the job's figures

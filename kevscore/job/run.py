@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from kevscore.engine.backend import build_runner, invariant_threads, release_cache, resolve_device, resolve_dtype
+from kevscore.engine.backend import build_runner, job_threads, release_cache, resolve_device, resolve_dtype
 from kevscore.engine.bank import BankLayout
 from kevscore.engine.bank_entry import Fingerprint, model_fingerprint, weights_digest
 from kevscore.engine.bank_store import BankStats, BankStore
@@ -92,7 +92,7 @@ class LoadedModel:
 def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedModel | None = None) -> RunResult:
     """Score the input into the output (`-o -`: JSON Lines on stdout, written at the end); with `loaded`,
     on the model it holds (loading it there the first time)."""
-    with invariant_threads(device := resolve_device(opts.device), opts.batch_invariant):
+    with job_threads(device := resolve_device(opts.device), opts.batch_invariant):
         started = time.perf_counter()
         check_options(opts)
         resolve_dtype(opts.dtype, device)  # bf16 on the CPU: refused before the input is opened
