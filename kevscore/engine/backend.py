@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -13,7 +12,6 @@ from kevscore.model.checkpoint import Checkpoint
 from kevscore.model.kev import KevModel
 
 CPU_BANK_BUDGET = 2 << 30  # bytes
-GIL_SWITCH_S = 2e-4  # seconds: how long a thread that wants the GIL waits before the holder must drop it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,24 +46,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @contextlib.contextmanager
 def job_threads(device: torch.device, batch_invariant: bool) -> Iterator[None]:
-    """The process's thread settings while a job runs, restored after it.
+    """One intra-op thread for torch's CPU ops while a job runs, where it is needed, restored after it.
 
-    Under --batch-invariant on the CPU, one intra-op thread: a reduction split over threads rounds by the thread
-    count, which differs between a one-process run and a torchrun rank (OMP_NUM_THREADS=1), so the promise of
-    bit-identical results across shard counts needs a fixed count. On a GPU, a short GIL switch interval: each
-    torch op and kernel launch of the job's thread drops the GIL, and while a reader thread tokenizes in Python
-    the launching thread waits up to the interval (5 ms by default) to take it back, once per op: a prefill
-    group's first launches would trail the GPU by hundreds of ms."""
-    before, interval = torch.get_num_threads(), sys.getswitchinterval()
-    if batch_invariant and device.type == "cpu":
+    Under --batch-invariant on the CPU: a reduction split over threads rounds by the thread count, which differs
+    between a one-process run and a torchrun rank (OMP_NUM_THREADS=1), so the promise of bit-identical results
+    across shard counts needs a fixed count. On a GPU: the host's torch ops are index arithmetic on a prefill
+    group's tokens (tens of thousands of elements, microseconds on one thread), and a pool of threads would
+    wait at each op's barrier for cores that the tokenizer's threads hold while they encode the next window."""
+    before = torch.get_num_threads()
+    if (batch_invariant and device.type == "cpu") or device.type == "cuda":
         torch.set_num_threads(1)
-    if device.type == "cuda":
-        sys.setswitchinterval(GIL_SWITCH_S)
     try:
         yield
     finally:
         torch.set_num_threads(before)
-        sys.setswitchinterval(interval)
 
 
 def build_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int],
