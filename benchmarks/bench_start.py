@@ -1,10 +1,11 @@
 """A job's start on the GPU, step by step, each start in a fresh process: imports, the CUDA context, a prefill
 group's first index upload, cuBLAS's first matmul, and the warm-up's kernel compilation
 (kevscore.engine.warmup.compile_kernels at the model's layer shapes) with an empty Triton cache (a user's first
-job) and with the cache a cold start left; the cold start once with the parallel compile
-(kevscore.kernels.precompile) and once without; prefill attention's first calls at long shapes, on another thread
-and on this one (cuDNN's kernel builds); then a checkpoint load's steps (transformers' import, the tokenizer,
-seeded weights), and a warm start's slowest imports. Prints a table, writes JSON.
+job) and with the cache a cold start left, then every kernel's first launch in the process (profiled); the cold
+start once with the parallel compile (kevscore.kernels.precompile) and once without; prefill attention's first
+calls at long shapes, on another thread and on this one (cuDNN's kernel builds); then a checkpoint load's steps
+(transformers' import, the tokenizer, seeded weights), and a warm start's slowest imports. Prints a table, writes
+JSON.
 
     python benchmarks/bench_start.py --model kev-4b --json benchmarks/results/start-kev-4b-h200.json
 """
@@ -62,6 +63,7 @@ def child(model: str, serial: bool) -> dict:
         precompile.precompile = lambda *_: precompile.Precompiled(skipped="serial")
     warm_up = compile_kernels(SHAPES[model], torch.device("cuda"), "indexed")
     lap("compile_kernels")
+    steps["first launches' slowest calls"] = first_launches(SHAPES[model], lap)
     first_attention_calls(SHAPES[model], lap)
     from kevscore.model.checkpoint import load_tokenizer, random_weights
     from kevscore.model.demo import demo_checkpoint_dir
@@ -100,6 +102,32 @@ def first_prefill_inputs(lap) -> None:
         prefill_inputs(docs, list(range(38)), bank, "cuda", 3)
         torch.cuda.synchronize()
         lap(f"a prefill group's inputs, {name} time")
+
+
+def first_launches(cfg, lap, most: int = 12, device: str = "cuda") -> list[tuple[str, float]]:
+    """The warm-up's model through every shape, twice, after `compile_kernels`: on a warm start (its marker: no
+    pass ran) the first time is each Triton kernel's first launch in the process, which a warm job's first
+    prefill group pays with the GPU idle (~0.3 s, NOTES 87); on a cold one the warm-up's real pass paid it. The
+    first pass runs under cProfile: returns its calls of most cumulative seconds outside kevscore and torch.nn."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    from kevscore.engine.warmup import attention_stubbed, shape_pass
+
+    run = shape_pass(cfg, torch.device(device), "indexed", None)  # each pass synchronizes at its end
+    lap("the warm-up's model built again")
+    profile = cProfile.Profile()
+    with attention_stubbed(torch.device(device)):  # as compile_kernels runs it: no cuDNN build at its shapes
+        profile.runcall(run)
+        lap("its pass through every shape, first time (profiled)")
+        run()
+    lap("its pass, second time")
+    stats = pstats.Stats(profile).stats
+    calls = [(f"{Path(f).name}:{line} {name}", row[3]) for (f, line, name), row in stats.items()
+             if not any(part in f for part in ("kevscore", "torch/nn", "_contextlib")) and "builtins.exec" not in name]
+    return [(name, round(s, 4)) for name, s in sorted(calls, key=lambda c: -c[1])[:most]]
 
 
 def first_attention_calls(cfg, lap) -> None:
@@ -185,7 +213,8 @@ def main() -> None:
         return f"{value:16.2f}" if isinstance(value, float) else f"{value!s:>16}"
 
     for k in rows:
-        print(f"{k:34}" + "".join(cell(r["steps"].get(k, "-")) for r in results.values()))
+        if k != "first launches' slowest calls":
+            print(f"{k:34}" + "".join(cell(r["steps"].get(k, "-")) for r in results.values()))
     print(f"{'  of which the real pass':34}" + "".join(cell(r["warm_up"].get("run_s", 0.0)) for r in results.values()))
     for k in ("dry_s", "compile_s", "kernels", "compiled", "workers"):
         print(f"{'  precompile ' + k:34}" + "".join(cell(r["warm_up"].get("precompile", {}).get(k, "-"))
@@ -193,6 +222,9 @@ def main() -> None:
     for k in ("compiled", "cache hits"):
         print(f"{'  in-process ' + k:34}" + "".join(f"{r['compiles_in_this_process'][k]:16d}" for r in results.values()))
     print(f"{'process':34}" + "".join(f"{r['process_s']:16.2f}" for r in results.values()))
+    print("a warm start's first launches, slowest calls (cumulative s, cProfile):")
+    for name, seconds in results["warm"]["steps"]["first launches' slowest calls"]:
+        print(f"  {seconds:6.3f} {name}")
     print("slowest imports of a warm start (cumulative s, under -X importtime):")
     for name, seconds in imports[:12]:
         print(f"  {seconds:6.2f} {name}")
