@@ -2,10 +2,10 @@
 group's first index upload, cuBLAS's first matmul, and the warm-up's kernel compilation
 (kevscore.engine.warmup.compile_kernels at the model's layer shapes) with an empty Triton cache (a user's first
 job) and with the cache a cold start left, then every kernel's first launch in the process (profiled); the cold
-start once with the parallel compile (kevscore.kernels.precompile) and once without; prefill attention's first
-calls at long shapes, on another thread and on this one (cuDNN's kernel builds); then a checkpoint load's steps
-(transformers' import, the tokenizer, seeded weights), and a warm start's slowest imports. Prints a table, writes
-JSON.
+start with the parallel compile (kevscore.kernels.precompile), without it, and with its dry pass profiled; prefill
+attention's first calls at long shapes, on another thread and on this one (cuDNN's kernel builds); then a
+checkpoint load's steps (transformers' import, the tokenizer, seeded weights), and a warm start's slowest imports.
+Prints a table, writes JSON.
 
     python benchmarks/bench_start.py --model kev-4b --json benchmarks/results/start-kev-4b-h200.json
 """
@@ -20,12 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
-# (name, empty cache first, the parallel compile)
-STARTS = (("cold, parallel", True, True), ("warm", False, True), ("cold, serial", True, False))
+# (name, empty cache first, how the warm-up compiles: forked processes beside the dry pass, those with the dry
+# pass under cProfile (its calls of most cumulative seconds in the report), or no processes and no dry pass)
+STARTS = (("cold, parallel", True, "parallel"), ("warm", False, "parallel"), ("cold, serial", True, "serial"),
+          ("cold, dry profiled", True, "profiled"))
 HEAVY = "transformers.models.auto.auto_factory"  # AutoTokenizer's import: transformers' model code
 
 
-def child(model: str, serial: bool) -> dict:
+def child(model: str, mode: str) -> dict:
     steps, t = {}, time.perf_counter()
 
     def lap(name: str) -> None:
@@ -58,11 +60,15 @@ def child(model: str, serial: bool) -> dict:
 
     import triton
     triton.knobs.compilation.listener = listen
-    if serial:  # no forked workers: the warm-up's real pass compiles every kernel itself, one at a time
-        from kevscore.kernels import precompile
+    from kevscore.kernels import precompile
+    dry_calls = []
+    if mode == "serial":  # no forked workers: the warm-up's real pass compiles every kernel itself, one at a time
         precompile.precompile = lambda *_: precompile.Precompiled(skipped="serial")
+    elif mode == "profiled":
+        precompile.precompile = profiled_dry_pass(precompile.precompile, dry_calls)
     warm_up = compile_kernels(SHAPES[model], torch.device("cuda"), "indexed")
     lap("compile_kernels")
+    steps["dry pass's slowest calls"] = dry_calls
     steps["first launches' slowest calls"] = first_launches(SHAPES[model], lap)
     first_attention_calls(SHAPES[model], lap)
     from kevscore.model.checkpoint import load_tokenizer, random_weights
@@ -104,13 +110,41 @@ def first_prefill_inputs(lap) -> None:
         lap(f"a prefill group's inputs, {name} time")
 
 
+def profiled_dry_pass(precompile, calls: list, most: int = 16):
+    """`precompile` with its dry pass (the warm-up's Python through every shape, launching nothing) run under
+    cProfile: its calls of most cumulative seconds go into `calls` (the pass holds the GIL that a cold job's load
+    needs for ~2.5-4 s, NOTES 85)."""
+    import cProfile
+
+    def run(dry_run, *args, **kwargs):
+        profile = cProfile.Profile()
+
+        def profiled():
+            try:
+                profile.runcall(dry_run)
+            finally:
+                calls.extend(slowest_calls(profile, most, skip=("_contextlib",)))
+        return precompile(profiled, *args, **kwargs)
+
+    return run
+
+
+def slowest_calls(profile, most: int, skip: tuple[str, ...]) -> list[tuple[str, float]]:
+    """A cProfile run's calls of most cumulative seconds, but those in files whose path holds one of `skip`."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats
+    calls = [(f"{Path(f).name}:{line} {name}", row[3]) for (f, line, name), row in stats.items()
+             if not any(part in f for part in skip) and "builtins.exec" not in name]
+    return [(name, round(s, 4)) for name, s in sorted(calls, key=lambda c: -c[1])[:most]]
+
+
 def first_launches(cfg, lap, most: int = 12, device: str = "cuda") -> list[tuple[str, float]]:
     """The warm-up's model through every shape, twice, after `compile_kernels`: on a warm start (its marker: no
     pass ran) the first time is each Triton kernel's first launch in the process, which a warm job's first
     prefill group pays with the GPU idle (~0.3 s, NOTES 87); on a cold one the warm-up's real pass paid it. The
     first pass runs under cProfile: returns its calls of most cumulative seconds outside kevscore and torch.nn."""
     import cProfile
-    import pstats
 
     import torch
 
@@ -124,10 +158,7 @@ def first_launches(cfg, lap, most: int = 12, device: str = "cuda") -> list[tuple
         lap("its pass through every shape, first time (profiled)")
         run()
     lap("its pass, second time")
-    stats = pstats.Stats(profile).stats
-    calls = [(f"{Path(f).name}:{line} {name}", row[3]) for (f, line, name), row in stats.items()
-             if not any(part in f for part in ("kevscore", "torch/nn", "_contextlib")) and "builtins.exec" not in name]
-    return [(name, round(s, 4)) for name, s in sorted(calls, key=lambda c: -c[1])[:most]]
+    return slowest_calls(profile, most, skip=("kevscore", "torch/nn", "_contextlib"))
 
 
 def first_attention_calls(cfg, lap) -> None:
@@ -169,13 +200,12 @@ def top_imports(stderr: str, most: int = 25) -> list[tuple[str, float]]:
     return sorted(rows, key=lambda r: -r[1])[:most]
 
 
-def run_start(model: str, cache: str, parallel: bool, importtime: bool = False) -> dict:
+def run_start(model: str, cache: str, mode: str, importtime: bool = False) -> dict:
     env = dict(os.environ, TRITON_CACHE_DIR=cache,
                CUDA_CACHE_PATH=str(Path(cache) / "cuda"))  # the driver's compiled kernels: cold with the cache
     t0 = time.perf_counter()
     flags = ["-X", "importtime"] if importtime else []
-    serial = [] if parallel else ["--serial"]
-    out = subprocess.run([sys.executable, *flags, __file__, "--child", "--model", model, *serial], env=env,
+    out = subprocess.run([sys.executable, *flags, __file__, "--child", "--model", model, "--mode", mode], env=env,
                          capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"child failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -191,20 +221,20 @@ def main() -> None:
     ap.add_argument("--model", default="kev-4b")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--serial", action="store_true", help=argparse.SUPPRESS)  # a child without the parallel compile
+    ap.add_argument("--mode", default="parallel", help=argparse.SUPPRESS)  # a child's compile: STARTS' third field
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.model, args.serial)))
+        print(json.dumps(child(args.model, args.mode)))
         return
     caches = {True: None, False: None}
     results = {}
     with tempfile.TemporaryDirectory() as root:
-        for i, (name, cold, parallel) in enumerate(STARTS):
+        for i, (name, cold, mode) in enumerate(STARTS):
             cache = caches[False] if not cold else str(Path(root) / f"cache{i}")
             caches[False] = caches[False] or cache
-            results[name] = run_start(args.model, cache, parallel)
+            results[name] = run_start(args.model, cache, mode)
         # the warm start again under -X importtime (its own timings are inflated by the tracing)
-        imports = run_start(args.model, caches[False], True, importtime=True)["imports"]
+        imports = run_start(args.model, caches[False], "parallel", importtime=True)["imports"]
     names = list(results)
     rows = sorted({k for r in results.values() for k in r["steps"]}, key=list(results[names[0]]["steps"]).index)
     print(f"{'step (seconds)':34}" + "".join(f"{n:>16}" for n in names))
@@ -213,7 +243,7 @@ def main() -> None:
         return f"{value:16.2f}" if isinstance(value, float) else f"{value!s:>16}"
 
     for k in rows:
-        if k != "first launches' slowest calls":
+        if k not in ("first launches' slowest calls", "dry pass's slowest calls"):
             print(f"{k:34}" + "".join(cell(r["steps"].get(k, "-")) for r in results.values()))
     print(f"{'  of which the real pass':34}" + "".join(cell(r["warm_up"].get("run_s", 0.0)) for r in results.values()))
     for k in ("dry_s", "compile_s", "kernels", "compiled", "workers"):
@@ -224,6 +254,9 @@ def main() -> None:
     print(f"{'process':34}" + "".join(f"{r['process_s']:16.2f}" for r in results.values()))
     print("a warm start's first launches, slowest calls (cumulative s, cProfile):")
     for name, seconds in results["warm"]["steps"]["first launches' slowest calls"]:
+        print(f"  {seconds:6.3f} {name}")
+    print("a cold start's dry pass, slowest calls (cumulative s, cProfile):")
+    for name, seconds in results["cold, dry profiled"]["steps"]["dry pass's slowest calls"]:
         print(f"  {seconds:6.3f} {name}")
     print("slowest imports of a warm start (cumulative s, under -X importtime):")
     for name, seconds in imports[:12]:
