@@ -212,11 +212,12 @@ def rows_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
 
 def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, stride: int, block_v: int = 64, num_warps: int = 4,
-               num_stages: int = 1) -> torch.Tensor:
+               num_stages: int = 1, **options) -> torch.Tensor:
     """Launches `_chunks_wy_kernel`: packed documents when cu_seqlens is given (their final states written to
     the bank), else rows (their states read from it). `num_stages` > 1 pipelines the loop over chunks (the
     next chunk's loads under this one's dots), at the price of shared memory that leaves one program an SM at
-    2 stages and 128-column heads; bench_kernels.py --only "prefill wy" sweeps the launches."""
+    2 stages and 128-column heads; `options`: Triton's other launch options (e.g. maxnreg);
+    bench_kernels.py --only "prefill wy" sweeps the launches."""
     r, t, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape
@@ -233,5 +234,5 @@ def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, stride: int, bl
     o = torch.empty_like(v)
     _chunks_wy_kernel[(triton.cdiv(vd, bv), sequences * hv)](
         q, k, v, g, beta, a_inv, cu_seqlens, t, bank, index, stride, bank.stride(0), o, kd ** -0.5, H=h, HV=hv,
-        K=kd, V=vd, BV=bv, PACKED=packed, num_warps=num_warps, num_stages=num_stages)
+        K=kd, V=vd, BV=bv, PACKED=packed, num_warps=num_warps, num_stages=num_stages, **options)
     return o
