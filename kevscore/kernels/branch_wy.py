@@ -163,7 +163,7 @@ def default_block_v(bt1: int, bt2: int, fp32: bool = False) -> int:
 def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
               block_v: int | None = None, num_warps: int = 4, num_stages: int = 1,
-              tiles: tuple[int, ...] = (16, 32, 64)) -> torch.Tensor:
+              tiles: tuple[int, ...] = (16, 32, 64), **options) -> torch.Tensor:
     """o [R, T, HV, V] (v's dtype) of branches of T <= 128 tokens, row r from `bank[index[r * index_stride]]`.
 
     q, k [R, T, H, K] l2-normalized, v [R, T, HV, V], beta [R, T, HV]: contiguous, as `branch_conv` writes
@@ -171,8 +171,8 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     [R, T, HV, 64] in k's dtype as FLA's kkt + solve kernel writes it (only its lower triangles are read);
     bank [E, HV, K, V] fp32 (any entry stride), never written; index: int tensor read at `r * index_stride`.
     Launch: block_v value columns per program (None: `default_block_v`), warps, and the chunks' token tiles
-    (`token_tiles`); benchmarks/bench_kernels.py --only "fused wy" sweeps them, sm90_build.py reports their
-    registers."""
+    (`token_tiles`), and Triton's other launch options (e.g. maxnreg); benchmarks/bench_kernels.py --only "fused
+    wy" sweeps them, sm90_build.py reports their registers."""
     r, t, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     assert 0 < t <= MAX_T and kd in (16, 32, 64, 128) and hv % h == 0
@@ -187,7 +187,7 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     o = torch.empty_like(v)
     _branch_wy_kernel[(triton.cdiv(vd, bv), r * hv)](
         q, k, v, g, beta, a_inv, bank, index, stride, bank.stride(0), o, t, kd ** -0.5, H=h, HV=hv, K=kd, V=vd,
-        BV=bv, BT1=bt1, BT2=bt2, num_warps=num_warps, num_stages=num_stages)
+        BV=bv, BT1=bt1, BT2=bt2, num_warps=num_warps, num_stages=num_stages, **options)
     return o
 
 
