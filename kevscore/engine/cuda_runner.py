@@ -5,6 +5,8 @@ pool. The documents' lengths are not in the key: branch attention reads each row
 
 A batch is one host-to-device copy of its pinned upload buffer into the bucket's static buffer and one
 graph replay; the output (final hidden states at the rows' scored tokens) is cloned before the next replay.
+A bucket's first batch runs eagerly and its graph is captured behind it, neither waiting for the GPU: the
+host's capture work hides behind the batches already queued.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class CapturedBatch:
     host: torch.Tensor    # pinned upload buffer
     device: torch.Tensor  # static upload buffer the graph reads
     out: torch.Tensor     # static output the graph writes
+    uploaded: torch.cuda.Event  # the last copy out of `host`: the buffer is refilled only once it is done
 
 
 class GraphRunner(EagerRunner):
@@ -39,7 +42,8 @@ class GraphRunner(EagerRunner):
         self.eager = eager
         self.graphs: dict[tuple, CapturedBatch] = {}
         self.pool = None
-        self.capture_s = 0.0  # warm-up (first launches) and capture time, reported apart from scoring
+        self.stream: torch.cuda.Stream | None = None  # where the eager runs and captures go
+        self.capture_s = 0.0  # host seconds of the eager runs (first launches) and captures, reported apart
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
         if self.eager:
@@ -49,40 +53,52 @@ class GraphRunner(EagerRunner):
         if entry is None:  # this batch's scores come from the eager run that precedes the capture
             self.graphs[key], out = self.capture(batch, branches, slots, prefix_lens, path)
         else:
+            entry.uploaded.synchronize()  # the bucket's last batch was read out of the buffer (long ago)
             fill_upload(entry.host, batch.length, branches, slots, prefix_lens, self.pad_id)
             entry.device.copy_(entry.host, non_blocking=True)
+            entry.uploaded.record()
             entry.graph.replay()
             out = entry.out
         return out[: len(branches) * batch.scored].to(torch.float32, copy=True)
 
     def capture(self, batch: Batch, branches, slots, prefix_lens, path: str) -> tuple[CapturedBatch, torch.Tensor]:
         """Run the batch eagerly (autotuners pick their configs here, every kernel is loaded), then capture the
-        bucket's graph. Returns the graph and the eager run's output, the same kernels' on the same input."""
+        bucket's graph. Returns the graph and the eager run's output, the same kernels' on the same input.
+
+        Both go on a side stream behind the work queued so far, and nothing waits for the GPU: not the upload
+        (from pinned memory), nor the capture, which `torch.cuda.graph` would begin by synchronizing and
+        emptying the allocator's caches (the GPU idle meanwhile, the memory of prefill's activations and the
+        pinned buffers allocated again). A capture only records launches, so the GPU's queue needs no draining."""
         t0 = time.perf_counter()
         host = self.upload(batch, branches, slots, prefix_lens).pin_memory()
-        device = host.to(self.device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            first = self.forward(device, batch, path)
-        torch.cuda.current_stream().wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        device = host.to(self.device, non_blocking=True)
+        uploaded = torch.cuda.Event()
+        uploaded.record()
+        if self.stream is None:
+            self.stream, self.pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self.forward(device, batch, path)
+            with torch.cuda.stream(self.stream):
+                first = self.forward(device, batch, path)
+                # thread-local: another thread's CUDA calls (a reader pinning memory) cannot end this capture
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    out = self.forward(device, batch, path)
+                finally:
+                    graph.capture_end()
         except RuntimeError as exc:
-            # an allocation failing inside the capture can surface as a capture error on exit; report it as
+            # an allocation failing inside the capture can surface as a capture error on its end; report it as
             # what it is, so the engine splits the batch (kevscore.engine.pipeline) instead of failing the run
             cause = exc if isinstance(exc, torch.OutOfMemoryError) else exc.__context__
             if isinstance(cause, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
                 raise torch.OutOfMemoryError(f"out of memory capturing a graph of {batch.size} rows x "
                                              f"{batch.length} tokens: {exc}") from exc
             raise
-        torch.cuda.synchronize()
+        finally:
+            torch.cuda.current_stream().wait_stream(self.stream)
         self.capture_s += time.perf_counter() - t0
-        return CapturedBatch(graph, host, device, out), first
+        return CapturedBatch(graph, host, device, out, uploaded), first
 
 
 def fp32_dots(dtype: torch.dtype) -> None:
