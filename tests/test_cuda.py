@@ -103,6 +103,20 @@ def test_graph_replay_equals_eager(tiny, case):
         assert results[eager]["indexed"] == results[eager]["gathered"]
 
 
+def test_a_capture_keeps_the_allocators_cache(tiny):
+    """A bucket's capture neither empties the caching allocator (as `torch.cuda.graph` does on entry, after
+    synchronizing) nor changes the scores: the memory a prefill group freed stays reserved for the next one."""
+    enc = synthetic(doc_lens=[40, 90, 130], branch_lens=[5, 9, 17, 30, 40, 64])
+    engine = gpu_engine(tiny, enc.prefixes, max_rows=64, max_tokens=1 << 16)
+    eager = gpu_engine(tiny, enc.prefixes, eager=True, max_rows=64, max_tokens=1 << 16).run(enc, "indexed").probs
+    torch.empty(256 << 20, dtype=torch.uint8, device=DEV)  # freed at once: 256 MB cached, not in use
+    reserved = torch.cuda.memory_reserved()
+    probs = engine.run(enc, "indexed").probs
+    assert engine.runner.graphs and torch.cuda.memory_reserved() >= reserved
+    for a, b in zip(eager, probs):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
 def test_model_paths_bitwise_and_bank_unchanged(tiny):
     enc = synthetic([1, 63, 64, 65, 300], [1, 17, 64, 65, 130])
     out = both_paths(gpu_engine(tiny, enc.prefixes, max_rows=7), enc)

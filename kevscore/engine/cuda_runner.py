@@ -41,8 +41,8 @@ class GraphRunner(EagerRunner):
         assert not model.ops.GATHERS_KV, "a graph's key holds no document length to gather K/V by"
         self.eager = eager
         self.graphs: dict[tuple, CapturedBatch] = {}
-        self.pool = None
-        self.stream: torch.cuda.Stream | None = None  # where the eager runs and captures go
+        # where the eager runs and captures go, and the memory pool the graphs share
+        self.stream, self.pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
         self.capture_s = 0.0  # host seconds of the eager runs (first launches) and captures, reported apart
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
@@ -72,10 +72,7 @@ class GraphRunner(EagerRunner):
         t0 = time.perf_counter()
         host = self.upload(batch, branches, slots, prefix_lens).pin_memory()
         device = host.to(self.device, non_blocking=True)
-        uploaded = torch.cuda.Event()
-        uploaded.record()
-        if self.stream is None:
-            self.stream, self.pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
+        uploaded = torch.cuda.current_stream().record_event()
         graph = torch.cuda.CUDAGraph()
         self.stream.wait_stream(torch.cuda.current_stream())
         try:
@@ -95,8 +92,7 @@ class GraphRunner(EagerRunner):
                 raise torch.OutOfMemoryError(f"out of memory capturing a graph of {batch.size} rows x "
                                              f"{batch.length} tokens: {exc}") from exc
             raise
-        finally:
-            torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.current_stream().wait_stream(self.stream)  # (a failed capture's eager run feeds nothing)
         self.capture_s += time.perf_counter() - t0
         return CapturedBatch(graph, host, device, out, uploaded), first
 
