@@ -296,7 +296,7 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Print the whole record as JSON to stdout."),
 ) -> None:
     """How a Parquet output was made: kevscore's version, the inputs and their SHA-256s, the template, the
-    model and its fingerprint, the device, dtype, path, labels and options."""
+    model and its fingerprint, the device, dtype, state-read mode, labels and options."""
     from kevscore.job.provenance import output_provenance
 
     with _failing():
