@@ -43,8 +43,7 @@ class Group(ValueHelp, TyperGroup):
     pass
 
 
-app = typer.Typer(cls=Group, no_args_is_help=True,
-                  help="Score many questions against many documents with Kev (Qwen3.5-architecture) models.")
+app = typer.Typer(cls=Group, no_args_is_help=True)  # its help: _group's docstring
 
 
 def _version(value: bool) -> None:
