@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import sys
 import time
 
 from rich.console import Console
@@ -93,14 +92,14 @@ class JsonProgress(Reporter):
     """--log-json: one JSON object per line on stdout per event, and a `progress` line at most every
     `every` seconds, for batch schedulers. Warnings also go to stderr."""
 
-    def __init__(self, every: float = 10.0, stream=None):
-        self.every, self.stream = every, stream or sys.stdout
+    def __init__(self, every: float = 10.0):
+        self.every = every
         self.total, self.done = {}, {}  # per phase: its total, and how many are done
         self.began = self.last = time.monotonic()
         self.resumed = 0
 
     def emit(self, event: str, **fields) -> None:
-        print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), file=self.stream, flush=True)
+        print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
 
     def rates(self) -> dict:
         rows, total = self.done.get("score", 0), self.total.get("score", 0)
