@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -267,6 +267,13 @@ def _run_rank(opts, quiet: bool) -> None:
     os._exit(code)
 
 
+def _show(record: dict, as_json: bool, draw: Callable[[Console], None]) -> None:
+    """--json: `record` as JSON on stdout; else `draw` it there, at a terminal's width or in 80 columns."""
+    if as_json:
+        return typer.echo(json.dumps(record, indent=1))
+    draw(Console(width=None if Console().is_terminal else 80))
+
+
 @app.command("bank-inspect", cls=Command)
 def bank_inspect(
     directory: Path = typer.Argument(..., metavar="DIR", help="A bank directory (kevscore run --bank DIR)."),
@@ -281,10 +288,7 @@ def bank_inspect(
 
     with _failing():
         report = inspect_bank(directory, entry, verify)
-    if as_json:
-        typer.echo(json.dumps(report, indent=1))
-    else:
-        display.print_inspect(Console(width=None if Console().is_terminal else 80), report, detail=entry is not None)
+    _show(report, as_json, lambda out: display.print_inspect(out, report, detail=entry is not None))
     if verify and report["bad_entries"]:
         raise typer.Exit(1)
 
@@ -302,10 +306,7 @@ def info(
         record = output_provenance(output)
     if record is None:
         _fail(f"{output}: records no provenance (not written by kevscore run, or not as Parquet)", 2)
-    if as_json:
-        typer.echo(json.dumps(record, indent=1))
-    else:
-        Console(width=None if Console().is_terminal else 80).print(display.provenance_table(record))
+    _show(record, as_json, lambda out: out.print(display.provenance_table(record)))
 
 
 @app.command(cls=Command)
