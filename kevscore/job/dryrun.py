@@ -13,7 +13,7 @@ from kevscore.engine.plan import plan_waves
 from kevscore.job.inputs import opened_inputs
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.rows import RowReader
-from kevscore.job.run import WARM_UP_WAIT_S, LoadedModel, Prepared, job_runner, prepare
+from kevscore.job.run import LoadedModel, Prepared, job_runner, prepare
 from kevscore.job.windows import make_engine
 
 CALIBRATION_DOCS = 4    # documents scored to measure the rates (after one warm-up document)
@@ -49,9 +49,7 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
     with opened_inputs(opts) as inputs:
         loaded = loaded or LoadedModel()
         p = prepare(opts, inputs, loaded)
-        runner = job_runner(opts, p, loaded)
-        if p.warm_up is not None:
-            p.warm_up.join(WARM_UP_WAIT_S)
+        runner, _ = job_runner(opts, p, loaded)  # the GPU warm-up joined too
         live = p.windows.of_row >= 0
         docs = np.unique(p.doc_of_row[live])
         layout = runner.bank.layout

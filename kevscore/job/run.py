@@ -204,8 +204,7 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedMode
         first = w, in_background(read_window, RowReader(p.scan), p.windows, p.encode, w)
     # a checkpoint's first job hashes its weights' files (gigabytes): beside the runner's build and the warm-up
     weights = in_background(weights_digest, p.ckpt)
-    runner = job_runner(opts, p, loaded)
-    warm_up = p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
+    runner, warm_up = job_runner(opts, p, loaded)
     p.laps.lap("runner")
     fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME, weights.result())
     identity = job_identity(opts, inputs, p.ckpt.name, fingerprint, p.device.type, p.windows, ranks)
@@ -213,18 +212,18 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedMode
     return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up, first)
 
 
-def job_runner(opts: RunOptions, p: Prepared, loaded: LoadedModel):
+def job_runner(opts: RunOptions, p: Prepared, loaded: LoadedModel) -> tuple[object, dict | None]:
     """The runner for a prepared job: the loaded model's last one when its bank serves the job, else a new
-    one (which the loaded model then keeps)."""
+    one (which the loaded model then keeps); and, once it is built, the GPU warm-up joined (its report, or None
+    where there was none)."""
     docs = bank_documents(p.windows, p.doc_of_row, p.doc_tokens)
-    if loaded.runner is not None:
-        if reusable(loaded.runner.bank.layout, p.ckpt, docs, opts.bank_capacity):
-            return loaded.runner
+    if loaded.runner is not None and not reusable(loaded.runner.bank.layout, p.ckpt, docs, opts.bank_capacity):
         loaded.runner = None  # its memory is freed before the new bank is sized from what is free
         gc.collect()
         release_cache(p.device)
-    loaded.runner = build_runner(p.ckpt, p.device, docs, opts.bank_capacity, opts.eager, p.dtype)
-    return loaded.runner
+    if loaded.runner is None:
+        loaded.runner = build_runner(p.ckpt, p.device, docs, opts.bank_capacity, opts.eager, p.dtype)
+    return loaded.runner, p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
 
 
 def reusable(layout: BankLayout, ckpt: Checkpoint, doc_tokens: list[int], capacity: int | None) -> bool:
