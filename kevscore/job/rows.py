@@ -79,9 +79,9 @@ class RowReader:
             texts: dict[str, str] = {}
             documents = [texts.setdefault(t, t) for t in cols["document"]]  # one string per distinct text
         else:
-            wanted = scan.doc_of_row[rows]
-            doc_rows = np.unique(scan.doc_row[wanted])
-            text_of = dict(zip(doc_rows.tolist(), self.docs.take(doc_rows)["document"]))
-            documents = [text_of[int(scan.doc_row[d])] for d in wanted]
+            # each distinct document read once, by its row in the documents file
+            doc_rows, of_row = np.unique(scan.doc_row[scan.doc_of_row[rows]], return_inverse=True)
+            texts = self.docs.take(doc_rows)["document"]
+            documents = [texts[i] for i in of_row]
         return InputTable(documents, cols["question"], cols.get("doc_id"), cols.get("question_id"),
                           cols.get("labels"), scan.sources, rows.tolist())
