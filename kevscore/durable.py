@@ -109,6 +109,14 @@ def write_json(path: Path, data: dict, point: str | None = None, tmp_dir: Path |
     write_atomic(path, bytes_filler(json.dumps(data, indent=indent).encode(), point), tmp_dir)
 
 
+def write_cache_file(path: Path, data: bytes) -> None:
+    """`write_atomic` of `data` into a cache file, its directory made first. Best effort: a failed write is
+    ignored (it costs a recompute next time)."""
+    with contextlib.suppress(OSError, KevscoreFailure):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, bytes_filler(data))
+
+
 def file_sha256(path: Path) -> str:
     """SHA-256 of a file's bytes, read 16 MiB at a time."""
     digest = hashlib.sha256()
@@ -148,8 +156,6 @@ def remembered(name: str, key: str, compute: Callable[[], str], keep: Callable[[
     known = read_json_object(cache) or {}
     if not isinstance(known.get(key), str):
         known = {k: v for k, v in known.items() if keep(k)} | {key: compute()}
-        with contextlib.suppress(OSError, KevscoreFailure):
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            write_json(cache, known)
+        write_cache_file(cache, json.dumps(known).encode())
     _REMEMBERED[name, key] = known[key]
     return known[key]

@@ -342,16 +342,16 @@ def test_a_snapshot_that_cannot_be_written_costs_only_the_next_load(checkpoint: 
     left half-written, and the next load (through transformers again) writes the snapshot then."""
     from kevscore.model import tokenizer_snapshot
 
-    write = tokenizer_snapshot.write_atomic
+    write = durable.write_atomic
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tokenizer_snapshot, "write_atomic", full)
+    monkeypatch.setattr(durable, "write_atomic", full)
     tokenizer = load_tokenizer(checkpoint)
     assert not isinstance(tokenizer, tokenizer_snapshot.LightTokenizer)
     assert tokenizer(["a test"], add_special_tokens=False)["input_ids"]
     assert not list(tokenizer_snapshot.snapshot_file(checkpoint).parent.glob("*"))
-    monkeypatch.setattr(tokenizer_snapshot, "write_atomic", write)
+    monkeypatch.setattr(durable, "write_atomic", write)
     assert not isinstance(load_tokenizer(checkpoint), tokenizer_snapshot.LightTokenizer)
     assert isinstance(load_tokenizer(checkpoint), tokenizer_snapshot.LightTokenizer)

@@ -8,15 +8,13 @@ renders from it. A later load makes a `LightTokenizer` of it with `tokenizers` a
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kevscore.durable import bytes_filler, cache_root, write_atomic
-from kevscore.errors import KevscoreFailure
+from kevscore.durable import cache_root, write_cache_file
 from kevscore.model.prompt import CHAT_OPTIONS, chat_turn
 
 SNAPSHOTS = "tokenizer-snapshots"
@@ -44,14 +42,11 @@ def save(path: Path, key: str, tokenizer) -> None:
     if not fast or any(getattr(type(tokenizer), m, None) is not getattr(TokenizersBackend, m, None) for m in ENCODE_PATH):
         return
     meta = {"format": FORMAT, "key": key, "chat": chat_call(tokenizer), **{name: getattr(tokenizer, name) for name in KEPT}}
-    file = snapshot_file(path)
     try:  # JSON cannot hold a value, a custom pipeline component cannot be serialized: no snapshot
         body = json.dumps(meta).encode() + b"\n" + tokenizer.backend_tokenizer.to_str().encode()
     except Exception:  # noqa: BLE001 - tokenizers raises plain Exceptions
         return
-    with contextlib.suppress(OSError, KevscoreFailure):
-        file.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(file, bytes_filler(hashlib.sha256(body).hexdigest().encode() + b"\n" + body))
+    write_cache_file(snapshot_file(path), hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
 
 
 def chat_call(tokenizer) -> list | None:
