@@ -46,7 +46,6 @@ def trained_weights() -> Path:
 def write_demo_files(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
     """Write config.json and the shipped tokenizer files of the demo model into `dest` (another `cfg` than
     the demo's: a model of the same tokenizer, for training experiments)."""
-    dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copyfile(TRAINED_DIR / name, dest / name)
@@ -60,7 +59,7 @@ def write_demo_files(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
 def build_demo_checkpoint(dest: Path) -> None:
     """Write the demo checkpoint into `dest`: config.json, the tokenizer files and the shipped trained weights."""
     write_demo_files(dest)
-    shutil.copyfile(trained_weights(), Path(dest) / "model.safetensors")
+    shutil.copyfile(trained_weights(), dest / "model.safetensors")
 
 
 def _complete(path: Path) -> bool:
