@@ -82,12 +82,9 @@ class KevConfig:
     def to_hf(self) -> dict[str, Any]:
         """A `qwen3_5_text` config.json dict that transformers' Qwen3_5TextConfig accepts."""
         d = asdict(self)
-        d["layer_types"] = list(self.layer_types)
-        d["num_hidden_layers"] = self.num_layers
-        d["rope_parameters"] = {"rope_type": "default", "rope_theta": d.pop("rope_theta"),
-                                "partial_rotary_factor": d.pop("partial_rotary_factor")}
-        d.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_act="silu")
-        return d
+        rope = {"rope_type": "default", **{name: d.pop(name) for name in HF_ROPE}}
+        return d | {"layer_types": list(self.layer_types), "num_hidden_layers": self.num_layers, "rope_parameters": rope,
+                    "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "hidden_act": "silu"}
 
 
 def _shape(hidden: int, mlp: int, layers: int, heads: tuple[int, int], lin: tuple[int, int], vocab: int) -> KevConfig:
