@@ -213,7 +213,7 @@ def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torc
         if begin % DTYPES[dtype].itemsize:  # safetensors aligns data; copy if a writer did not
             raw = raw.clone()
         tensors[name] = raw.view(DTYPES[dtype]).view(shape)
-    prefix_sha = hashlib.sha256(tensors["ids"].numpy().tobytes()).hexdigest()
+    prefix_sha = prefix_key(tensors["ids"].numpy())
     if prefix_sha != entry.meta["prefix_sha256"]:
         raise EntryError("prefix ids do not match the recorded prefix hash")
     key = entry_key(entry.meta["model"], prefix_sha)
