@@ -326,21 +326,21 @@ class BankStore:
                 continue
             written.append(result)
             self._touched[key] = result[2]
-            self.stats.saved += 1
-            self.stats.written_bytes += result[2]["file_bytes"]
-        if written or self._touched:
-            self._commit_or_warn(written)
+        if (written or self._touched) and self._commit_or_warn(written):  # the summary counts entries the bank keeps
+            self.stats.saved += len(written)
+            self.stats.written_bytes += sum(rec["file_bytes"] for _, _, rec in written)
         self.stats.save_s += time.perf_counter() - t0
 
-    def _commit_or_warn(self, written: list[tuple[str, Path, dict]]) -> None:
-        """A failed commit (disk full, I/O error) costs the bank these entries, not the run its scores."""
+    def _commit_or_warn(self, written: list[tuple[str, Path, dict]]) -> bool:
+        """Commit, or warn and return False: a failed commit (disk full, I/O error) costs the bank these entries,
+        not the run its scores."""
         try:
             self._commit(written)
         except (OSError, KevscoreFailure) as exc:
             self._touched.clear()
             for _, tmp, _ in written:
                 tmp.unlink(missing_ok=True)
-            self.stats.saved -= len(written)  # the summary counts entries the bank keeps
-            self.stats.written_bytes -= sum(rec["file_bytes"] for _, _, rec in written)
             self.warn(f"bank {self.root}: cannot update the bank ({exc}); this run's {len(written)} new "
                       "entries may be missing from it")
+            return False
+        return True
