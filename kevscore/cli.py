@@ -270,8 +270,9 @@ def _run_rank(opts, quiet: bool) -> None:
 def _show(record: dict, as_json: bool, draw: Callable[[Console], None]) -> None:
     """--json: `record` as JSON on stdout; else `draw` it there, at a terminal's width or in 80 columns."""
     if as_json:
-        return typer.echo(json.dumps(record, indent=1))
-    draw(Console(width=None if Console().is_terminal else 80))
+        typer.echo(json.dumps(record, indent=1))
+    else:
+        draw(Console(width=None if Console().is_terminal else 80))
 
 
 @app.command("bank-inspect", cls=Command)
