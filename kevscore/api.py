@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Union
 
@@ -44,7 +44,7 @@ SCORER_OPTIONS = ("model", "device", "dtype", "labels", "template", "state_read"
 TABLE_NAMES = {"questions": "<questions>", "documents": "<documents>"}  # how messages name tables passed in
 
 
-class Scorer:
+class Scorer(AbstractContextManager):
     """A model that stays loaded between calls, scoring as `kevscore run` does.
 
     The model loads on the first call, once that call's input is checked, and stays loaded; so does the
@@ -143,9 +143,6 @@ class Scorer:
     def close(self) -> None:
         """Let the model and its bank go (a later call loads the model again)."""
         self.loaded = LoadedModel()
-
-    def __enter__(self) -> Scorer:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

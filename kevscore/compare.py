@@ -282,8 +282,7 @@ def spread_warnings(report: dict) -> list[str]:
            f"{c['summary']['indexed_over_gathered']:.3f} is within the noise"
            for c in report["cases"] if c["summary"]["spread_overlap"]]
     cores = os.cpu_count() or 1
-    load = max(report["environment"]["load_average"])
-    if load >= cores / 2:
+    if (load := max(report["environment"]["load_average"])) >= cores / 2:
         out.append(f"this machine was busy (load average {load:.1f} on {cores} cores): timings vary between runs; "
                    "compare again on an idle machine")
     return out

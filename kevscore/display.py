@@ -265,9 +265,7 @@ def _duration(seconds: float) -> str:
 
 def provenance_table(record: dict) -> Table:
     """The record in two columns, the figures a reader checks first."""
-    opts = record.get("options", {})
-    model = record.get("model", {})
-    plan = record.get("plan", {})
+    opts, model, plan = (record.get(part, {}) for part in ("options", "model", "plan"))
 
     def file(entry) -> str:
         return "-" if not entry else f"{entry['name']} (sha256 {entry['sha256'][:16]})"

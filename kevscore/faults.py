@@ -77,8 +77,7 @@ def _mark(where: Path, name: str) -> None:
 def inject_oom(unit: str, n: int) -> None:
     """Test-only allocation failure: torch.OutOfMemoryError for a batch of more than N rows (unit "rows")
     or a prefill group of more than N documents (unit "docs")."""
-    limit = os.environ.get(OOM[unit])
-    if limit and n > int(limit):
+    if (limit := os.environ.get(OOM[unit])) and n > int(limit):
         import torch
 
         raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {OOM[unit]}={limit}: {n} {unit})")

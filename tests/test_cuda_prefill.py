@@ -158,3 +158,35 @@ def test_gpu_prefill_close_to_transformers_states(tiny):
                 bank.kv[:, :, start:start + len(doc)].float().cpu()]
         for name, a, b in zip(("state", "conv", "kv"), ours, map(torch.stack, (states, convs, kvs))):
             assert relative(a, b) < 0.05, (name, len(doc), relative(a, b))
+
+
+def test_prefill_seconds_hold_its_gpu_work_queued_past_its_launches(tiny, monkeypatch):
+    """Prefill returns with its work queued and scoring launches behind it; the scoring's closing synchronize
+    charges prefill, not scoring, the GPU seconds that ran past prefill's launches."""
+    import contextlib
+    import time
+
+    from kevscore.engine.pipeline import Reporter
+
+    enc = synthetic([70, 200], [5, 90])
+    engine = gpu_engine(tiny, enc.prefixes)
+    engine.run(enc, "indexed")  # the buckets captured, every kernel loaded
+    prefill = engine.runner.prefill
+
+    def slow_prefill(*args):
+        prefill(*args)
+        torch.cuda._sleep(500_000_000)  # ~0.25 s of GPU time at the H200's ~2 GHz, queued behind the group
+
+    class Clock(Reporter):
+        def phase(self, name: str):
+            entered[name] = time.perf_counter()
+            return contextlib.nullcontext()
+
+    entered = {}
+    monkeypatch.setattr(engine.runner, "prefill", slow_prefill)
+    t0 = time.perf_counter()
+    stats = engine.run(enc, "indexed", Clock()).stats
+    wall = time.perf_counter() - t0
+    assert stats.prefill_s > 0.2 and stats.score_s < stats.prefill_s / 2, stats
+    assert stats.prefill_s + stats.score_s <= wall + 1e-3, (stats, wall)
+    assert entered["score"] - t0 < stats.prefill_s - 0.1  # scoring began on the host while the GPU still slept

@@ -30,6 +30,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def queue_mark(device: torch.device) -> torch.cuda.Event | None:
+    """A timing event recorded behind the device's queued work (None on the CPU)."""
+    return torch.cuda.current_stream(device).record_event(torch.cuda.Event(True)) if device.type == "cuda" else None
+
+
 def release_cache(device: torch.device) -> None:
     """Return the allocator's cached blocks to the device (after an out-of-memory error, or a runner let go)."""
     if device.type == "cuda":

@@ -112,12 +112,11 @@ def index_or_why(root: Path) -> tuple[dict | None, str | None]:
 def bank_lock(root: Path, exclusive: bool, purpose: str) -> Iterator[None]:
     faults.point(f"bank-lock-wait-{purpose}")
     path = root / LOCK
-    if not exclusive and not path.exists():
-        yield  # a read-only look at a bank without a lock file (nothing can be writing to it)
-        return
-    fd = lock_file(path, exclusive)
+    # a read-only look at a bank without a lock file takes none (nothing can be writing to it)
+    fd = lock_file(path, exclusive) if exclusive or path.exists() else None
     try:
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 

@@ -100,8 +100,7 @@ class BankStore:
         for owner in {p.name.removesuffix(".lock") for p in base.iterdir()} if base.is_dir() else ():
             lock, owned = base / f"{owner}.lock", base / owner
             if lock.exists():
-                fd = lock_file(lock, wait=False)
-                if fd is None:
+                if (fd := lock_file(lock, wait=False)) is None:
                     continue  # its process is alive
                 os.close(fd)
             if owned.is_dir():

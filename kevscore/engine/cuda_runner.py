@@ -49,8 +49,7 @@ class GraphRunner(EagerRunner):
         if self.eager:
             return super().score(batch, branches, slots, prefix_lens, path)
         key = (batch.size, batch.length, batch.scored, path)
-        entry = self.graphs.get(key)
-        if entry is None:  # this batch's scores come from the eager run that precedes the capture
+        if (entry := self.graphs.get(key)) is None:  # this batch's scores come from the eager run before the capture
             self.graphs[key], out = self.capture(batch, branches, slots, prefix_lens, path)
         else:
             entry.uploaded.synchronize()  # the bucket's last batch was read out of the buffer (long ago)

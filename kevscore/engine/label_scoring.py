@@ -55,7 +55,9 @@ class Scoring:
         """The rows the batch completes, from `device_scores` read back as float64."""
 
     def fail(self, unit: int) -> int:
-        """A unit that cannot be scored (its row is reported as failed); returns how many rows it completes."""
+        """A unit that cannot be scored (its row is reported as failed); returns how many rows it completes (a
+        unit that is a whole row: 1)."""
+        return 1
 
     def sizes(self, units: list[int], prefix_len: dict[int, int]) -> tuple[dict, dict, dict | None]:
         """Per unit its branch length, its document's length and its positions to score (None: one each)."""
@@ -86,9 +88,6 @@ class LastToken(Scoring):
         probs = torch.softmax(logits, -1)
         mass = torch.exp(torch.logsumexp(logits, -1) - lse)
         return [(r, probs[i, : len(self.enc.label_ids[r])].tolist(), float(mass[i])) for i, r in enumerate(batch.rows)]
-
-    def fail(self, unit: int) -> int:
-        return 1
 
 
 class Continuations(Scoring):

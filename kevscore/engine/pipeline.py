@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kevscore import faults
-from kevscore.engine.backend import release_cache, synchronize
+from kevscore.engine.backend import queue_mark, release_cache, synchronize
 from kevscore.engine.label_scoring import Scoring, scorings
 from kevscore.engine.plan import Batch, make_batch, plan_batches, plan_waves
 from kevscore.engine.runner import PAD_WASTE
@@ -80,6 +80,7 @@ class Engine:
         self.store = store  # a kevscore.engine.bank_store.BankStore: entries loaded from / saved to disk
         self.stop = stop    # a kevscore.faults.StopSignals: checked between batches and prefill groups
         self.skip_failed = skip_failed  # a row that fails alone (out of memory) is reported, not fatal
+        self.prefill_queued = None  # the last prefill's (queue mark at its end, host time then, its stats)
 
     def run(self, enc: Encoded, path: str, progress: Reporter = QUIET) -> Scores:
         scores = Scores.empty(len(enc))
@@ -131,7 +132,9 @@ class Engine:
 
     def prefill_into(self, enc: Encoded, docs: list[int], slot_of: dict[int, int], stats: RunStats,
                      progress: Reporter = QUIET) -> None:
-        """Prefill `docs` into their bank slots, already allocated and published by the caller."""
+        """Prefill `docs` into their bank slots, already allocated and published by the caller. Returns once the
+        work is queued (scoring queues behind it); the scoring that follows adds to `stats.prefill_s` the seconds
+        the GPU worked on past that (`_settle_prefill`)."""
         t0 = time.perf_counter()
         try:
             with progress.phase("prefill"):
@@ -140,9 +143,17 @@ class Engine:
                     progress.advance("prefill", len(group))
                     self._between("prefill")
         finally:
-            synchronize(self.runner.device)
             stats.prefill_s += time.perf_counter() - t0
+            self.prefill_queued = (queue_mark(self.runner.device), time.perf_counter(), stats)
         stats.prefilled += len(docs)
+
+    def _settle_prefill(self, end: torch.cuda.Event | None, now: float) -> float:
+        """Charge the prefill queued before this scoring the seconds its GPU work ran past its launches (`end`:
+        the queue's mark at the scoring's end, done at `now`); returns when that prefill ended (0: none)."""
+        (mark, launched, stats), self.prefill_queued = self.prefill_queued or (None, 0.0, RunStats()), None
+        ended = now - mark.elapsed_time(end) / 1000 if mark is not None else launched
+        stats.prefill_s += max(0.0, ended - launched)
+        return ended
 
     def _prefill_group(self, enc: Encoded, group: list[int], slot_of: dict[int, int], stats: RunStats,
                        progress: Reporter) -> None:
@@ -194,8 +205,10 @@ class Engine:
                         self._between("score")
                     self._finish_batch(scoring, pending, scores, progress)
         finally:
+            end = queue_mark(self.runner.device)
             synchronize(self.runner.device)
-            scores.stats.score_s += time.perf_counter() - t0
+            now = time.perf_counter()
+            scores.stats.score_s += now - max(t0, self._settle_prefill(end, now))
             scores.stats.capture_s += getattr(self.runner, "capture_s", 0.0) - captured
             scores.stats.captures += len(getattr(self.runner, "graphs", ())) - graphs
 

@@ -166,10 +166,9 @@ def plan_windows(doc_of_row: np.ndarray, doc_tokens: Sequence[int], max_docs: in
         accepting = n <= max_rows
     of_row = np.where(live, first[doc_of_row], -1).astype(np.int32)
     if len(chunked := np.flatnonzero(counts > max_rows)):  # the split documents
-        idx = np.flatnonzero(np.isin(doc_of_row, chunked))
-        sub = doc_of_row[idx]
-        order = np.argsort(sub, kind="stable")
-        bounds = np.flatnonzero(np.diff(sub[order], prepend=-1))  # where each document's run starts
-        rank = np.arange(len(order)) - np.repeat(bounds, np.diff(np.append(bounds, len(order))))
-        of_row[idx[order]] += (rank // max_rows).astype(np.int32)
+        split = np.flatnonzero(np.isin(doc_of_row, chunked))
+        split = split[np.argsort(doc_of_row[split], kind="stable")]  # their rows by document, input order in each
+        doc = doc_of_row[split]
+        rank = np.arange(len(split)) - np.searchsorted(doc, doc)  # each row's place among its document's rows
+        of_row[split] += (rank // max_rows).astype(np.int32)
     return Windows(of_row, np.asarray(rows, np.int64), np.asarray(docs, np.int64), np.asarray(tokens, np.int64))

@@ -7,6 +7,7 @@ over a static buffer replays any batch of its shape after a single host-to-devic
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -33,8 +34,7 @@ def fill_upload(buf: torch.Tensor, length: int, branches: Sequence[Sequence[int]
     arr[:n, length + SLOT] = slots
     arr[:n, length + LAST] = [len(ids) - 1 for ids in branches]
     arr[:n, length + PLEN] = prefix_lens
-    if n < arr.shape[0]:
-        arr[n:] = arr[0]
+    arr[n:] = arr[0]
 
 
 def branch_inputs(buf: torch.Tensor, length: int, prefix: int | None, bank: StateBank, path: str):
@@ -150,9 +150,7 @@ def upload_together(tensors: Sequence[torch.Tensor], device: torch.device) -> li
     """The tensors on `device` as views of one buffer, each 16-byte aligned: one host buffer (pinned for a GPU, so
     the copy does not wait for the GPU's queue) and one copy, rather than an allocation and a copy each."""
     sizes = [t.numel() * t.element_size() for t in tensors]
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + (size + 15) // 16 * 16)
+    starts = list(itertools.accumulate(((size + 15) // 16 * 16 for size in sizes), initial=0))
     host = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=device.type == "cuda")
     for t, start, size in zip(tensors, starts, sizes):
         host[start:start + size].view(t.dtype).view(t.shape).copy_(t)

@@ -23,9 +23,7 @@ def read_input(path: Path, documents: Path | None = None) -> InputTable:
     """Read the one-file form, or the questions file plus a documents file joined on doc_id: the whole
     input in memory (`kevscore.job.scan` validates it; a job reads it a window at a time instead)."""
     scan = scan_input(path, documents)
-    table = RowReader(scan).read(np.arange(scan.rows, dtype=np.int64))
-    table.rows = None
-    return table
+    return RowReader(scan).read(np.arange(scan.rows, dtype=np.int64))
 
 
 # ---------------------------------------------------------------- writing

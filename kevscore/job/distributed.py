@@ -10,13 +10,12 @@ rerun of the same job resumes every completed window, whichever rank wrote it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -104,7 +103,7 @@ def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> Distr
             statuses = _run(opts, progress or Reporter(), ranks, stack)
         result = DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
         if (summary := os.environ.get("KEVSCORE_SUMMARY_JSON")) and ranks.rank == 0:  # for benchmarks: the job's figures
-            Path(summary).write_text(json.dumps(dataclasses.asdict(result), default=str))
+            Path(summary).write_text(json.dumps(asdict(result), default=str))
         return result
     finally:
         dist.destroy_process_group()

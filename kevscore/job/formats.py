@@ -102,8 +102,7 @@ def input_files(given: str) -> list[Path]:
         found, none = list(path.rglob("*.parquet")), "a directory with no .parquet file"
     else:
         return [path]
-    files = sorted(f for f in found if f.is_file())
-    if not files:
+    if not (files := sorted(f for f in found if f.is_file())):
         raise KevscoreError(f"{given}: {none}")
     return files
 
@@ -118,8 +117,7 @@ def remote_files(uri: str) -> tuple[pafs.FileSystem, list[str]]:
         found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
     except (pa.ArrowException, OSError, ValueError) as e:
         raise KevscoreError(f"{uri}: cannot open ({first_line(e)})") from e
-    paths = sorted(f.path for f in found if f.is_file and f.path.endswith(".parquet"))
-    if not paths:
+    if not (paths := sorted(f.path for f in found if f.is_file and f.path.endswith(".parquet"))):
         raise KevscoreError(f"{uri}: a directory with no .parquet file")
     return fs, paths
 

@@ -19,8 +19,7 @@ def parse_labels(text: str) -> list[str]:
     while True:
         rest = rest.lstrip()
         if rest.startswith('"'):
-            end = rest.find('"', 1)
-            if end < 0:
+            if (end := rest.find('"', 1)) < 0:
                 raise KevscoreError(f"--labels {text}: a quote is not closed")
             label, rest = rest[1:end], rest[end + 1:].lstrip()
             if rest and not rest.startswith(","):

@@ -67,9 +67,8 @@ class RowReader:
 
     def __init__(self, scan: InputScan):
         self.scan = scan
-        cols = ["question", *scan.columns]
         self.docs = None if scan.documents_path is None else Cursor(scan.documents_path, ["document"])
-        self.rows = Cursor(scan.path, cols + (["document"] if self.docs is None else []))
+        self.rows = Cursor(scan.path, ["question", *scan.columns] + (["document"] if self.docs is None else []))
 
     def read(self, rows: np.ndarray):
         """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""

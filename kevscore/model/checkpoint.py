@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
 import json
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from importlib import metadata
+from importlib import import_module, metadata
 from pathlib import Path
 
 import torch
@@ -143,8 +142,7 @@ def load_tokenizer(path: Path):
     and keeps a snapshot of a fast tokenizer; later loads make a `LightTokenizer` of that snapshot, which encodes
     with `tokenizers` alone: transformers' import takes seconds (benchmarks/NOTES.md 21)."""
     key = tokenizer_key(path)
-    light = tokenizer_snapshot.load(path, key, lambda: transformers_tokenizer(path, key))
-    if light is not None:
+    if (light := tokenizer_snapshot.load(path, key, lambda: transformers_tokenizer(path, key))) is not None:
         return light
     tokenizer = transformers_tokenizer(path, key)
     tokenizer_snapshot.save(path, key, tokenizer)
@@ -166,7 +164,7 @@ def transformers_tokenizer(path: Path, key: str):
                           lambda key: os.path.isdir(key.partition(":")[2].rpartition(":")[0]))
         module, _, qualname = name.partition(":")
         try:
-            cls = getattr(importlib.import_module(module), qualname)
+            cls = getattr(import_module(module), qualname)
         except (ImportError, AttributeError):  # remembered wrongly: AutoTokenizer decides again
             cls = transformers.AutoTokenizer
         return cls.from_pretrained(str(path), local_files_only=True)

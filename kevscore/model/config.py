@@ -42,16 +42,13 @@ class KevConfig:
         return len(self.layer_types)
 
     @property
-    def key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
     def value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
+        """The conv's channels: q and k (`linear_num_key_heads` heads each), then v."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.value_dim
 
     @property
     def conv_state_len(self) -> int:

@@ -40,8 +40,7 @@ class Template:
 def chat_template(tokenizer) -> Template:
     """The checkpoint's chat template: a user turn holding document then question, generation prompt,
     thinking disabled; split at the document's end."""
-    text = tokenizer.apply_chat_template(chat_turn(), **CHAT_OPTIONS)
-    return Template.parse(text, "the checkpoint's chat template")
+    return Template.parse(tokenizer.apply_chat_template(chat_turn(), **CHAT_OPTIONS), "the checkpoint's chat template")
 
 
 def chat_turn() -> list[dict[str, str]]:

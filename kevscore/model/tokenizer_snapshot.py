@@ -52,8 +52,7 @@ def save(path: Path, key: str, tokenizer) -> None:
 def chat_call(tokenizer) -> list | None:
     """The call `prompt.chat_template` makes, [conversation, options, what the tokenizer renders], or None: no
     template, one that reads the clock (`strftime_now`), one that fails (transformers then fails alike)."""
-    template = tokenizer.chat_template
-    if not template or "strftime_now" in json.dumps(template):
+    if not (template := tokenizer.chat_template) or "strftime_now" in json.dumps(template):
         return None
     try:
         return [chat_turn(), CHAT_OPTIONS, tokenizer.apply_chat_template(chat_turn(), **CHAT_OPTIONS)]

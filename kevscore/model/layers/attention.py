@@ -46,8 +46,7 @@ class Attention(nn.Module):
         k and v are projected."""
         shape = (*x.shape[:-1], self.nkv, self.d)
         k, v = F.linear(x, self.qkv_proj[self.splits[0]:]).split(self.splits[1:], -1)
-        k = k.reshape(shape)
-        _, k = self.ops.qk_norm_rotary(None, k, self.q_scale, self.k_scale, cos, sin, self.eps)
+        _, k = self.ops.qk_norm_rotary(None, k.reshape(shape), self.q_scale, self.k_scale, cos, sin, self.eps)
         self._store_kv(k, v.reshape(shape), ctx)
 
     def _store_kv(self, k: torch.Tensor, v: torch.Tensor, ctx: PrefillContext) -> None:

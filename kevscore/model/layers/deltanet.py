@@ -10,12 +10,6 @@ from kevscore.model.layers.common import BankTensor, BranchContext, Context, Pre
 from kevscore.model.layers.ops import Ops
 
 
-def conv_tail(x: torch.Tensor, ctx: PrefillContext) -> torch.Tensor:
-    """The last k - 1 inputs of each packed document, zero where a document is shorter: [D, C, k - 1]."""
-    tail = x[0][ctx.tail_index]  # [D, k - 1, C]
-    return (tail * ctx.tail_valid[..., None]).transpose(1, 2)
-
-
 class DeltaNet(nn.Module):
     BANK = (BankTensor("state", ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"), fp32=True,
                        component="recurrent"),   # the final recurrent state
@@ -63,7 +57,9 @@ class DeltaNet(nn.Module):
 
     def _prefill(self, mixed: torch.Tensor, b: torch.Tensor, gate, ctx: PrefillContext) -> torch.Tensor:
         """Packed documents from zero states: their conv and recurrent states into the bank; returns the output."""
-        self.bank_conv.index_copy_(0, ctx.slots, conv_tail(mixed, ctx).to(self.bank_conv.dtype))
+        # the conv state: each document's last k - 1 inputs [D, C, k - 1], zero where a document is shorter
+        tail = (mixed[0][ctx.tail_index] * ctx.tail_valid[..., None]).transpose(1, 2)
+        self.bank_conv.index_copy_(0, ctx.slots, tail.to(self.bank_conv.dtype))
         q, k, v, beta = self.ops.prefill_front(mixed, self.conv_weight, ctx, self.hk, self.dk, self.hv, self.dv, b)
         return self.ops.gdr_prefill(q, k, v, gate, beta, ctx, self.bank_state)
 
