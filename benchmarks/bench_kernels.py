@@ -173,7 +173,7 @@ def main() -> None:
         starts = (torch.arange(r, device=DEV) // 6) * args.doc_len
         lens = torch.full((r,), args.doc_len, device=DEV)
         flops = 4 * r * t * nh * (args.doc_len + t / 2) * d
-        configs = [(128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 4, 3)]
+        configs = [(128, 32, 8, 3), (64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 4), (64, 64, 4, 2)]
         for bm, bn, wp, st in sweep(configs):  # the default first
             ms = timed(lambda: branch_attention(qa, ka, va, pool[0], pool[1], starts, lens, gate=gate, block_m=bm,
                                                 block_n=bn, num_warps=wp, num_stages=st))

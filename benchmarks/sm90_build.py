@@ -85,14 +85,9 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     for packed, bv, stages in ((True, 64, 1), (False, 64, 1), (True, 64, 2), (True, 128, 1)):
         out.append((f"chunks packed {packed} BV {bv} warps 4 stages {stages}", _chunks_wy_kernel, chunks_t,
                     dict(H=16, HV=32, K=128, V=128, BV=bv, PACKED=packed), 4, stages, chunks_aligned))
-    attn_t = {n: "*bf16" for n in ("q", "k", "v", "o", "gate", "pool_k", "pool_v")}
-    attn_t |= {"kv_start": "*i64", "kv_len": "*i64", "T": "i32", "qk_scale": "fp32"}
-    strides = ("sq_r", "sq_t", "sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "sp_t",
-               "s_start", "s_len")
-    attn_t |= {s: "i32" for s in strides}
-    for bm, bn, wp, st in ((128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)):
-        out.append((f"attention bm {bm} bn {bn} warps {wp} stages {st}", _branch_attn_kernel, attn_t,
-                    dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True), wp, st, tuple(attn_t)[:7] + strides[:-2]))
+    for bm, bn, wp, st in ((128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)):
+        out.append((f"attention bm {bm} bn {bn} warps {wp} stages {st}", _branch_attn_kernel, attention_types(bm, bn),
+                    dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True), wp, st, ATTENTION_ALIGNED))
     conv_t = {n: "*bf16" for n in ("x", "w", "conv", "q", "k", "v", "b", "beta")} | {"slots": "*i64", "T": "i32",
                                                                                    "pos": "*i64"}
     conv_t |= {s: "i32" for s in ("sx_r", "sx_t", "s_conv", "s_slot", "sb_r", "sb_t")}
@@ -137,6 +132,18 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     return out
 
 
+ATTENTION_STRIDES = ("sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "s_start", "s_len")
+ATTENTION_ALIGNED = ("k", "v", "o", "gate") + ATTENTION_STRIDES[:-2]
+
+
+def attention_types(bm: int, bn: int, dtype: str = "bf16") -> dict[str, str]:
+    """Branch attention's argument types at the Kev-4B shape: the query tile's and the pool's TMA descriptors."""
+    types = {n: f"*{dtype}" for n in ("k", "v", "o", "gate")} | {s: "i32" for s in ATTENTION_STRIDES}
+    return types | {"q": f"tensordesc<{dtype}[1, {bm // 4}, 4, 256]>", "pool_k": f"tensordesc<{dtype}[{bn}, 256]>",
+                    "pool_v": f"tensordesc<{dtype}[{bn}, 256]>", "kv_start": "*i64", "kv_len": "*i64", "T": "i32",
+                    "qk_scale": "fp32"}
+
+
 def fp32_variants() -> list[tuple]:
     """What an fp32 model (--dtype fp32) launches at the Kev-4B shape, compiled with its dots in 3xTF32 (main):
     our branch attention at its fp32 tiles, the chunk loop at 1 stage and our solve, FLA's kernels as `fla_variants`."""
@@ -145,7 +152,7 @@ def fp32_variants() -> list[tuple]:
     attn, chunks, kkt = (next(v for v in variants() if v[0].startswith(name))
                          for name in ("attention bm", "chunks packed", "kkt solve packed False"))
     f32 = lambda types: {n: "*fp32" if t == "*bf16" else t for n, t in types.items()}  # noqa: E731
-    return [("fp32 attention", _branch_attn_kernel, f32(attn[2]),
+    return [("fp32 attention", _branch_attn_kernel, attention_types(a32["block_m"], a32["block_n"], "fp32"),
              attn[3] | {"BM": a32["block_m"], "BN": a32["block_n"]}, a32["num_warps"], a32["num_stages"], attn[6]),
             ("fp32 chunks packed, 1 stage", chunks[1], f32(chunks[2]), chunks[3], 4, 1, chunks[6]),
             ("fp32 kkt solve", kkt[1], f32(kkt[2]), kkt[3] | {"PRECISION": "tf32x3"}, 1, 1, kkt[6]),

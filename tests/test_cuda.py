@@ -217,6 +217,8 @@ def test_branch_attention_matches_gathered_sdpa(dims, t):
     kv = torch.randn(rows, t, 2 * nkv, d, generator=gen, device=DEV, dtype=torch.bfloat16)
     k, v = kv[:, :, :nkv], kv[:, :, nkv:]  # strided views, as the projection split gives them
     pool = torch.randn(2, 3000, nkv, d, generator=gen, device=DEV, dtype=torch.bfloat16)
+    for gap in (slice(1, 100), slice(700, 2000), slice(2999, None)):  # past each document: a tile's rows to mask
+        pool[:, gap] = float("nan")
     upload = torch.randint(0, 3000, (rows, 7), device=DEV)  # start and length as strided columns, as the
     upload[:, 3] = torch.tensor([0, 100, 700, 2000, 100], device=DEV)  # runner passes them
     upload[:, 5] = torch.tensor([1, 600, 0, 999, 600], device=DEV)
