@@ -22,7 +22,8 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale):
     s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
-    s = tl.where(valid, s, float("-inf"))
+    if valid is not None:  # None: every key of the tile is valid
+        s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(b_m, tl.max(s, 1))
     alpha = tl.math.exp2(b_m - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -53,13 +54,7 @@ def _branch_attn_kernel(q, k, v, o, gate, pool_k, pool_v, kv_start, kv_len, T, q
     for n0 in range(0, n_full, BN):  # the document's full tiles, from the bank: nothing to mask
         b_k = pool_k.load([start + n0, i_kv * D])
         b_v = pool_v.load([start + n0, i_kv * D])
-        s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
-        m_new = tl.maximum(b_m, tl.max(s, 1))
-        alpha = tl.math.exp2(b_m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        b_l = b_l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
-        b_m = m_new
+        b_m, b_l, acc = _online_block(b_q, b_k, b_v, None, b_m, b_l, acc, qk_scale)
     if n_full < n_doc:  # its last tile: the pool's rows past the document may hold anything, NaN included
         m_n = n_full + tl.arange(0, BN) < n_doc
         b_k = pool_k.load([start + n_full, i_kv * D])
