@@ -311,10 +311,9 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
             record(f"fused wy {tt}", f"gate + solve + fused wy {name}", timed(lambda: fused_path(launch)), layers)
 
 
-# maxnreg: fewer registers a thread (spilling), more programs an SM: 168 -> 3, 128 -> 4 at 4 warps (NOTES 89)
-PREFILL_WY_LAUNCHES = ({}, dict(num_stages=2), dict(num_stages=3), dict(num_stages=4), dict(block_v=64, num_warps=8),
-                      dict(block_v=128, num_warps=8), dict(block_v=128), dict(block_v=128, num_warps=8, num_stages=1),
-                      dict(maxnreg=168), dict(maxnreg=128), dict(maxnreg=168, num_stages=2))
+# the chunk loop's launches: the default (2 stages) first; maxnreg 168: 3 programs an SM by registers (NOTES 89)
+PREFILL_WY_LAUNCHES = ({}, dict(num_stages=1), dict(num_stages=3), dict(num_warps=8), dict(block_v=128, num_warps=8),
+                      dict(block_v=128), dict(maxnreg=168, num_stages=1))
 
 
 def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:

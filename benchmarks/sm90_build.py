@@ -78,13 +78,9 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
 
     out = []
     # the chunk-loop kernel of prefill and long branches: both modes at the default launch, 2 stages and BV 128
-    chunks_t = {n: "*bf16" for n in ("q", "k", "v", "beta", "a_inv", "o")} | {
-        "g": "*fp32", "bank": "*fp32", "index": "*i64", "cu_seqlens": "*i64", "index_stride": "i32",
-        "bank_stride": "i64", "T": "i32", "scale": "fp32"}
-    chunks_aligned = ("q", "k", "v", "g", "beta", "a_inv", "bank", "index", "o")
-    for packed, bv, stages in ((True, 64, 1), (False, 64, 1), (True, 64, 2), (True, 128, 1)):
-        out.append((f"chunks packed {packed} BV {bv} warps 4 stages {stages}", _chunks_wy_kernel, chunks_t,
-                    dict(H=16, HV=32, K=128, V=128, BV=bv, PACKED=packed), 4, stages, chunks_aligned))
+    for packed, bv, stages in ((True, 64, 2), (False, 64, 2), (True, 64, 1), (True, 128, 2)):
+        out.append((f"chunks packed {packed} BV {bv} warps 4 stages {stages}", _chunks_wy_kernel, chunks_types(bv),
+                    dict(H=16, HV=32, K=128, V=128, BV=bv, PACKED=packed, STAGES=stages), 4, stages, CHUNKS_ALIGNED))
     for bm, bn, wp, st in ((128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)):
         out.append((f"attention bm {bm} bn {bn} warps {wp} stages {st}", _branch_attn_kernel, attention_types(bm, bn),
                     dict(NKV=4, G=4, D=256, BM=bm, BN=bn, HAS_GATE=True), wp, st, ATTENTION_ALIGNED))
@@ -132,6 +128,17 @@ def variants() -> list[tuple[str, object, dict, dict, int, int, tuple]]:
     return out
 
 
+CHUNKS_ALIGNED = ("g", "beta", "bank", "index", "o")
+
+
+def chunks_types(bv: int, dtype: str = "bf16") -> dict[str, str]:
+    """The chunk loop's argument types at the Kev-4B shape: q, k, v and a_inv by TMA descriptor."""
+    tiles = {"q": 128, "k": 128, "v": bv, "a_inv": 64}
+    return {n: f"tensordesc<{dtype}[64, {cols}]>" for n, cols in tiles.items()} | {
+        "beta": f"*{dtype}", "o": f"*{dtype}", "g": "*fp32", "bank": "*fp32", "index": "*i64", "cu_seqlens": "*i64",
+        "index_stride": "i32", "bank_stride": "i64", "T": "i32", "scale": "fp32"}
+
+
 ATTENTION_STRIDES = ("sk_r", "sk_t", "sv_r", "sv_t", "so_r", "so_t", "sg_r", "sg_t", "sg_h", "s_start", "s_len")
 ATTENTION_ALIGNED = ("k", "v", "o", "gate") + ATTENTION_STRIDES[:-2]
 
@@ -154,7 +161,8 @@ def fp32_variants() -> list[tuple]:
     f32 = lambda types: {n: "*fp32" if t == "*bf16" else t for n, t in types.items()}  # noqa: E731
     return [("fp32 attention", _branch_attn_kernel, attention_types(a32["block_m"], a32["block_n"], "fp32"),
              attn[3] | {"BM": a32["block_m"], "BN": a32["block_n"]}, a32["num_warps"], a32["num_stages"], attn[6]),
-            ("fp32 chunks packed, 1 stage", chunks[1], f32(chunks[2]), chunks[3], 4, 1, chunks[6]),
+            ("fp32 chunks packed, 1 stage", chunks[1], chunks_types(64, "fp32"), chunks[3] | {"STAGES": 1}, 4, 1,
+             chunks[6]),
             ("fp32 kkt solve", kkt[1], f32(kkt[2]), kkt[3] | {"PRECISION": "tf32x3"}, 1, 1, kkt[6]),
             *((f"fp32 fla {name}", *rest) for name, *rest in fla_variants("*fp32"))]
 

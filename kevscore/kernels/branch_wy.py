@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from fla.ops.utils.op import exp2
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kevscore.kernels.gdr_ref import CHUNK
 
@@ -45,13 +46,37 @@ MAX_T = 2 * CHUNK
 
 
 @triton.jit
+def _v_new(b_k, b_h, b_v, b_g, b_b, b_a):
+    """The chunk's v_new (fp32) from its keys, values, gate, beta and (I + A)^-1 rows and the entering state
+    (in the input dtype): beta (v - exp2(g) k h), the rows' scales after the dot (no scaled copy of k), times
+    (I + A)^-1."""
+    b_x = (b_v.to(tl.float32) - tl.dot(b_k, b_h) * exp2(b_g)[:, None]) * b_b[:, None]
+    return tl.dot(b_a, b_x.to(b_k.dtype))
+
+
+@triton.jit
+def _chunk_out(b_q, b_k, b_h, b_g, b_vn, m_low, scale):
+    """The chunk's output (fp32): the entering state's part and the chunk's own, causal within it."""
+    dt = b_k.dtype
+    b_s = tl.dot(b_q, tl.trans(b_k))
+    b_s = tl.where(m_low, b_s * exp2(tl.where(m_low, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    b_o = tl.dot(b_q, b_h) * exp2(b_g)[:, None]
+    return b_o * scale + tl.dot(b_s.to(dt), b_vn.to(dt)) * scale
+
+
+@triton.jit
+def _state_update(b_h, b_kt, b_vn, b_g, g_last):
+    """The fp32 state after a chunk: exp2(g_last) h + k^T (v_new exp2(g_last - g))."""
+    return b_h * exp2(g_last) + tl.dot(b_kt, (b_vn * exp2(g_last - b_g)[:, None]).to(b_kt.dtype))
+
+
+@triton.jit
 def _chunk(q, k, v, beta, g, a_inv, o, b_h, t0, T, o_v, m_v, scale, H: tl.constexpr, HV: tl.constexpr,
            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
     """Writes the output of the BT tokens from t0 (masked past T) from the state entering them, b_h [K, BV]
     (fp32; the dots take it in the input dtype); returns their v_new (fp32) and cumulative gate, which a state
     update needs (with the keys, which it reads again: `_state_after`)."""
-    dt = k.dtype.element_ty
-    b_h = b_h.to(dt)
+    b_h = b_h.to(k.dtype.element_ty)
     o_t, o_j, o_k = t0 + tl.arange(0, BT), tl.arange(0, BT), tl.arange(0, K)
     m_t = o_t < T
     m_tv = m_t[:, None] & m_v[None, :]
@@ -62,15 +87,9 @@ def _chunk(q, k, v, beta, g, a_inv, o, b_h, t0, T, o_v, m_v, scale, H: tl.conste
     # the chunk's rows of A_inv, read on and below the diagonal of valid rows (nothing else is ever written)
     m_low = (o_j[None, :] <= (o_t - t0)[:, None]) & m_t[:, None]
     b_a = tl.load(a_inv + o_t[:, None] * (HV * BC) + o_j[None, :], mask=m_low, other=0.0)
-    # beta (v - exp2(g) k h): the rows' scales after the dot, so no scaled copy of k is held beside it
-    b_x = (b_v.to(tl.float32) - tl.dot(b_k, b_h) * exp2(b_g)[:, None]) * b_b[:, None]
-    b_vn = tl.dot(b_a, b_x.to(dt))
-
+    b_vn = _v_new(b_k, b_h, b_v, b_g, b_b, b_a)
     b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None], other=0.0)
-    b_s = tl.dot(b_q, tl.trans(b_k))
-    b_s = tl.where(m_low, b_s * exp2(tl.where(m_low, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
-    b_o = tl.dot(b_q, b_h) * exp2(b_g)[:, None]
-    b_o = b_o * scale + tl.dot(b_s.to(dt), b_vn.to(dt)) * scale
+    b_o = _chunk_out(b_q, b_k, b_h, b_g, b_vn, m_low, scale)
     tl.store(o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
     return b_vn, b_g
 
@@ -78,12 +97,12 @@ def _chunk(q, k, v, beta, g, a_inv, o, b_h, t0, T, o_v, m_v, scale, H: tl.conste
 @triton.jit
 def _state_after(b_h, k, g, b_vn, b_g, t0, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                  BT: tl.constexpr):
-    """The fp32 state after the BT tokens from t0 (masked past T): exp2(g_last) h + k^T (v_new exp2(g_last - g)),
-    their keys read again (from L2) rather than held through the chunk's output."""
+    """The fp32 state after the BT tokens from t0 (masked past T), their keys read again (from L2) rather than
+    held through the chunk's output."""
     o_t, o_k = t0 + tl.arange(0, BT), tl.arange(0, K)
     g_last = tl.load(g + (tl.minimum(t0 + BT, T) - 1) * HV)
     b_kt = tl.load(k + o_t[None, :] * (H * K) + o_k[:, None], mask=(o_t < T)[None, :], other=0.0)
-    return b_h * exp2(g_last) + tl.dot(b_kt, (b_vn * exp2(g_last - b_g)[:, None]).to(b_kt.dtype))
+    return _state_update(b_h, b_kt, b_vn, b_g, g_last)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -114,34 +133,44 @@ def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_s
 @triton.jit(do_not_specialize=["T"])
 def _chunks_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, T, bank, index, index_stride, bank_stride, o, scale,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                      PACKED: tl.constexpr):
+                      PACKED: tl.constexpr, STAGES: tl.constexpr):
     """Every 64-token chunk of a sequence, the state in fp32 registers between them. PACKED: documents from
     cu_seqlens, from a zero state, document d's final state written to `bank[index[d * index_stride]]`; else
-    rows of T tokens, row r from `bank[index[r * index_stride]]`, nothing but the output written."""
+    rows of T tokens, row r from `bank[index[r * index_stride]]`, nothing but the output written. q, k, v and
+    a_inv are TMA descriptors over [tokens, heads * dim]: a chunk's tiles land in shared memory, STAGES chunks
+    ahead, and its keys serve the state update too. Rows past a sequence's end are the next one's or zeros:
+    the gate, beta and the output are masked, and (I + A)^-1 is taken on its valid lower triangle only."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
-    o_v, o_k = i_v * BV + tl.arange(0, BV), tl.arange(0, K)
+    o_v, o_k, o_j = i_v * BV + tl.arange(0, BV), tl.arange(0, K), tl.arange(0, BC)
     m_v = o_v < V
     slot = tl.load(index + i_n * index_stride).to(tl.int64)
     p_h = bank + slot * bank_stride + i_h * K * V + o_k[:, None] * V + o_v[None, :]
     if PACKED:
-        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        T = (eos - bos).to(tl.int32)
+        bos, eos = tl.load(cu_seqlens + i_n).to(tl.int32), tl.load(cu_seqlens + i_n + 1).to(tl.int32)
+        T = eos - bos
         b_h = tl.zeros([K, BV], dtype=tl.float32)
     else:
-        bos = i_n.to(tl.int64) * T
+        bos = i_n * T
         b_h = tl.load(p_h, mask=m_v[None, :], other=0.0)
-    q += (bos * H + i_h // (HV // H)) * K
-    k += (bos * H + i_h // (HV // H)) * K
-    v += (bos * HV + i_h) * V
-    o += (bos * HV + i_h) * V
-    g += bos * HV + i_h
-    beta += bos * HV + i_h
-    a_inv += (bos * HV + i_h) * BC
-
-    for t0 in range(0, T, BC):
-        b_vn, b_g = _chunk(q, k, v, beta, g, a_inv, o, b_h, t0, T, o_v, m_v, scale, H, HV, K, V, BC)
-        b_h = _state_after(b_h, k, g, b_vn, b_g, t0, T, H, HV, K, BC)
+    g += bos.to(tl.int64) * HV + i_h
+    beta += bos.to(tl.int64) * HV + i_h
+    o += (bos.to(tl.int64) * HV + i_h) * V
+    col_k, col_v = (i_h // (HV // H)) * K, i_h * V + i_v * BV
+    for t0 in tl.range(0, T, BC, num_stages=STAGES):
+        o_t = t0 + o_j
+        m_t = o_t < T
+        b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0)
+        b_b = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_k = k.load([bos + t0, col_k])
+        m_low = (o_j[None, :] <= o_j[:, None]) & m_t[:, None]
+        b_a = tl.where(m_low, a_inv.load([bos + t0, i_h * BC]), 0.0)
+        b_hd = b_h.to(b_k.dtype)
+        b_vn = _v_new(b_k, b_hd, v.load([bos + t0, col_v]), b_g, b_b, b_a)
+        b_o = _chunk_out(q.load([bos + t0, col_k]), b_k, b_hd, b_g, b_vn, m_low, scale)
+        tl.store(o + o_t[:, None] * (HV * V) + o_v[None, :], b_o.to(o.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+        b_h = _state_update(b_h, tl.trans(b_k), b_vn, b_g, tl.load(g + (tl.minimum(t0 + BC, T) - 1) * HV))
     if PACKED:
         tl.store(p_h, b_h, mask=m_v[None, :])
 
@@ -212,12 +241,11 @@ def rows_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
 
 def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, stride: int, block_v: int = 64, num_warps: int = 4,
-               num_stages: int = 1, **options) -> torch.Tensor:
+               num_stages: int | None = None, **options) -> torch.Tensor:
     """Launches `_chunks_wy_kernel`: packed documents when cu_seqlens is given (their final states written to
-    the bank), else rows (their states read from it). `num_stages` > 1 pipelines the loop over chunks (the
-    next chunk's loads under this one's dots), at the price of shared memory that leaves one program an SM at
-    2 stages and 128-column heads; `options`: Triton's other launch options (e.g. maxnreg);
-    bench_kernels.py --only "prefill wy" sweeps the launches."""
+    the bank), else rows (their states read from it). `num_stages`: the chunks' tiles in flight (None: 2, or 1
+    for fp32 operands, whose tiles would not fit twice); `options`: Triton's other launch options (e.g.
+    maxnreg); bench_kernels.py --only "prefill wy" sweeps the launches."""
     r, t, h, kd = k.shape
     hv, vd = v.shape[2], v.shape[3]
     assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape
@@ -232,7 +260,10 @@ def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, stride: int, bl
     assert not packed or r == 1
     sequences = cu_seqlens.shape[0] - 1 if packed else r
     o = torch.empty_like(v)
+    stages = num_stages or (1 if k.dtype == torch.float32 else 2)
+    tiles = [TensorDescriptor(x, [r * t, x.shape[2] * x.shape[3]], [x.shape[2] * x.shape[3], 1], [CHUNK, cols])
+             for x, cols in ((q, kd), (k, kd), (v, bv), (a_inv, CHUNK))]
     _chunks_wy_kernel[(triton.cdiv(vd, bv), sequences * hv)](
-        q, k, v, g, beta, a_inv, cu_seqlens, t, bank, index, stride, bank.stride(0), o, kd ** -0.5, H=h, HV=hv,
-        K=kd, V=vd, BV=bv, PACKED=packed, num_warps=num_warps, num_stages=num_stages, **options)
+        *tiles[:3], g, beta, tiles[3], cu_seqlens, t, bank, index, stride, bank.stride(0), o, kd ** -0.5, H=h,
+        HV=hv, K=kd, V=vd, BV=bv, PACKED=packed, STAGES=stages, num_warps=num_warps, num_stages=stages, **options)
     return o
