@@ -13,9 +13,9 @@ def main() -> None:
         with _deferred_interrupt():
             # A SIGINT inside a C extension's import can surface as an ImportError that a library catches
             # and works around: the heavy imports run with it held, and it is raised once they are done.
-            from kevscore.cli import main as cli_main
+            from kevscore.cli import app
             from kevscore.job import run as job  # noqa: F401  (numpy, pyarrow, torch)
-        cli_main()
+        app()
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         raise SystemExit(130) from None

@@ -207,13 +207,12 @@ def run(
     if world_from_env() is not None:
         return _run_rank(opts, quiet)
     log = display.JsonProgress() if log_json else None
-    with _failing(None, log=log), display.progress_bars(console, disable=quiet or log_json) as bar:
-        reporter = log or display.RichProgress(bar)
+    with _failing(None, log=log), display.progress_bars(console, disable=quiet or log_json) as live:
+        bars = display.RichProgress(live)  # drawn unless --quiet or --log-json
         try:
-            result = Scorer.from_options(opts).run(opts, reporter)
+            result = Scorer.from_options(opts).run(opts, log or bars)
         finally:
-            if reporter is not log:
-                reporter.loaded()
+            bars.loaded()
     # the run's last words: the `done` event, the summary table, or a line when nothing was to do
     if log:
         log.emit("done", **display.summary_fields(result))
@@ -347,6 +346,3 @@ def compare(
         bad = [c["name"] for c in report["cases"] if not c["summary"]["parity"]]
         _fail(f"parity failed in {', '.join(bad)}: the indexed path does not reproduce the gathered path")
 
-
-def main() -> None:
-    app()

@@ -291,14 +291,13 @@ def spread_warnings(report: dict) -> list[str]:
 def plot(report: dict, path: Path) -> None:
     """Latency distributions per case and path, one panel per case."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure  # a figure of its own: no pyplot state, no backend to choose
     except ImportError as exc:
         raise KevscoreError("--plot needs matplotlib: pip install 'kevscore[plot]'") from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     cases = report["cases"]
-    fig, axes = plt.subplots(1, len(cases), figsize=(2.6 * len(cases) + 1, 3.6), squeeze=False)
+    fig = Figure(figsize=(2.6 * len(cases) + 1, 3.6))
+    axes = fig.subplots(1, len(cases), squeeze=False)
     for ax, case in zip(axes[0], cases):
         data = [case["latency_ms"][p] for p in PATHS]
         ax.boxplot(data, showfliers=True)
@@ -310,7 +309,4 @@ def plot(report: dict, path: Path) -> None:
     axes[0][0].set_ylabel("GPU ms (CUDA events)" if report["timer"] == "cuda-events" else "CPU ms (wall clock)")
     fig.suptitle(f"kevscore compare · {report['model']} · {report['environment'].get('gpu', 'CPU')}", fontsize=10)
     fig.tight_layout()
-    try:
-        write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    finally:
-        plt.close(fig)
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))

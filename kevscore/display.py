@@ -206,11 +206,9 @@ def summary_table(result) -> Table:
         table.add_row("out of memory", f"{_count(s.oom_retries, 'batch')} split and retried")
     if result.errors is not None:
         table.add_row("set aside", f"{result.set_aside:,} rows -> {escape(str(result.errors))}")
-    if result.labels and result.labels["predictions"]:
-        table.add_row("label mass", f"min {_mass(result.labels['label_mass_min'])}, "
-                                    f"median {_mass(result.labels['label_mass_median'])}")
-        table.add_row("predictions", escape(", ".join(f"{label} {n:,}" for label, n in
-                                                      result.labels["predictions"].items())))
+    if (labels := result.labels) and labels["predictions"]:
+        table.add_row("label mass", f"min {_mass(labels['label_mass_min'])}, median {_mass(labels['label_mass_median'])}")
+        table.add_row("predictions", escape(", ".join(f"{label} {n:,}" for label, n in labels["predictions"].items())))
     table.add_row("output", escape(str(result.output)))
     if (b := result.bank) is not None:
         table.add_row("bank entries", f"{b.loaded:,} loaded, {s.prefilled:,} prefilled, {b.saved:,} saved, "
@@ -319,11 +317,10 @@ def print_inspect(out: Console, r: dict, detail: bool) -> None:
         name, dtype, backend = (escape(str(m["about"].get(k, "?"))) for k in ("name", "dtype", "backend"))
         out.print(f"model {escape(fp[:12])} · {name} · {dtype} {backend} · {m['entries']:,} entries, "
                   f"{_size(m['file_bytes'])}", highlight=False)
-    for note in r["notes"]:
+    temporary = [f"{len(r['temporary'])} temporary file(s) of an interrupted or running write in tmp/ (never used; the "
+                 "next run removes them if their process is gone)"] if r["temporary"] else []
+    for note in r["notes"] + temporary:
         out.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
-    if r["temporary"]:
-        out.print(f"[yellow]note:[/] {len(r['temporary'])} temporary file(s) of an interrupted or running write "
-                  "in tmp/ (never used; the next run removes them if their process is gone)", highlight=False)
     if detail:
         row = r["entries"][0]
         fields = ("key", "file", "model", "status", "tokens", "doc_ids", "bytes", "file_bytes", "indexed", "tensors",

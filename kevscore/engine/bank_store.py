@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from kevscore import faults
-from kevscore.durable import bytes_filler, fsync_dir, lock_file, write_json, write_new
+from kevscore.durable import bytes_filler, fsync_dir, lock_file, temp_path, write_json, write_new
 from kevscore.engine import bank_dir, bank_entry
 from kevscore.engine.backend import synchronize
 from kevscore.engine.bank_entry import EntryError, Fingerprint
@@ -91,8 +91,9 @@ class BankStore:
     # ------------------------------------------------------------ housekeeping
 
     def warn(self, message: str) -> None:
-        self.stats.warnings.append(message)
-        self._warn_cb(message)
+        """A problem the run recovers from, recorded and told with the bank's name."""
+        self.stats.warnings.append(f"bank {self.root}: {message}")
+        self._warn_cb(self.stats.warnings[-1])
 
     def _clean_tmp(self) -> None:
         """Remove the temporary files of processes that no longer run (their owner lock is free or gone)."""
@@ -135,15 +136,14 @@ class BankStore:
         files = bank_dir.entry_files(self.root)
         index, why = bank_dir.index_or_why(self.root)
         if why is not None and (files or why != bank_dir.INDEX_MISSING):  # no index, no entry: a new bank
-            self.warn(f"bank {self.root}: {why}; rebuilding it from {len(files)} entry files")
+            self.warn(f"{why}; rebuilding it from {len(files)} entry files")
         if index is None:
             index, reconcile = {**MARKER_FIELDS, "entries": {}, "models": {}}, True
         if not reconcile:
             return index
         entries = index["entries"]
         if gone := [k for k in entries if k not in files]:
-            self.warn(f"bank {self.root}: {len(gone)} indexed entries have no file "
-                      f"(e.g. {entries[gone[0]]['file']}); dropped from the index")
+            self.warn(f"{len(gone)} indexed entries have no file (e.g. {entries[gone[0]]['file']}); dropped from the index")
             for k in gone:
                 del entries[k]
         for key, path in files.items():
@@ -154,7 +154,7 @@ class BankStore:
                 if entry.meta["key"] != key:
                     raise EntryError("the file name does not match the key in its header")
             except (OSError, EntryError) as exc:
-                self.warn(f"bank {self.root}: entry file {path.relative_to(self.root)}: {exc}; removed")
+                self.warn(f"entry file {path.relative_to(self.root)}: {exc}; removed")
                 path.unlink(missing_ok=True)
                 continue
             entries[key] = bank_dir.entry_record(entry, path, self.root, path.stat().st_mtime)
@@ -224,10 +224,12 @@ class BankStore:
         wanted = set(shas) - {r["prefix_sha256"] for r in entries if r["model"] == self.model.digest}
         foreign = Counter(r["model"] for r in entries if r["model"] != self.model.digest and r["prefix_sha256"] in wanted)
         for fp, n in foreign.items():
-            name = self.index["models"].get(fp, {}).get("name", "?")
-            self.warn(f"bank {self.root}: {n} of this run's documents have entries made by another model "
-                      f"({name}, fingerprint {fp[:12]}); they are not used: prefilling them for this model "
-                      f"({self.model.about['name']}, fingerprint {self.model.digest[:12]})")
+            self.warn(f"{n} of this run's documents have entries made by another model ({self._model_named(fp)}); they "
+                      f"are not used: prefilling them for this model ({self._model_named(self.model.digest)})")
+
+    def _model_named(self, fingerprint: str) -> str:
+        """A model of the bank's index as messages name it: its name and fingerprint."""
+        return f"{self.index['models'].get(fingerprint, {}).get('name', '?')}, fingerprint {fingerprint[:12]}"
 
     def load(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> set[int]:
         """Copy the entries the store has for `docs` into their bank slots; returns the documents loaded.
@@ -240,7 +242,7 @@ class BankStore:
             if isinstance(result, Exception):
                 if not isinstance(result, FileNotFoundError):  # gone: another run evicted it
                     self.stats.rejected += 1
-                    self.warn(f"bank {self.root}: entry {key[:12]} ({self._path(key).relative_to(self.root)}"
+                    self.warn(f"entry {key[:12]} ({self._path(key).relative_to(self.root)}"
                               f"{self._ids_phrase(prefixes[d])}): {result}; recomputing it")
                 continue
             entry, tensors = result
@@ -282,8 +284,7 @@ class BankStore:
     def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
         entry, tensors = bank_entry.read_entry(self._path(key), pin=bank.state.device.type == "cuda")
         if entry.meta["model"] != self.model.digest:
-            name = self.index["models"].get(entry.meta["model"], {}).get("name", "?")
-            raise EntryError(f"made by another model ({name}, fingerprint {entry.meta['model'][:12]})")
+            raise EntryError(f"made by another model ({self._model_named(entry.meta['model'])})")
         for name, view in bank.entry(slot, len(prefix)).items():  # the slot's views: the shapes the bank needs
             t = tensors[name]
             if t.dtype != view.dtype or t.shape != view.shape:
@@ -313,15 +314,14 @@ class BankStore:
             prefix = prefixes[d]
             host = {name: t.to("cpu", copy=True).contiguous() for name, t in bank.entry(slot_of[d], len(prefix)).items()}
             data = bank_entry.entry_bytes(key, self.model.digest, prefix, host)
-            tmp = self.tmp / f"{key}{bank_entry.SUFFIX}.tmp"
-            tmp.unlink(missing_ok=True)
+            tmp = temp_path(self._path(key), self.tmp)
             write_new(tmp, bytes_filler(data, "bank-entry-write"), self._path(key))
             return key, tmp, bank_dir.entry_record(bank_entry.read_header(tmp), self._path(key), self.root, time.time())
 
         written = []
         for (d, key), result in zip(items, self._pipelined(write, items)):
             if isinstance(result, Exception):
-                self.warn(f"bank {self.root}: cannot write entry {key[:12]} ({result}); not saved")
+                self.warn(f"cannot write entry {key[:12]} ({result}); not saved")
                 continue
             written.append(result)
             self._touched[key] = result[2]
@@ -339,7 +339,6 @@ class BankStore:
             self._touched.clear()
             for _, tmp, _ in written:
                 tmp.unlink(missing_ok=True)
-            self.warn(f"bank {self.root}: cannot update the bank ({exc}); this run's {len(written)} new "
-                      "entries may be missing from it")
+            self.warn(f"cannot update the bank ({exc}); this run's {len(written)} new entries may be missing from it")
             return False
         return True

@@ -5,6 +5,7 @@ import glob
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -38,7 +39,7 @@ def write_tables(file: BinaryIO, tables: Iterable[pa.Table], fmt: str = "parquet
     """Write a stream of tables of one schema to an open binary file: Parquet (with `metadata` when given), CSV
     (list columns as JSON arrays) or JSON Lines (one object per row); `hook` is a fault point after each table."""
     writer = None
-    try:
+    with ExitStack() as stack:  # the writer, once made, is closed however the write ends
         for table in tables:
             if fmt == "jsonl":
                 lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
@@ -47,13 +48,11 @@ def write_tables(file: BinaryIO, tables: Iterable[pa.Table], fmt: str = "parquet
                 table = lists_as_json(table) if fmt == "csv" else table
                 if writer is None:
                     schema = table.schema if metadata is None else table.schema.with_metadata(metadata)
-                    writer = pq.ParquetWriter(file, schema) if fmt == "parquet" else pacsv.CSVWriter(file, table.schema)
+                    writer = stack.enter_context(pq.ParquetWriter(file, schema) if fmt == "parquet"
+                                                 else pacsv.CSVWriter(file, table.schema))
                 writer.write_table(table)
             if hook:
                 faults.point(hook)
-    finally:
-        if writer is not None:
-            writer.close()
 
 
 def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dict[bytes, bytes] | None = None,

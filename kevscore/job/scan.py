@@ -2,8 +2,8 @@
 
 `scan_input` reads the input in record batches, a few columns at a time, and keeps only compact arrays:
 each row's document (an int32 index), and per document its key, its text length and its questions'
-summed length. Every check of the whole-file reader is made here, in the same order and with the same
-one-line messages (file, column, input row numbers), so `read_input` is this scan plus reading every row.
+summed length. Every check of the input is made here, each with a one-line message (file, column, input row
+numbers), so `read_input` is this scan plus reading every row.
 With `skip_invalid`, rows that cannot be scored on their own (a null question or document, a `labels`
 value that is null, empty or repeats a label, a `doc_id` with no document) are set aside with a reason
 instead of stopping the run; problems of identity or structure (missing columns, wrong types, null or
@@ -99,15 +99,13 @@ def check_names(path: Path, names: list[str], required: Sequence[str], reject: s
                             f"use one form or the other")
 
 
-def _typed(file: pq.ParquetFile, name: str) -> bool:
-    """Whether the file has column `name` of its expected type (TYPES)."""
-    return name in file.schema_arrow.names and TYPES.get(name, (is_string,))[0](file.schema_arrow.field(name).type)
-
-
-def _check_type(path: Path, file: pq.ParquetFile, name: str) -> None:
-    if not _typed(file, name):
-        expected = TYPES.get(name, (None, "string"))[1]
-        raise KevscoreError(f"{path}: column {name!r} has type {file.schema_arrow.field(name).type}, expected {expected}")
+def _check_types(path: Path, file: pq.ParquetFile, names: Sequence[str]) -> None:
+    """Each of the columns `names` that the file has must be of its expected type (TYPES)."""
+    schema = file.schema_arrow
+    for name in [n for n in names if n in schema.names]:
+        is_type, expected = TYPES.get(name, (is_string, "string"))
+        if not is_type(schema.field(name).type):
+            raise KevscoreError(f"{path}: column {name!r} has type {schema.field(name).type}, expected {expected}")
 
 
 def _nulls(path: Path, column: str, rows: list[int], scan: InputScan | None = None) -> None:
@@ -198,24 +196,16 @@ def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = F
 
 
 def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
-    file = open_parquet(path)
-    names = file.schema_arrow.names
-    check_names(path, names, ("document", "question"), None)
-    _check_type(path, file, "document")
-    docs = _index_documents(path, file, keep_texts)
+    file, docs = _indexed(path, ("document", "question"), None, keep_texts)
     scan = InputScan(path, None, file.metadata.num_rows, docs.doc_of_row, docs.keys, np.asarray(docs.chars, np.int64),
                      np.asarray(docs.first_rows, np.int64))
     _nulls(path, "document", docs.null_texts, scan if skip_invalid else None)
-    if "doc_id" in names:
-        _check_type(path, file, "doc_id")
-        _nulls(path, "doc_id", docs.null_ids)
-        docs.check_clashes(path)
     _scan_questions(scan, file, skip_invalid)
     return scan
 
 
 def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
-    file, docs = _by_doc_id(path, ("question", "doc_id"), "document")  # the texts are in the documents file
+    file, docs = _indexed(path, ("question", "doc_id"), "document")  # the texts are in the documents file
     doc_of_row, keys = docs.doc_of_row, docs.keys
     found = _documents_file(documents)
     unknown = [d for d, k in enumerate(keys) if k not in found]
@@ -232,23 +222,24 @@ def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
     return scan
 
 
-def _by_doc_id(path: Path, required: tuple[str, str], reject: str | None) -> tuple[pq.ParquetFile, _Documents]:
-    """A file of the two-file form (questions, or documents) opened and checked, its rows indexed by doc_id: its
-    `required` columns present, `reject` absent, doc_id a string and never null."""
+def _indexed(path: Path, required: tuple[str, str], reject: str | None,
+             keep_texts: bool = False) -> tuple[pq.ParquetFile, _Documents]:
+    """A file (the one-file input, or either file of the two-file form) opened and checked, its rows indexed by
+    document (`_index_documents`): its `required` columns present, `reject` absent, its document and doc_id
+    columns strings, doc_id never null nor given two different texts."""
     file = open_parquet(path)
     check_names(path, file.schema_arrow.names, required, reject)
-    _check_type(path, file, "doc_id")
-    docs = _index_documents(path, file)
+    _check_types(path, file, ("document", "doc_id"))
+    docs = _index_documents(path, file, keep_texts)
     _nulls(path, "doc_id", docs.null_ids)
+    docs.check_clashes(path)
     return file, docs
 
 
 def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
     """doc_id -> (its row in the documents file, its text's length); checks nulls, types and clashes."""
-    file, docs = _by_doc_id(path, ("doc_id", "document"), None)
-    _check_type(path, file, "document")
+    file, docs = _indexed(path, ("doc_id", "document"), None)
     _nulls(path, "document", docs.null_texts)
-    docs.check_clashes(path)
     return {key: (row, chars) for key, row, chars in zip(docs.keys, docs.first_rows, docs.chars)}
 
 
@@ -272,9 +263,9 @@ class _Documents:
 
 
 def _index_documents(path: Path, file: pq.ParquetFile, keep_texts: bool = False) -> _Documents:
-    """Each row's document, from the file's `document` and `doc_id` columns of the right type: keyed by doc_id,
-    else by the text (`keep_texts`) or its digest. Without a `document` column every text is empty."""
-    columns = [c for c in ("document", "doc_id") if _typed(file, c)]
+    """Each row's document, from the file's `document` and `doc_id` columns: keyed by doc_id, else by the text
+    (`keep_texts`) or its digest. Without a `document` column every text is empty."""
+    columns = [c for c in ("document", "doc_id") if c in file.schema_arrow.names]
     docs = _Documents(np.full(file.metadata.num_rows, -1, dtype=np.int32))
     index: dict = {}  # document key -> its index
     digests: list[bytes] = []
@@ -310,9 +301,9 @@ LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not 
 def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -> None:
     """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths per document."""
     path, names = scan.path, file.schema_arrow.names
-    _check_type(path, file, "question")
+    _check_types(path, file, ("question", "question_id", "labels"))
     scan.columns = [c for c in ("doc_id", "question_id", "labels") if c in names]
-    columns = ["question"] + [c for c in ("question_id", "labels") if _typed(file, c)]
+    columns = ["question"] + [c for c in ("question_id", "labels") if c in names]
     null_q, null_qid = [], []
     bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
     qhash = np.zeros(scan.rows if "question_id" in columns else 0, dtype=np.int64)
@@ -336,21 +327,18 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
                         rows.append(i)
                         break
     _nulls(path, "question", null_q, scan if skip_invalid else None)
-    if "question_id" in names:
-        _check_type(path, file, "question_id")
-        _nulls(path, "question_id", null_qid)
-        _check_duplicates(path, file, qhash)
-    if "labels" in names:
-        _check_type(path, file, "labels")
-        t = file.schema_arrow.field("labels").type
-        for rows, (what, one, _) in zip(bad_labels, LABEL_PROBLEMS):
-            if rows and not skip_invalid:
-                raise KevscoreError(f"{path}: column 'labels' ({t}) has {what} at {rows_phrase(rows)}")
-            scan.set_aside(rows, f"column 'labels' has {one}")
+    _nulls(path, "question_id", null_qid)
+    _check_duplicates(path, file, qhash)
+    for rows, (what, one, _) in zip(bad_labels, LABEL_PROBLEMS):  # rows only where there is a labels column
+        if rows and not skip_invalid:
+            raise KevscoreError(f"{path}: column 'labels' ({file.schema_arrow.field('labels').type}) has {what} at "
+                                f"{rows_phrase(rows)}")
+        scan.set_aside(rows, f"column 'labels' has {one}")
 
 
 def _check_duplicates(path: Path, file: pq.ParquetFile, qhash: np.ndarray) -> None:
-    """Duplicate question ids: equal hashes first (8 bytes a row), then the values of those rows only."""
+    """Duplicate question ids: equal hashes first (8 bytes a row; none without a question_id column), then the
+    values of those rows only."""
     values, counts = np.unique(qhash, return_counts=True)
     if not (suspects := set(values[counts > 1].tolist())):
         return

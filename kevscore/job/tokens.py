@@ -17,7 +17,7 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
     """Tokenize every document (once) and question, keeping only lengths: each document's prefix length
     (int32; -1 for a document no row uses). Every row passes `prompt.PromptCheck`, the checks `encode`
     makes, named by input row; with skip_invalid a row that fails is set aside with its reason instead."""
-    from kevscore.model.prompt import PromptCheck, label_token_ids, longest_tail, tokenize
+    from kevscore.model.prompt import PromptCheck, label_token_ids, tokenize
 
     check = PromptCheck(tokenizer, scan.path.name, max_positions)
     doc_tokens = np.full(scan.documents, -1, dtype=np.int32)
@@ -31,7 +31,8 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
         for start, cols in batches(scan.documents_path, open_parquet(scan.documents_path), ["document"]):
             measure({wanted[start + j]: t for j, t in enumerate(cols["document"]) if start + j in wanted})
     has_labels = "labels" in scan.columns
-    tail = 0 if has_labels else longest_tail(label_token_ids(tokenizer, default_labels, "--labels"))
+    if not has_labels:
+        label_token_ids(tokenizer, default_labels, "--labels")  # a label of no tokens stops the run before any row
     columns = ["question"] + (["document"] if scan.documents_path is None else []) + (["labels"] if has_labels else [])
     for start, cols in batches(scan.path, open_parquet(scan.path), columns):
         docs = scan.doc_of_row[start:start + len(cols["question"])]
@@ -40,11 +41,11 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
             measure({int(docs[j]): cols["document"][j] for j in live if doc_tokens[docs[j]] < 0})
         branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
         for j, ids in zip(live, branches):
-            reason, row_tail = check.labels(cols["labels"][j]) if has_labels else (None, tail)
+            reason, _, tails = check.label_tokens(cols["labels"][j] if has_labels else default_labels)
             if reason and not skip_invalid:
                 raise check.label_error(start + j, reason)
             # a row whose labels cannot be scored is not measured
-            reason = reason or check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids), row_tail)
+            reason = reason or check.prompt(start + j, int(doc_tokens[docs[j]]), len(ids), tails)
             if reason and skip_invalid:
                 scan.set_aside([start + j], reason)
     if (error := check.error()) and not skip_invalid:

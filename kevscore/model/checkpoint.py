@@ -269,11 +269,10 @@ def normalize_names(weights: dict[str, torch.Tensor], cfg: KevConfig, path: Path
     """Map multimodal (`model.language_model.`) names to text-model names, drop vision/MTP, tie lm_head."""
     out = {"model." + name.removeprefix(MULTIMODAL_PREFIX) if name.startswith(MULTIMODAL_PREFIX) else name: tensor
            for name, tensor in weights.items() if not name.startswith(SKIPPED_PREFIXES)}
-    if "lm_head.weight" not in out or cfg.tie_word_embeddings:
-        if not cfg.tie_word_embeddings:
-            raise KevscoreError(f"{path}: untied embeddings but no lm_head.weight in the weights")
-        if "model.embed_tokens.weight" in out:  # else reported as missing below
-            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in out:
+        raise KevscoreError(f"{path}: untied embeddings but no lm_head.weight in the weights")
+    if cfg.tie_word_embeddings and "model.embed_tokens.weight" in out:  # else reported as missing below
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     if missing := sorted(set(weight_shapes(cfg)) - set(out)):
         raise KevscoreError(f"{path}: weights missing {len(missing)} tensors, e.g. {', '.join(missing[:3])}")
     return out

@@ -119,11 +119,6 @@ def first_and_tails(label_ids: Sequence[Sequence[int]]) -> tuple[list[int], list
     return [ids[0] for ids in label_ids], [tuple(ids[1:]) for ids in label_ids]
 
 
-def longest_tail(label_ids: Sequence[Sequence[int]]) -> int:
-    """Tokens a row's labels add to its prompt: the longest label's tokens but its last."""
-    return max(len(ids) for ids in label_ids) - 1
-
-
 def prompt_parts(tail: int) -> str:
     """What a prompt's length counts, for messages: the labels' tokens too when they add any."""
     return "document + question + label" if tail else "document + question"
@@ -141,12 +136,6 @@ class PromptCheck:
         self.tail = 0                 # the most label tokens counted in a prompt found too long
         self._labels: dict[tuple[str, ...], tuple[str | None, list[int], list[tuple[int, ...]]]] = {}
 
-    def labels(self, labels: Sequence[str]) -> tuple[str | None, int]:
-        """Why a row's labels cannot be scored (or None), and the tokens they add to its prompt (`longest_tail`;
-        0 for labels that cannot be scored)."""
-        reason, _, tails = self.label_tokens(labels)
-        return reason, max(map(len, tails), default=0)
-
     def label_tokens(self, labels: Sequence[str]) -> tuple[str | None, list[int], list[tuple[int, ...]]]:
         """Why a row's labels cannot be scored (or None), each label's first token and its tokens after the first
         (`first_and_tails`); tokenized once per distinct list, whose rows then share these lists."""
@@ -159,12 +148,13 @@ class PromptCheck:
     def label_error(self, row: int, reason: str) -> KevscoreError:
         return KevscoreError(f"{self.source}: column 'labels' (row {row}): {reason}")
 
-    def prompt(self, row: int, prefix_tokens: int, branch_tokens: int, tail: int = 0) -> str | None:
-        """Why input row `row`'s prompt cannot be scored (an empty branch, too many tokens), or None. `tail`:
-        the tokens its labels add (`longest_tail`), counted in its length."""
+    def prompt(self, row: int, prefix_tokens: int, branch_tokens: int, tails: Sequence[tuple[int, ...]]) -> str | None:
+        """Why input row `row`'s prompt cannot be scored (an empty branch, too many tokens), or None. `tails`: its
+        labels' tokens after their first (`label_tokens`); the longest adds to its length."""
         if branch_tokens == 0:
             self.empty.append(row)
             return "the prompt branch (template and question) is empty"
+        tail = max(map(len, tails), default=0)
         n = prefix_tokens + branch_tokens + tail
         if n <= self.max_positions:
             return None
@@ -203,7 +193,7 @@ def encode(table, tokenizer, template: Template, default_labels: Sequence[str], 
             raise check.label_error(i, reason) if table.labels else KevscoreError(f"--labels: {reason}")
         label_ids.append(firsts)
         label_tails.append(tails)
-        check.prompt(i, len(prefixes[row_prefix[i]]), len(branch), max(map(len, tails)))
+        check.prompt(i, len(prefixes[row_prefix[i]]), len(branch), tails)
     if error := check.error():
         raise error
     return Encoded(prefixes, row_prefix, branches, [list(x) for x in labels], label_ids,
