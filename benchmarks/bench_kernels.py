@@ -284,7 +284,7 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
     import fla_oracles
 
     from kevscore.kernels import fla_ops
-    from kevscore.kernels.branch_wy import branch_wy
+    from kevscore.kernels.branch_wy import branch_wy, rows_wy
     from kevscore.model.config import LINEAR
 
     layers = cfg.layer_types.count(LINEAR)
@@ -309,7 +309,14 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
             record(f"wy parts {tt}", f"fused wy {name}", timed(lambda: branch_wy(
                 q, k, v, gc, beta, a_inv, bank, slots, **launch)), layers, floor)
             record(f"fused wy {tt}", f"gate + solve + fused wy {name}", timed(lambda: fused_path(launch)), layers)
+        for launch in sweep(ROWS_WY_LAUNCHES):  # the chunk loop (TMA tiles) in place of the two-chunk kernel
+            name = str(launch)[1:-1].replace("'", "") or "default"
+            record(f"wy parts {tt}", f"chunk loop {name}", timed(lambda: rows_wy(
+                q, k, v, gc, beta, a_inv, bank, slots, **launch)), layers, floor)
 
+
+# the chunk loop's launches on branches (rows_wy), as bench_fused_wy sets them beside the two-chunk kernel
+ROWS_WY_LAUNCHES = ({}, dict(num_stages=1), dict(block_v=128, num_warps=8), dict(block_v=128), dict(num_warps=8))
 
 # the chunk loop's launches: the default (2 stages) first; maxnreg 168: 3 programs an SM by registers (NOTES 89)
 PREFILL_WY_LAUNCHES = ({}, dict(num_stages=1), dict(num_stages=3), dict(num_warps=8), dict(block_v=128, num_warps=8),

@@ -115,7 +115,7 @@ class CaseResult:
 def _bank_views(bank) -> list[torch.Tensor]:
     """The bank's used region: every entry in use and every K/V token in use."""
     n, t = bank.used_entries, bank.used_tokens
-    return [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :t], bank.start[:n], bank.length[:n]]
+    return [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :t], bank.start[:n]]
 
 
 def case_call(engine: Engine, enc: Encoded, warm: float) -> tuple[Callable[[str], None], dict[str, Scores]]:

@@ -160,9 +160,7 @@ def summary_fields(result) -> dict:
            "already_complete": result.already_complete}
     if result.errors is not None:
         out.update(errors=str(result.errors), set_aside=result.set_aside)
-    if result.labels is not None:
-        out.update(result.labels)
-    return out
+    return out | (result.labels or {})  # label mass and predictions
 
 
 def progress_bars(out: Console, disable: bool = False) -> Progress:

@@ -45,16 +45,16 @@ def fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def lock_file(path: Path, exclusive: bool = True, wait: bool = True) -> int | None:
-    """A descriptor of `path` holding a flock on it (exclusive, creating the file, or shared); None when `wait`
-    is False and another process holds it. Closing the descriptor releases the lock."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644)
+def lock_file(path: Path, exclusive: bool = True, wait: bool = True) -> BinaryIO | None:
+    """`path` open, holding a flock on it (exclusive, creating the file, or shared); None when `wait` is False
+    and another process holds it. Closing the file (or leaving a `with` block on it) releases the lock."""
+    lock = open(os.open(path, os.O_RDWR | os.O_CREAT if exclusive else os.O_RDONLY, 0o644), "rb", buffering=0)
     try:
-        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
+        fcntl.flock(lock, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
-        os.close(fd)
+        lock.close()
         return None
-    return fd
+    return lock
 
 
 def write_new(tmp: Path, fill: Filler, what: Path) -> None:

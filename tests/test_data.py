@@ -11,7 +11,6 @@ import pytest
 
 from kevscore import faults
 from kevscore.errors import KevscoreError, KevscoreFailure
-from kevscore.job import parts
 from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, output_table, read_input
 from kevscore.job.formats import write_parquet
 from kevscore.job.inputs import output_path
@@ -409,7 +408,7 @@ def test_failed_replace_removes_temp(tmp_path: Path, monkeypatch: pytest.MonkeyP
         seen.append(Path(src))
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(parts.os, "replace", no_replace)
+    monkeypatch.setattr(os, "replace", no_replace)
     with pytest.raises(KevscoreFailure, match="cannot write .Permission denied"):
         write(tmp_path / "out.parquet")
     assert seen and seen[0].parent == tmp_path

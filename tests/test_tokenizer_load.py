@@ -184,7 +184,8 @@ def test_where_auto_class_cannot_tell_autotokenizer_decides(tmp_path: Path, demo
         settings = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**settings, "auto_map": {"AutoModel": "m.Model"}}))
     if odd.endswith("transformers"):  # on the module imported now: a test before may have reloaded transformers
-        version = "5.16.0" if odd == "an older transformers" else "5.25.0"
+        (major, oldest), (_, newest) = checkpoint_module.AUTO_VERSIONS  # one major version
+        version = f"{major}.{oldest - 1}.0" if odd == "an older transformers" else f"{major}.{newest + 1}.0"
         monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
     auto = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     calls = count_auto_loads(monkeypatch)

@@ -56,14 +56,12 @@ class StateBank:
             shape = t.shape(cfg, layout.tokens) if t.token_axis is not None else (layout.entries, *t.shape(cfg))
             setattr(self, t.name, torch.zeros(layers, *shape, dtype=t.dtype(dtype), device=device))
         self.start = torch.zeros(layout.entries, dtype=torch.long, device=device)  # first K/V token slot
-        self.length = torch.zeros(layout.entries, dtype=torch.long, device=device)
         self.reset()
 
     def reset(self) -> None:
         """Start a new wave: every entry becomes free (the tensors keep their addresses)."""
         self.used_entries, self.used_tokens = 0, 0
         self._starts: list[int] = []
-        self._lengths: list[int] = []
 
     def alloc(self, length: int) -> int:
         """Reserve an entry for a document of `length` tokens; returns its slot."""
@@ -71,7 +69,6 @@ class StateBank:
             raise KevscoreError(f"state bank full: a {length}-token document does not fit ({self.layout.entries} "
                                 f"entries, {self.layout.tokens} K/V tokens); raise --bank-capacity")
         self._starts.append(self.used_tokens)
-        self._lengths.append(length)
         self.used_entries += 1
         self.used_tokens += length
         return self.used_entries - 1  # the slot
@@ -80,10 +77,8 @@ class StateBank:
         return self._starts[slot]
 
     def publish(self) -> None:
-        """Copy the host allocation tables to the device tables (once per wave, before scoring)."""
-        n = self.used_entries
-        self.start[:n].copy_(torch.tensor(self._starts, dtype=torch.long))
-        self.length[:n].copy_(torch.tensor(self._lengths, dtype=torch.long))
+        """Copy the entries' first K/V token slots to the device table (once per wave, before scoring)."""
+        self.start[:self.used_entries].copy_(torch.tensor(self._starts, dtype=torch.long))
 
     def entry(self, slot: int, length: int) -> dict[str, torch.Tensor]:
         """Views of entry `slot` (a document of `length` tokens) in every tensor, shaped as an entry file holds

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from kevscore import faults
@@ -70,7 +69,7 @@ def _check_bank_contents(root: Path, create: bool) -> None:
 
 
 def entry_files(root: Path) -> dict[str, Path]:
-    return {p.name[: -len(SUFFIX)]: p for p in (root / ENTRIES).glob(f"*/*{SUFFIX}")}
+    return {p.stem: p for p in (root / ENTRIES).glob(f"*/*{SUFFIX}")}
 
 
 def read_index(root: Path) -> dict:
@@ -108,15 +107,10 @@ def index_or_why(root: Path) -> tuple[dict | None, str | None]:
         return None, f"{INDEX} is unreadable ({first_line(exc)[:120]})"
 
 
-@contextlib.contextmanager
-def bank_lock(root: Path, exclusive: bool, purpose: str) -> Iterator[None]:
+def bank_lock(root: Path, exclusive: bool, purpose: str) -> contextlib.AbstractContextManager:
+    """The bank's lock, held while a `with` block on it runs: exclusive for writers, shared for a look."""
     faults.point(f"bank-lock-wait-{purpose}")
     path = root / LOCK
     # a read-only look at a bank without a lock file takes none (nothing can be writing to it)
-    fd = lock_file(path, exclusive) if exclusive or path.exists() else None
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)
+    return lock_file(path, exclusive) if exclusive or path.exists() else contextlib.nullcontext()
 

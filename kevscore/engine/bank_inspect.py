@@ -23,8 +23,7 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
         chosen = _chosen_entry(root, keys, entry)
         rows = [_entry_row(key, records.get(key), files.get(key), verify and chosen in (None, key), entry is not None)
                 for key in keys]
-        tmp = root / TMP
-        leftovers = [p for p in tmp.iterdir() if not p.name.endswith(".lock")] if tmp.is_dir() else []
+        temporary = [p.name for p in (root / TMP).glob("*") if not p.name.endswith(".lock")]  # none without tmp/
     for fp in {r.get("model") for r in rows if r.get("model")}:
         models.setdefault(fp, {"name": "?"})
     per_model = {fp: {"about": about, "entries": sum(r.get("model") == fp for r in rows),
@@ -39,7 +38,7 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
     return {"bank": str(root), "format": FORMAT, "version": VERSION, "models": per_model, "entries": shown,
             "totals": totals, "disk": {"free_bytes": disk.free, "total_bytes": disk.total}, "verified": verify,
             "bad_entries": bad, "notes": notes, "unindexed": [r["key"] for r in rows if not r["indexed"]],
-            "temporary": [p.name for p in leftovers]}
+            "temporary": temporary}
 
 
 def _chosen_entry(root: Path, keys: list[str], prefix: str | None) -> str | None:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -69,7 +70,7 @@ class BankStore:
         self.stats = BankStats()
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
         self._doc_ids: dict[str, list[str]] = {}     # prefix sha256 -> document ids of this run
-        self._owner_fd: int | None = None
+        self._owner_lock: BinaryIO | None = None
         bank_dir.check_bank_dir(self.root, create=True)
         self.root.mkdir(parents=True, exist_ok=True)
         try:
@@ -80,7 +81,7 @@ class BankStore:
                 self._clean_tmp()
                 # this process's temporary directory, owned while its lock is held
                 self.tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self.root / bank_dir.TMP))
-                self._owner_fd = lock_file(self.tmp.with_name(self.tmp.name + ".lock"))
+                self._owner_lock = lock_file(self.tmp.with_name(self.tmp.name + ".lock"))
                 if not (self.root / bank_dir.MARKER).exists():
                     write_json(self.root / bank_dir.MARKER, MARKER_FIELDS, tmp_dir=self.tmp)
                 self._publish(self._load_index(reconcile=True), "bank-index-write-open")
@@ -101,9 +102,9 @@ class BankStore:
         for owner in {p.name.removesuffix(".lock") for p in base.iterdir()} if base.is_dir() else ():
             lock, owned = base / f"{owner}.lock", base / owner
             if lock.exists():
-                if (fd := lock_file(lock, wait=False)) is None:
+                if (held := lock_file(lock, wait=False)) is None:
                     continue  # its process is alive
-                os.close(fd)
+                held.close()
             if owned.is_dir():
                 shutil.rmtree(owned, ignore_errors=True)
             else:
@@ -113,18 +114,18 @@ class BankStore:
     def close(self) -> None:
         """Commit the last uses of loaded entries, remove this process's temporary directory."""
         try:
-            if self._touched and self._owner_fd is not None:
+            if self._touched and self._owner_lock is not None:
                 self._commit_or_warn([])
         finally:
             self._release()
 
     def _release(self) -> None:
-        if self._owner_fd is None:
+        if self._owner_lock is None:
             return
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.with_name(self.tmp.name + ".lock").unlink(missing_ok=True)
-        os.close(self._owner_fd)
-        self._owner_fd = None
+        self._owner_lock.close()
+        self._owner_lock = None
 
     def _path(self, key: str) -> Path:
         return self.root / bank_dir.ENTRIES / key[:2] / f"{key}{bank_entry.SUFFIX}"

@@ -32,7 +32,7 @@ def prefill_group_tokens(free_bytes: int, bytes_per_token: int, most: int = 6553
 
 def row_bucket(n: int, max_rows: int) -> int:
     """Row counts are padded to 1, 2, 4, 8, 12, 16, 24, 32, 48, ... capped at max_rows."""
-    return n if n <= 2 else min(ladder(n, start=4) if n > 4 else 4, max_rows)
+    return n if n <= 2 else min(ladder(n, start=4), max_rows)
 
 
 def scored_bucket(n: int) -> int:

@@ -17,7 +17,6 @@ a temporary file (removed), or a renamed output the manifest vouches for (the re
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -292,5 +291,4 @@ class PartStore:
 
     def close(self) -> None:
         if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+            self._lock.close()

@@ -59,7 +59,7 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
 
     reading = ThreadPoolExecutor(1, thread_name_prefix="kevscore-read")
     writing = ThreadPoolExecutor(1, thread_name_prefix="kevscore-write")
-    last_write = None
+    last_write = writing.submit(lambda: None)  # the part before the first window's: none
     try:
         upcoming = first[1] if first is not None and todo[:1] == [first[0]] else None  # read while the runner was built
         for k, w in enumerate(todo):
@@ -73,11 +73,9 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
             scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
             engine.run_waves(enc, opts.state_read, scores, progress)
             progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
-            if last_write is not None:
-                last_write.result()  # the previous part is on disk (or its error is raised here)
+            last_write.result()  # the previous part is on disk (or its error is raised here)
             last_write = writing.submit(write, w, table, enc, scores)
-        if last_write is not None:
-            last_write.result()
+        last_write.result()
     finally:
         reading.shutdown(wait=False, cancel_futures=True)
         writing.shutdown(wait=True)  # a stopped or failed run keeps the part being written

@@ -28,7 +28,7 @@ NOTHING_TO_DO: TokenizerReady = lambda tokenizer, config: None  # noqa: E731
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text")  # config.json's model_type in a checkpoint kevscore loads
 # AutoTokenizer.from_pretrained as `auto_class` mirrors it: the transformers versions (major, minor) read, the tables
 # of models/auto/tokenization_auto.py it consults, the generic classes it sets aside for TokenizersBackend
-AUTO_VERSIONS = ((5, 17), (5, 24))
+AUTO_VERSIONS = ((5, 17), (5, 25))
 AUTO_TABLES = ("TOKENIZER_MAPPING_NAMES", "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", "MODEL_IDS_TO_TOKENIZERS_BACKEND")
 GENERIC = ("TokenizersBackend", "PythonBackend", "PreTrainedTokenizerFast")
 

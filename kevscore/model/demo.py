@@ -19,7 +19,7 @@ from kevscore.model.config import FULL, LINEAR, KevConfig
 DEMO_NAME = "demo-v4"
 TRAINED_DIR = Path(__file__).parent / "demo_model"  # the shipped files: weights, training.json, tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # made by kevscore.demo.tokenizer
-FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+FILES = ("config.json", "model.safetensors", *TOKENIZER_FILES)
 
 DEMO_CONFIG = KevConfig(vocab_size=1280, hidden_size=128, intermediate_size=256,
                         layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2, num_attention_heads=4, num_key_value_heads=2,
@@ -76,20 +76,13 @@ def demo_checkpoint_dir(root: Path | None = None) -> Path:
     if _complete(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
-    fd = lock_file(root / f".{DEMO_NAME}.lock")
-    try:
+    with lock_file(root / f".{DEMO_NAME}.lock"):
         if _complete(target):  # built by another process while we waited
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.", dir=root))
-        try:
-            build_demo_checkpoint(tmp)
-            if target.exists():  # incomplete (a build killed mid-way, by hand): move it aside, then rename
-                stale = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}.stale.", dir=root))
-                os.rename(target, stale / "old")
-                shutil.rmtree(stale, ignore_errors=True)
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        os.close(fd)
+        # built in a temporary directory, which also takes an incomplete target aside and is removed with it
+        with tempfile.TemporaryDirectory(prefix=f".{DEMO_NAME}.", dir=root, ignore_cleanup_errors=True) as tmp:
+            build_demo_checkpoint(Path(tmp) / "new")
+            if target.exists():  # incomplete (a build killed mid-way, by hand): moved aside, then replaced
+                os.rename(target, Path(tmp) / "old")
+            os.rename(Path(tmp) / "new", target)
     return target

@@ -82,8 +82,7 @@ class KevModel(nn.Module):
         for module in model.modules():
             for name, param in list(module.named_parameters(recurse=False)):
                 kind = torch.float32 if name.endswith(FP32_PARAMS) else dtype
-                setattr(module, name, nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
-                                                   requires_grad=False))
+                setattr(module, name, frozen_param(*param.shape, dtype=kind, device=device))
             for name, buffer in list(module.named_buffers(recurse=False)):
                 setattr(module, name, buffer.to(device))  # computed on the CPU (Rotary)
         if cfg.tie_word_embeddings:
@@ -139,8 +138,7 @@ class KevModel(nn.Module):
     def branch(self, ids: torch.Tensor, ctx: BranchContext, last: torch.Tensor) -> torch.Tensor:
         """Run question rows ids [R, T]; return the final-normed hidden state at each row's `last` position
         ([R] -> [R, hidden]), or at its `last` positions ([R, K] -> [R * K, hidden], row by row)."""
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        if last.dim() == 2:
-            rows, last = rows[:, None].expand_as(last).reshape(-1), last.reshape(-1)
-        x, residual = self._run(ids, ctx, keep=(rows, last))  # [rows, hidden]: the last layer's output at `last`
+        last = last.reshape(ids.shape[0], -1)  # [R, K], K = 1 for [R]: views, no copy
+        rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(last).reshape(-1)
+        x, residual = self._run(ids, ctx, keep=(rows, last.reshape(-1)))  # the last layer computes only these
         return self.ops.add_rms_norm(x, residual, self.final_scale, self.cfg.rms_norm_eps)[0]

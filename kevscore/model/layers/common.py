@@ -14,9 +14,9 @@ from kevscore.model.layers.ops import Ops
 TOKENS = "tokens"  # a bank tensor's token axis: one row per document token (an entry owns a range of them)
 
 
-def frozen_param(*shape: int) -> nn.Parameter:
+def frozen_param(*shape: int, dtype: torch.dtype | None = None, device=None) -> nn.Parameter:
     """A parameter of `shape`, allocated but not initialized (the model's `load` fills it), never trained."""
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 @dataclass(frozen=True, slots=True)

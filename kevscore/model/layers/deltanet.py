@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kevscore.model.config import KevConfig
-from kevscore.model.layers.common import BankTensor, BranchContext, Context, PrefillContext, frozen_param
+from kevscore.model.layers.common import BankTensor, Context, PrefillContext, frozen_param
 from kevscore.model.layers.ops import Ops
 
 
@@ -33,22 +33,19 @@ class DeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Context, keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """keep: an index into the leading dims; only those positions' outputs are normed, projected, returned."""
         mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, -1)
-        shape = x.shape[:-1]
         gate = (a, self.A_log, self.dt_bias)  # the ops compute the decay -exp(A_log) * softplus(a + dt_bias)
         # the fronts: the conv, the q/k/v split and beta = sigmoid(b), in one kernel on the GPU
         if isinstance(ctx, PrefillContext):
             o = self._prefill(mixed, b, gate, ctx)
         else:
-            assert isinstance(ctx, BranchContext)
             q, k, v, beta = self.ops.branch_front(mixed, self.conv_weight, self.bank_conv, ctx.slots, self.hk, self.dk,
                                                   self.hv, self.dv, b)
             o = self.ops.gdr_branch(q, k, v, gate, beta, self.bank_state, ctx.slots, ctx.path)
-        z = z.reshape(*shape, self.hv, self.dv)
+        z = z.unflatten(-1, (self.hv, self.dv))
         if keep is not None:
             o, z = o[keep], z[keep]
-            shape = o.shape[:-2]
         o = self.ops.gated_rms_norm(o, z, self.norm_weight, self.eps)
-        return F.linear(o.reshape(*shape, -1), self.out_proj)
+        return F.linear(o.flatten(-2), self.out_proj)
 
     def write_bank(self, x: torch.Tensor, ctx: PrefillContext) -> None:
         """Prefill's last layer: the documents' states and nothing more (its output would feed nothing)."""
