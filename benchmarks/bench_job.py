@@ -510,6 +510,10 @@ def main() -> None:
         return child(args)
     report = run(args)
     print_table(report)
+
+
+def save(args, report: dict) -> None:
+    """The report so far to --json: after every section, so a run cut short keeps what it measured."""
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
@@ -542,17 +546,22 @@ def run(args) -> dict:
         if tflops and first and args.model in SHAPES:
             cfg = SHAPES[args.model]
             report["floor_s"] = job_floor_s(cfg, first["prefix_tokens"], first["branch_tokens"], first["rows"], tflops)
-            for job in report["jobs"].values():
+            for start, job in report["jobs"].items():
                 job["x_floor"] = job["wall_s"] / report["floor_s"]["job"]
                 job["prefill_roof_share"] = report["floor_s"]["prefill"] / job["prefill_s"]
+                print(f"job {start}: wall {job['wall_s']:.1f} s, {job['x_floor']:.2f}x floor", flush=True)
+        save(args, report)
         if cuda and args.baseline_docs:
             report["baselines"] = baselines(args, data)
+            save(args, report)
         if cuda and args.budgets:
             report["budgets"] = scoring_budgets(args, data, tflops)
+            save(args, report)
         if cuda and args.prefill_docs:
             report["prefill"] = []
             for n in args.prefill_docs.split(","):
                 report["prefill"].append(prefill_alone(args, args.model, tflops, int(n)))
+                save(args, report)
                 torch.cuda.empty_cache()  # the run's model and bank, freed with its locals
     return report
 
