@@ -40,69 +40,60 @@ def check_bank_dir(root: Path, create: bool) -> None:
         if create:
             return
         raise KevscoreError(f"{root}: no such bank directory")
-    try:
-        _check_bank_contents(root, create)
+    try:  # an unreadable directory is one line too
+        marker = root / MARKER
+        if marker.is_file():
+            try:
+                info = json.loads(marker.read_text())
+                fmt, version = info["format"], info["version"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise KevscoreError(f"{marker}: unreadable bank marker ({type(exc).__name__}); "
+                                    "not a kevscore bank?") from None
+            if fmt != FORMAT:
+                raise KevscoreError(f"{marker}: format {fmt!r} is not a kevscore bank")
+            if version != VERSION:
+                raise KevscoreError(f"{root}: kevscore bank format version {version}; this kevscore reads version "
+                                   f"{VERSION} only. Use another --bank directory (or delete this one)")
+            return
+        if others := sorted(p.name for p in root.iterdir() if p.name not in BANK_NAMES):
+            raise KevscoreError(f"{root}: not a kevscore bank (no {MARKER}) and not empty "
+                                f"(holds {', '.join(others[:3])}{', …' if len(others) > 3 else ''})")
+        if not create and not (root / ENTRIES).is_dir():
+            raise KevscoreError(f"{root}: not a kevscore bank (no {MARKER})")
     except OSError as exc:
         raise KevscoreError(f"{root}: cannot read the bank directory ({exc.strerror or exc})") from exc
-
-
-def _check_bank_contents(root: Path, create: bool) -> None:
-    marker = root / MARKER
-    if marker.is_file():
-        try:
-            info = json.loads(marker.read_text())
-            fmt, version = info["format"], info["version"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise KevscoreError(f"{marker}: unreadable bank marker ({type(exc).__name__}); "
-                                "not a kevscore bank?") from None
-        if fmt != FORMAT:
-            raise KevscoreError(f"{marker}: format {fmt!r} is not a kevscore bank")
-        if version != VERSION:
-            raise KevscoreError(f"{root}: kevscore bank format version {version}; this kevscore reads version "
-                               f"{VERSION} only. Use another --bank directory (or delete this one)")
-        return
-    if others := sorted(p.name for p in root.iterdir() if p.name not in BANK_NAMES):
-        raise KevscoreError(f"{root}: not a kevscore bank (no {MARKER}) and not empty "
-                            f"(holds {', '.join(others[:3])}{', …' if len(others) > 3 else ''})")
-    if not create and not (root / ENTRIES).is_dir():
-        raise KevscoreError(f"{root}: not a kevscore bank (no {MARKER})")
 
 
 def entry_files(root: Path) -> dict[str, Path]:
     return {p.stem: p for p in (root / ENTRIES).glob(f"*/*{SUFFIX}")}
 
 
-def read_index(root: Path) -> dict:
-    """The parsed index; ValueError when missing-but-expected or malformed, KevscoreError for another version."""
+def index_or_why(root: Path) -> tuple[dict | None, str | None]:
+    """The index, or None and why it cannot be used (INDEX_MISSING, or unreadable: malformed, any record
+    included); a bank of another format version raises KevscoreError."""
     try:
         data = json.loads((root / INDEX).read_bytes())
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError("not a kevscore bank index")
-    if data.get("version") != VERSION:
-        raise KevscoreError(f"{root / INDEX}: kevscore bank format version {data.get('version')}; this kevscore "
-                           f"reads version {VERSION} only. Use another --bank directory (or delete this one)")
-    entries, models = data.get("entries"), data.get("models")
-    if not isinstance(entries, dict) or not isinstance(models, dict):
-        raise TypeError("no entries/models tables")
-    if not all(isinstance(about, dict) for about in models.values()):
-        raise TypeError("malformed models table")
-    for key, rec in entries.items():
-        if not (isinstance(rec, dict) and all(isinstance(rec.get(name), kind) for name, kind in RECORD_FIELDS.items())
-                and all(type(v) is int for v in rec["bytes"].values()) and all(isinstance(i, str) for i in rec["doc_ids"])
-                and rec["file"] == f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}"):
-            raise TypeError(f"malformed record for entry {key[:12]}")
-    return data
-
-
-def index_or_why(root: Path) -> tuple[dict | None, str | None]:
-    """The index, or None and why it cannot be used (INDEX_MISSING, or unreadable); a bank of another
-    format version raises KevscoreError."""
-    try:
-        return read_index(root), None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError("not a kevscore bank index")
+        if data.get("version") != VERSION:
+            raise KevscoreError(f"{root / INDEX}: kevscore bank format version {data.get('version')}; this kevscore "
+                                f"reads version {VERSION} only. Use another --bank directory (or delete this one)")
+        entries, models = data.get("entries"), data.get("models")
+        if not isinstance(entries, dict) or not isinstance(models, dict):
+            raise TypeError("no entries/models tables")
+        if not all(isinstance(about, dict) for about in models.values()):
+            raise TypeError("malformed models table")
+        for key, rec in entries.items():
+            if not (isinstance(rec, dict) and all(isinstance(rec.get(n), kind) for n, kind in RECORD_FIELDS.items())
+                    and all(type(v) is int for v in rec["bytes"].values())
+                    and all(isinstance(i, str) for i in rec["doc_ids"])
+                    and rec["file"] == f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}"):
+                raise TypeError(f"malformed record for entry {key[:12]}")
+        return data, None
     except FileNotFoundError:
         return None, INDEX_MISSING
+    except RecursionError:
+        return None, f"{INDEX} is unreadable (nested too deeply)"
     except (OSError, ValueError, TypeError) as exc:
         return None, f"{INDEX} is unreadable ({first_line(exc)[:120]})"
 

@@ -168,16 +168,12 @@ def _checked_header(head: bytes, size: int) -> EntryFile:
 def _consistent(shapes: dict[str, list[int]], tokens: int) -> bool:
     """Shapes that fit the layers' declarations: `tokens` ids and rows on every token axis, the declared
     literal sizes, one layer count per layer kind."""
-    if shapes["ids"] != [tokens]:
-        return False
-    for group in BANK_GROUPS:
-        if len({shapes[t.name][0] for t in group}) > 1:
-            return False
-        for t in group:
-            want = [tokens if d == TOKENS else d for d in t.dims]
-            if any(isinstance(w, int) and w != got for w, got in zip(want, shapes[t.name][1:])):
-                return False
-    return True
+    def fits(t) -> bool:
+        want = [tokens if d == TOKENS else d for d in t.dims]
+        return all(not isinstance(w, int) or w == got for w, got in zip(want, shapes[t.name][1:]))
+
+    return shapes["ids"] == [tokens] and all(len({shapes[t.name][0] for t in group}) == 1
+                                             and all(fits(t) for t in group) for group in BANK_GROUPS)
 
 
 def read_header(path: Path) -> EntryFile:
@@ -193,15 +189,12 @@ def read_header(path: Path) -> EntryFile:
 def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torch.Tensor]]:
     """Read an entry file into one host buffer (pinned when `pin`) and check it: header, layout, key
     derived from the model and the ids, and every tensor's CRC-32. Returns views into the buffer."""
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb") as f:  # a buffered file's readinto reads until the buffer is full or the file ends
         size = os.fstat(f.fileno()).st_size
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         view = memoryview(buf.numpy())
-        done = 0
-        while done < size:
-            if not (got := f.readinto(view[done:])):
-                raise EntryError(f"truncated while reading ({done} of {size} bytes)")
-            done += got
+        if (done := f.readinto(view)) < size:
+            raise EntryError(f"truncated while reading ({done} of {size} bytes)")
     entry = _parse_header(view, size)
     crc = json.loads(entry.meta["crc32"])
     tensors = {}

@@ -142,14 +142,11 @@ class BankStore:
             index, reconcile = {**MARKER_FIELDS, "entries": {}, "models": {}}, True
         if not reconcile:
             return index
-        entries = index["entries"]
-        if gone := [k for k in entries if k not in files]:
-            self.warn(f"{len(gone)} indexed entries have no file (e.g. {entries[gone[0]]['file']}); dropped from the index")
-            for k in gone:
-                del entries[k]
-        for key, path in files.items():
-            if key in entries:
-                continue
+        if gone := [r["file"] for k, r in index["entries"].items() if k not in files]:
+            self.warn(f"{len(gone)} indexed entries have no file (e.g. {gone[0]}); dropped from the index")
+        entries = index["entries"] = {k: r for k, r in index["entries"].items() if k in files}
+        for key in [k for k in files if k not in entries]:  # files the index lacks: adopted
+            path = files[key]
             try:
                 entry = bank_entry.read_header(path)
                 if entry.meta["key"] != key:
@@ -193,12 +190,10 @@ class BankStore:
         with bank_dir.bank_lock(self.root, True, "commit"):
             faults.point("bank-commit-locked")
             index = self._load_index(reconcile=False)
-            dirs = set()
             for key, tmp, _ in written:
-                final = self._path(key)
-                final.parent.mkdir(exist_ok=True)
-                os.replace(tmp, final)
-                dirs.add(final.parent)
+                self._path(key).parent.mkdir(exist_ok=True)
+                os.replace(tmp, self._path(key))
+            dirs = {self._path(key).parent for key, _, _ in written}
             for d in [*dirs, self.root / bank_dir.ENTRIES] if dirs else []:  # the renames made durable
                 fsync_dir(d)
             faults.point("bank-renamed")

@@ -110,20 +110,17 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
     return run_each_shape
 
 
-@contextlib.contextmanager
-def attention_stubbed(device: torch.device):
+def attention_stubbed(device: torch.device) -> contextlib.AbstractContextManager:
     """On this thread and a GPU, prefill attention's SDPA gives zeros in its output's shape and layout. The
     warm-up's passes would run it only at their small model's shapes, where cuDNN builds a kernel of its own
     (seconds) that no job uses; `long_attention` builds the job's. The Triton kernels around it (the output
     gate) run as in a job; other threads' calls run SDPA."""
     if device.type != "cuda":
-        yield
-        return
+        return contextlib.nullcontext()
     from kevscore.kernels import fla_ops
     from kevscore.kernels.precompile import on_this_thread
 
-    with on_this_thread(fla_ops, "sdpa_causal", lambda q, k, v: torch.zeros_like(q)):
-        yield
+    return on_this_thread(fla_ops, "sdpa_causal", lambda q, k, v: torch.zeros_like(q))
 
 
 def long_attention(cfg: KevConfig, device: torch.device) -> None:
