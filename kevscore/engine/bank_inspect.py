@@ -24,8 +24,7 @@ def inspect_bank(root: Path, entry: str | None = None, verify: bool = False) -> 
         rows = [_entry_row(key, records.get(key), files.get(key), verify and chosen in (None, key), entry is not None)
                 for key in keys]
         temporary = [p.name for p in (root / TMP).glob("*") if not p.name.endswith(".lock")]  # none without tmp/
-    for fp in {r.get("model") for r in rows if r.get("model")}:
-        models.setdefault(fp, {"name": "?"})
+    models |= {fp: {"name": "?"} for r in rows if (fp := r.get("model")) and fp not in models}
     per_model = {fp: {"about": about, "entries": sum(r.get("model") == fp for r in rows),
                       "file_bytes": sum(r["file_bytes"] for r in rows if r.get("model") == fp)}
                  for fp, about in models.items()}

@@ -97,18 +97,14 @@ class Continuations(Scoring):
 
     def __init__(self, enc: Encoded, rows: list[int]):
         self.enc = enc
-        self.unit_row: list[int] = []
-        self.continuation: list[Tokens] = []
-        self.targets: list[list[tuple[int, int, int]]] = []  # per unit: (label, offset from the question's end, token)
-        self.left: dict[int, int] = {}  # row -> its units not yet scored
-        self.logprob: dict[int, np.ndarray] = {}  # row -> its labels' summed log-probabilities so far
-        for r in rows:
-            branches, targets = _plan(tuple(enc.label_tokens(r)))
-            self.unit_row += [r] * len(branches)
-            self.continuation += branches
-            self.targets += targets
-            self.left[r] = len(branches)
-            self.logprob[r] = np.zeros(len(enc.label_ids[r]))
+        plans = {r: _plan(tuple(enc.label_tokens(r))) for r in rows}  # row -> (its branches, their targets)
+        self.unit_row = [r for r, (branches, _) in plans.items() for _ in branches]
+        self.continuation = [b for branches, _ in plans.values() for b in branches]
+        # per unit: (label, offset from the question's end, token)
+        self.targets = [t for _, targets in plans.values() for t in targets]
+        self.left = {r: len(branches) for r, (branches, _) in plans.items()}  # row -> its units not yet scored
+        # row -> its labels' summed log-probabilities so far
+        self.logprob = {r: np.zeros(len(enc.label_ids[r])) for r in rows}
         self.units = list(range(len(self.unit_row)))
 
     def row(self, unit: int) -> int:
