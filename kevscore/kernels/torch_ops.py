@@ -74,8 +74,7 @@ def split_front(y: torch.Tensor, hk: int, dk: int, hv: int, dv: int, b: torch.Te
     """A conv output split into q, k [..., hk, dk], each head l2-normalized by `l2norm` (here in fp32), and
     v [..., hv, dv]; and beta = sigmoid(b)."""
     q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
-    shape = y.shape[:-1]
-    return l2norm(q.reshape(*shape, hk, dk)), l2norm(k.reshape(*shape, hk, dk)), v.reshape(*shape, hv, dv), b.sigmoid()
+    return l2norm(q.unflatten(-1, (hk, dk))), l2norm(k.unflatten(-1, (hk, dk))), v.unflatten(-1, (hv, dv)), b.sigmoid()
 
 
 def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
