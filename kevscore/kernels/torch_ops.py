@@ -181,7 +181,6 @@ def branch_mask(kv_mask: torch.Tensor, t: int) -> torch.Tensor:
 def attn_branch(q, k, v, gate, kv: torch.Tensor, ctx) -> torch.Tensor:
     """Branch queries over the row's document K/V (gathered from the pool `kv` [2, tokens, Hkv, D]) and,
     causally, the branch's own K/V; times sigmoid(gate) (gate [R, T, heads, head_dim] or None: no gate)."""
-    pk, pv = kv[0][ctx.kv_index], kv[1][ctx.kv_index]
-    keys, values = torch.cat([pk.to(k.dtype), k], 1), torch.cat([pv.to(v.dtype), v], 1)
+    keys, values = (torch.cat([pool[ctx.kv_index].to(x.dtype), x], 1) for pool, x in zip(kv, (k, v)))  # document first
     out = _sdpa(q, keys, values, branch_mask(ctx.kv_mask, q.shape[1]))
     return out if gate is None else out * torch.sigmoid(gate)
