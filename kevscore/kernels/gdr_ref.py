@@ -49,9 +49,7 @@ def repeat_heads(k: torch.Tensor, hv: int) -> torch.Tensor:
 
 def chunk_cumsum(g: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """Chunk-local cumulative sum of the log decay, scaled to log2 space: [R, T, HV]."""
-    t = g.shape[1]
-    gc = _chunks(g, chunk).cumsum(2) * RCP_LN2
-    return gc.flatten(1, 2)[:, :t]
+    return (_chunks(g, chunk).cumsum(2) * RCP_LN2).flatten(1, 2)[:, :g.shape[1]]
 
 
 def _masked_decay(gc: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -104,32 +102,30 @@ def wy_from_inverse(k, v, g, beta, a_inv: torch.Tensor) -> tuple[torch.Tensor, t
     ac = _chunks(a_inv, c).permute(0, 1, 3, 2, 4)  # [R, NT, HV, i, j]
     kb = _chunks(k * (beta * torch.exp2(g)).unsqueeze(-1), c)
     vb = _chunks(v * beta.unsqueeze(-1), c)
-    w, u = (torch.einsum("rnhij,rnjhd->rnihd", ac, x).flatten(1, 2)[:, :t] for x in (kb, vb))
-    return w, u
+    return tuple(torch.einsum("rnhij,rnjhd->rnihd", ac, x).flatten(1, 2)[:, :t] for x in (kb, vb))
 
 
 def state_scan(k, w, u, g, initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The state scan with a row-buffer initial state: (h entering each chunk, v_new, the final state when
     `output_final_state`, else None: the last chunk's update feeds only it)."""
-    h0, final, c = initial_state, output_final_state, chunk
-    r, t, hv, vd = u.shape
-    kd = k.shape[-1]
+    (r, t, hv, vd), c = u.shape, chunk
     kc, wc, uc, gc = _chunks(repeat_heads(k, hv), c), _chunks(w, c), _chunks(u, c), _chunks(g, c, gate=True)
-    h = torch.zeros(r, hv, kd, vd, device=k.device) if h0 is None else h0.float()  # never updated in place
+    # never updated in place
+    h = torch.zeros(r, hv, k.shape[-1], vd, device=k.device) if initial_state is None else initial_state.float()
     hs, vnew = [], []
     for n in range(kc.shape[1]):
         hs.append(h)
         v_c = uc[:, n] - torch.einsum("rihk,rhkv->rihv", wc[:, n], h)
         vnew.append(v_c)
-        if n + 1 == kc.shape[1] and not final:
+        if n + 1 == kc.shape[1] and not output_final_state:
             break
         g_c, g_last = gc[:, n], gc[:, n, -1]  # [R, C, HV], [R, HV]
         valid = (torch.arange(c, device=k.device) + n * c < t).float()[None, :, None]
         v_c = v_c * (torch.exp2(g_last.unsqueeze(1) - g_c) * valid).unsqueeze(-1)
         h = h * torch.exp2(g_last)[..., None, None] + torch.einsum("rihk,rihv->rhkv", kc[:, n], v_c)
     v_new = torch.stack(vnew, 1).flatten(1, 2)[:, :t]
-    return torch.stack(hs, 1), v_new, (h if final else None)
+    return torch.stack(hs, 1), v_new, (h if output_final_state else None)
 
 
 def bank_rows(index: torch.Tensor, rows: int, index_stride: int | None = None) -> torch.Tensor:
@@ -142,8 +138,7 @@ def state_scan_indexed(k, w, u, g, bank: torch.Tensor, index: torch.Tensor, inde
                        chunk: int = CHUNK):
     """The state scan reading row r's initial state from `bank[index[r * index_stride]]`; never writes the bank."""
     slots = bank_rows(index, u.shape[0], index_stride)
-    h, v_new, _ = state_scan(k, w, u, g, bank[slots], False, chunk)
-    return h, v_new
+    return state_scan(k, w, u, g, bank[slots], False, chunk)[:2]
 
 
 def chunk_output(q, k, v_new, h, g, scale: float, chunk: int = CHUNK) -> torch.Tensor:

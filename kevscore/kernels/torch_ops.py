@@ -4,6 +4,8 @@ Every backend module exposes the same functions (see `kevscore.kernels.fla_ops` 
 """
 from __future__ import annotations
 
+from itertools import accumulate, groupby
+
 import torch
 import torch.nn.functional as F
 
@@ -27,9 +29,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, e
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """DeltaNet's output norm: w * norm(x), then times silu(gate)."""
-    dtype, xf = x.dtype, x.float()
-    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (weight * out * F.silu(gate.float())).to(dtype)
+    return (weight * rms_norm(x, 1.0, eps) * F.silu(gate.float())).to(x.dtype)  # a unit scale: the norm alone
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -74,8 +74,7 @@ def split_front(y: torch.Tensor, hk: int, dk: int, hv: int, dv: int, b: torch.Te
     """A conv output split into q, k [..., hk, dk], each head l2-normalized by `l2norm` (here in fp32), and
     v [..., hv, dv]; and beta = sigmoid(b)."""
     q, k, v = y.split([hk * dk, hk * dk, hv * dv], -1)
-    shape = y.shape[:-1]
-    return l2norm(q.reshape(*shape, hk, dk)), l2norm(k.reshape(*shape, hk, dk)), v.reshape(*shape, hv, dv), b.sigmoid()
+    return l2norm(q.unflatten(-1, (hk, dk))), l2norm(k.unflatten(-1, (hk, dk))), v.unflatten(-1, (hv, dv)), b.sigmoid()
 
 
 def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor, slots: torch.Tensor,
@@ -144,27 +143,18 @@ def _runs(cu_seqlens: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
     chunks: padding within a run stays under one chunk a document."""
     bounds = cu_seqlens.tolist()
     chunks = [-(-(e - s) // gdr_ref.CHUNK) for s, e in zip(bounds[:-1], bounds[1:])]
-    out, first = [], 0
-    for d in range(1, len(chunks) + 1):
-        if d == len(chunks) or chunks[d] != chunks[first]:
-            out.append((bounds[first], bounds[d], cu_seqlens[first:d + 1] - bounds[first]))
-            first = d
-    return out
+    firsts = [0, *accumulate(len(list(run)) for _, run in groupby(chunks))]  # each run's first document
+    return [(bounds[a], bounds[b], cu_seqlens[a:b + 1] - bounds[a]) for a, b in zip(firsts, firsts[1:])]
 
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
-    """Rows start from bank entries `slots`; `gathered` copies them into a row buffer first.
-    gate = (a, A_log, dt_bias), see `gdr_ref.gate_decay`."""
-    c = gdr_ref.chunk_size(q.shape[1])  # a short branch: one chunk of its own length
+    """Rows start from bank entries `slots`, the four stages from their states copied out (here both `path`s
+    copy). gate = (a, A_log, dt_bias), see `gdr_ref.gate_decay`."""
     q, k = (gdr_ref.repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
-    gc = gdr_ref.chunk_cumsum(gdr_ref.gate_decay(*gate), c)
-    w, u = gdr_ref.wy_repr(k, v.float(), gc, beta.float(), c)
-    if path == "gathered":
-        h0 = bank.index_select(0, slots.long())
-        h, v_new, _ = gdr_ref.state_scan(k, w, u, gc, initial_state=h0, chunk=c)
-    else:
-        h, v_new = gdr_ref.state_scan_indexed(k, w, u, gc, bank, slots, slots.stride(0), chunk=c)
-    return gdr_ref.chunk_output(q, k, v_new, h, gc, q.shape[-1] ** -0.5, c).to(v.dtype)
+    o, _ = gdr_ref.chunk_gated_delta_rule(q, k, v, gdr_ref.gate_decay(*gate), beta, use_qk_l2norm=False,
+                                          initial_state=bank.index_select(0, slots.long()),
+                                          chunk=gdr_ref.chunk_size(q.shape[1]))  # a short branch: one chunk
+    return o.to(v.dtype)
 
 
 def _sdpa(q, k, v, mask):
@@ -191,7 +181,6 @@ def branch_mask(kv_mask: torch.Tensor, t: int) -> torch.Tensor:
 def attn_branch(q, k, v, gate, kv: torch.Tensor, ctx) -> torch.Tensor:
     """Branch queries over the row's document K/V (gathered from the pool `kv` [2, tokens, Hkv, D]) and,
     causally, the branch's own K/V; times sigmoid(gate) (gate [R, T, heads, head_dim] or None: no gate)."""
-    pk, pv = kv[0][ctx.kv_index], kv[1][ctx.kv_index]
-    keys, values = torch.cat([pk.to(k.dtype), k], 1), torch.cat([pv.to(v.dtype), v], 1)
+    keys, values = (torch.cat([pool[ctx.kv_index].to(x.dtype), x], 1) for pool, x in zip(kv, (k, v)))  # document first
     out = _sdpa(q, keys, values, branch_mask(ctx.kv_mask, q.shape[1]))
     return out if gate is None else out * torch.sigmoid(gate)

@@ -5,11 +5,12 @@ import ast
 import hashlib
 import json
 import os
+import pkgutil
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatch
-from importlib import import_module, metadata
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -162,10 +163,9 @@ def transformers_tokenizer(path: Path, key: str):
     try:
         name = remembered("tokenizer-classes.json", key, pick,
                           lambda key: os.path.isdir(key.partition(":")[2].rpartition(":")[0]))
-        module, _, qualname = name.partition(":")
         try:
-            cls = getattr(import_module(module), qualname)
-        except (ImportError, AttributeError):  # remembered wrongly: AutoTokenizer decides again
+            cls = pkgutil.resolve_name(name)
+        except (ImportError, AttributeError, ValueError):  # remembered wrongly: AutoTokenizer decides again
             cls = transformers.AutoTokenizer
         return cls.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # transformers raises many types here

@@ -8,12 +8,6 @@ from kevscore.errors import KevscoreError
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
-
-# what transformers' Qwen3.5 text config assumes for a field its config.json leaves out
-HF_DEFAULTS = {"num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16,
-               "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-               "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
-               "max_position_embeddings": 32768}
 HF_ROPE = ("rope_theta", "partial_rotary_factor")  # fields `rope_parameters` (or `rope_scaling`) may hold
 
 
@@ -23,16 +17,17 @@ class KevConfig:
     hidden_size: int
     intermediate_size: int
     layer_types: tuple[str, ...]
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
+    # the defaults: what transformers' Qwen3.5 text config assumes for a field its config.json leaves out
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000_000.0
+    rope_theta: float = 10_000.0
     partial_rotary_factor: float = 0.25
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = True
@@ -73,7 +68,7 @@ class KevConfig:
                                             for i in range(layers)]
         tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         given = {f.name: text[f.name] for f in fields(cls) if f.name in text}
-        return cls(**{**HF_DEFAULTS, **given, **{k: v for k, v in rope.items() if k in HF_ROPE},
+        return cls(**{**given, **{k: v for k, v in rope.items() if k in HF_ROPE},
                       "layer_types": tuple(types[:layers]), "tie_word_embeddings": bool(tie)})
 
     def to_hf(self) -> dict[str, Any]:
@@ -87,9 +82,8 @@ class KevConfig:
 def _shape(hidden: int, mlp: int, layers: int, heads: tuple[int, int], lin: tuple[int, int], vocab: int) -> KevConfig:
     types = tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers))
     return KevConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, layer_types=types,
-                     num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=256,
-                     linear_num_key_heads=lin[0], linear_num_value_heads=lin[1],
-                     linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=262144)
+                     num_attention_heads=heads[0], num_key_value_heads=heads[1], linear_num_key_heads=lin[0],
+                     linear_num_value_heads=lin[1], rope_theta=10_000_000.0, max_position_embeddings=262144)
 
 
 # Benchmark shapes (seeded random weights; see kevscore.model.checkpoint.random_weights).

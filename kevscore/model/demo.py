@@ -24,8 +24,7 @@ FILES = ("config.json", "model.safetensors", *TOKENIZER_FILES)
 DEMO_CONFIG = KevConfig(vocab_size=1280, hidden_size=128, intermediate_size=256,
                         layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-                        linear_value_head_dim=64, linear_conv_kernel_dim=4, rope_theta=10_000.0,
-                        partial_rotary_factor=0.25, max_position_embeddings=4096, tie_word_embeddings=True)
+                        linear_value_head_dim=64, max_position_embeddings=4096)  # the rest: KevConfig's defaults
 
 
 def trained_weights() -> Path:
@@ -49,8 +48,7 @@ def write_demo_files(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copyfile(TRAINED_DIR / name, dest / name)
-    added = json.loads((dest / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
-    ids = {t["content"]: t["id"] for t in added}
+    ids = {t["content"]: t["id"] for t in json.loads((dest / "tokenizer.json").read_text("utf-8"))["added_tokens"]}
     config = cfg.to_hf() | {"bos_token_id": None, "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
                             "dtype": "float32"}
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "utf-8")

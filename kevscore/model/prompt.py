@@ -178,9 +178,8 @@ def encode(table, tokenizer, template: Template, default_labels: Sequence[str], 
     """Tokenize an `InputTable`; documents are tokenized once per distinct text, then deduplicated by ids."""
     texts = list(dict.fromkeys(table.documents))
     slots: dict[str, tuple[int, list[int]]] = {}  # prefix key -> (its slot, its ids): texts of the same ids share it
-    slot_of_text = {}
-    for text, ids in zip(texts, tokenize(tokenizer, [template.prefix(t) for t in texts])):
-        slot_of_text[text] = slots.setdefault(prefix_key(ids), (len(slots), ids))[0]
+    slot_of_text = {text: slots.setdefault(prefix_key(ids), (len(slots), ids))[0]
+                    for text, ids in zip(texts, tokenize(tokenizer, [template.prefix(t) for t in texts]))}
     prefixes = [ids for _, ids in slots.values()]
     row_prefix = [slot_of_text[doc] for doc in table.documents]
     branches = tokenize(tokenizer, [template.branch(q) for q in table.questions])

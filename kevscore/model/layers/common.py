@@ -84,7 +84,6 @@ class Rotary(nn.Module):
         # its compiler stack: seconds)
         inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
         self.register_buffer("inv_freq", inv, persistent=False)
-        self.dim = dim
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos and sin [..., dim] of each position; the ops' `qk_norm_rotary` applies them."""

@@ -1,7 +1,7 @@
 """The ops interface the layers call, which every ops backend implements.
 
-The ops interface the layers call: what an ops backend (`kernels.torch_ops` on the CPU, `kernels.fla_ops` on
-the GPU) implements, module-level functions of these names and signatures (a module satisfies a Protocol).
+A backend (`kernels.torch_ops` on the CPU, `kernels.fla_ops` on the GPU) is a module of functions of these names
+and signatures (a module satisfies a Protocol).
 
 Gates travel unevaluated so a backend may fuse them: the DeltaNet decay as `gate = (a, A_log, dt_bias)`
 (decay = -exp(A_log) * softplus(a + dt_bias)), attention's output gate as the q|gate projection slice.
