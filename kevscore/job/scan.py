@@ -233,7 +233,10 @@ def _indexed(path: Path, required: tuple[str, str], reject: str | None,
     _check_types(path, file, ("document", "doc_id"))
     docs = _index_documents(path, file, keep_texts)
     _nulls(path, "doc_id", docs.null_ids)
-    docs.check_clashes(path)
+    if docs.clashes:
+        rows = np.flatnonzero(np.isin(docs.doc_of_row, np.asarray(list(docs.clashes), np.int32))).tolist()
+        raise KevscoreError(f"{path}: column 'doc_id' maps {few(docs.keys[d] for d in docs.clashes)} to "
+                            f"different 'document' texts at {rows_phrase(rows)}")
     return file, docs
 
 
@@ -248,12 +251,6 @@ class _Documents:
     null_ids: list[int] = field(default_factory=list)
     null_texts: list[int] = field(default_factory=list)
     clashes: dict[int, None] = field(default_factory=dict)  # in first-seen order
-
-    def check_clashes(self, path: Path) -> None:
-        if self.clashes:
-            rows = np.flatnonzero(np.isin(self.doc_of_row, np.asarray(list(self.clashes), np.int32))).tolist()
-            raise KevscoreError(f"{path}: column 'doc_id' maps {few(self.keys[d] for d in self.clashes)} to "
-                                f"different 'document' texts at {rows_phrase(rows)}")
 
 
 def _index_documents(path: Path, file: pq.ParquetFile, keep_texts: bool = False) -> _Documents:
