@@ -46,8 +46,7 @@ class LabelTally:
 
     def summary(self) -> dict:
         """min, median and rows under LOW_MASS of the label mass; predictions per label, most first."""
-        mass = np.concatenate(self.masses) if self.masses else np.zeros(0, np.float32)
-        if not len(mass):
+        if not self.masses or not len(mass := np.concatenate(self.masses)):
             return {"label_mass_min": None, "label_mass_median": None, "low_mass_rows": 0, "predictions": {}}
         return {"label_mass_min": float(mass.min()), "label_mass_median": float(np.median(mass)),
                 "low_mass_rows": int((mass < LOW_MASS).sum()), "predictions": dict(self.predictions.most_common())}

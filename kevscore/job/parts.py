@@ -70,14 +70,11 @@ def errors_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.errors.parquet")
 
 
-def merged_output(output: Path) -> bool:
-    """True when OUT.parts records a merge whose result is the file at OUT: a run killed after renaming its
-    output and before removing its parts (the rerun only cleans up)."""
-    return _is_merge((read_json_object(parts_dir(output) / MANIFEST) or {}).get("merged") or {}, output)
-
-
-def _is_merge(merged: dict, output: Path) -> bool:
-    """Whether the file at `output` is the merge a manifest records (`merged`), renamed into place."""
+def merged_output(output: Path, merged: dict | None = None) -> bool:
+    """True when the file at OUT is the merge that OUT.parts's manifest records (`merged`: its record, when
+    read already), renamed into place: a run killed after renaming its output and before removing its parts
+    (the rerun only cleans up)."""
+    merged = merged or (read_json_object(parts_dir(output) / MANIFEST) or {}).get("merged") or {}
     name = (merged.get("tmp") or {}).get("output")
     return bool(name) and output.is_file() and file_sha256(output) == (merged.get("sha256") or {}).get(name)
 
@@ -175,8 +172,7 @@ class PartStore:
         if not 0 <= w < len(self.planned):
             return None
         try:
-            meta = pq.read_metadata(path)
-            schema = pq.read_schema(path)
+            schema = (meta := pq.read_metadata(path)).schema.to_arrow_schema()
             failed = pq.read_metadata(self._file("errors", w)).num_rows if self._file("errors", w).exists() else 0
         except (OSError, pa.ArrowException):
             return None
@@ -209,7 +205,7 @@ class PartStore:
         if not (merged := self.manifest.get("merged")):
             return False
         self._put_in_place(merged["tmp"], merged["sha256"])  # killed between recording the merge and renaming it
-        return _is_merge(merged, self.output)
+        return merged_output(self.output, merged)
 
     def _put_in_place(self, names: dict[str, str], sha256: dict[str, str] | None = None) -> None:
         """Rename a merge's temporary files (`names`: its errors file, its output) over their targets; with the

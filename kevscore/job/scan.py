@@ -190,24 +190,26 @@ def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = F
                keep_texts: bool = False) -> InputScan:
     """Validate the input (one file, or questions plus a documents file) and index its rows by document.
     `keep_texts`: without doc_id, key documents by their text (as kevscore.job.shard does), not a digest."""
+    path = Path(path)
     if documents is None:
-        return _scan_one(Path(path), skip_invalid, keep_texts)
-    return _scan_two(Path(path), Path(documents), skip_invalid)
-
-
-def _scan_one(path: Path, skip_invalid: bool, keep_texts: bool) -> InputScan:
-    file, docs = _indexed(path, ("document", "question"), None, keep_texts)
-    scan = InputScan(path, None, file.metadata.num_rows, docs.doc_of_row, docs.keys, np.asarray(docs.chars, np.int64),
-                     np.asarray(docs.first_rows, np.int64))
-    _nulls(path, "document", docs.null_texts, scan if skip_invalid else None)
+        file, docs = _indexed(path, ("document", "question"), None, keep_texts)
+        scan = InputScan(path, None, file.metadata.num_rows, docs.doc_of_row, docs.keys,
+                         np.asarray(docs.chars, np.int64), np.asarray(docs.first_rows, np.int64))
+        _nulls(path, "document", docs.null_texts, scan if skip_invalid else None)
+    else:
+        file, docs = _indexed(path, ("question", "doc_id"), "document")  # the texts are in the documents file
+        scan = _join_documents(path, Path(documents), docs, skip_invalid)
     _scan_questions(scan, file, skip_invalid)
     return scan
 
 
-def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
-    file, docs = _indexed(path, ("question", "doc_id"), "document")  # the texts are in the documents file
+def _join_documents(path: Path, documents: Path, docs: _Documents, skip_invalid: bool) -> InputScan:
+    """The questions file's documents (`docs`, keyed by doc_id) found in the documents file: each one's row
+    there and its text's length; a doc_id with no document stops the run (or its rows are set aside)."""
+    _, texts = _indexed(documents, ("doc_id", "document"), None)
+    _nulls(documents, "document", texts.null_texts)
+    found = {key: (row, chars) for key, row, chars in zip(texts.keys, texts.first_rows, texts.chars)}
     doc_of_row, keys = docs.doc_of_row, docs.keys
-    found = _documents_file(documents)
     unknown = [d for d, k in enumerate(keys) if k not in found]
     doc_row, doc_chars = np.array([found.get(k, (-1, 0)) for k in keys], np.int64).reshape(-1, 2).T
     scan = InputScan(path, documents, len(doc_of_row), doc_of_row, keys, doc_chars, doc_row)
@@ -218,7 +220,6 @@ def _scan_two(path: Path, documents: Path, skip_invalid: bool) -> InputScan:
                                 f"{few(keys[d] for d in unknown)} at {rows_phrase(rows)}")
         for r in rows:
             scan.set_aside([r], f"doc_id {keys[doc_of_row[r]]!r} has no document in {documents.name}")
-    _scan_questions(scan, file, skip_invalid)
     return scan
 
 
@@ -232,15 +233,11 @@ def _indexed(path: Path, required: tuple[str, str], reject: str | None,
     _check_types(path, file, ("document", "doc_id"))
     docs = _index_documents(path, file, keep_texts)
     _nulls(path, "doc_id", docs.null_ids)
-    docs.check_clashes(path)
+    if docs.clashes:
+        rows = np.flatnonzero(np.isin(docs.doc_of_row, np.asarray(list(docs.clashes), np.int32))).tolist()
+        raise KevscoreError(f"{path}: column 'doc_id' maps {few(docs.keys[d] for d in docs.clashes)} to "
+                            f"different 'document' texts at {rows_phrase(rows)}")
     return file, docs
-
-
-def _documents_file(path: Path) -> dict[str, tuple[int, int]]:
-    """doc_id -> (its row in the documents file, its text's length); checks nulls, types and clashes."""
-    file, docs = _indexed(path, ("doc_id", "document"), None)
-    _nulls(path, "document", docs.null_texts)
-    return {key: (row, chars) for key, row, chars in zip(docs.keys, docs.first_rows, docs.chars)}
 
 
 @dataclass(slots=True)
@@ -254,12 +251,6 @@ class _Documents:
     null_ids: list[int] = field(default_factory=list)
     null_texts: list[int] = field(default_factory=list)
     clashes: dict[int, None] = field(default_factory=dict)  # in first-seen order
-
-    def check_clashes(self, path: Path) -> None:
-        if self.clashes:
-            rows = np.flatnonzero(np.isin(self.doc_of_row, np.asarray(list(self.clashes), np.int32))).tolist()
-            raise KevscoreError(f"{path}: column 'doc_id' maps {few(self.keys[d] for d in self.clashes)} to "
-                                f"different 'document' texts at {rows_phrase(rows)}")
 
 
 def _index_documents(path: Path, file: pq.ParquetFile, keep_texts: bool = False) -> _Documents:

@@ -81,13 +81,11 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
         writing.shutdown(wait=True)  # a stopped or failed run keeps the part being written
 
 
-def part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table | None]:
-    """A window's scores in output form, and its rows that failed on their own (or None)."""
+def part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table]:
+    """A window's scores in output form, and its rows that failed on their own (none: an empty table)."""
     ok = [i for i in range(len(enc)) if i not in scores.failed]
     kept = table if len(ok) == len(enc) else table.take(ok)
     part = output_table(kept, [enc.labels[i] for i in ok], [scores.probs[i] for i in ok], [scores.label_mass[i] for i in ok])
-    if not scores.failed:
-        return part, None
     positions = sorted(scores.failed)
     failed = table.take(positions)
     return part, errors_table(failed.rows, [scores.failed[i] for i in positions], failed.doc_ids, failed.question_ids)
