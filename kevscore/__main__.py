@@ -25,9 +25,7 @@ def starting_line(args: list[str], terminal: bool) -> str | None:
     """What `kevscore run` shows on a terminal before its imports: the progress display then writes over it.
     Nothing where nothing else is shown (--quiet, --log-json, --help) or where stderr is not a terminal."""
     quiet = {"--quiet", "--log-json", "--help", "-h", "--dry-run"}
-    if not terminal or not args or args[0] != "run" or quiet & set(args):
-        return None
-    return "kevscore: starting\r"
+    return "kevscore: starting\r" if terminal and args[:1] == ["run"] and not quiet & set(args) else None
 
 
 class _deferred_interrupt:

@@ -200,12 +200,10 @@ def run(
         if log_json:
             return typer.echo(json.dumps({"event": "plan", **plan.fields()}))
         return Console(width=80 if not sys.stdout.isatty() else None).print(display.plan_table(plan))
-    if (gpus > 1 or world_from_env() is not None) and (str(output) == "-" or file_format(output or "") != "parquet"):
-        _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
-    if gpus > 1 and world_from_env() is None:
-        return _launch(gpus)
-    if world_from_env() is not None:
-        return _run_rank(opts, quiet)
+    if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
+        if str(output) == "-" or file_format(output or "") != "parquet":
+            _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
+        return _launch(gpus) if world_from_env() is None else _run_rank(opts, quiet)
     log = display.JsonProgress() if log_json else None
     with _failing(None, log=log), display.progress_bars(console, disable=quiet or log_json) as live:
         bars = display.RichProgress(live)  # drawn unless --quiet or --log-json
@@ -277,8 +275,7 @@ def _show(record: dict, as_json: bool, draw: Callable[[Console], None]) -> None:
 @app.command("bank-inspect", cls=Command)
 def bank_inspect(
     directory: Path = typer.Argument(..., metavar="DIR", help="A bank directory (kevscore run --bank DIR)."),
-    entry: str | None = option(None, "--entry", metavar="KEY", help="Show one entry (a key or a unique key "
-                                  "prefix)."),
+    entry: str | None = option(None, "--entry", metavar="KEY", help="Show one entry (a key or a unique key prefix)."),
     verify: bool = typer.Option(False, "--verify", help="Read every entry and check its checksums."),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON to stdout."),
 ) -> None:

@@ -16,8 +16,7 @@ class KevscoreFailure(KevscoreError):
 
 def first_line(e: BaseException) -> str:
     """An exception's message, first line only (its type's name when it has none)."""
-    lines = str(e).strip().splitlines()
-    return lines[0] if lines else type(e).__name__
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def os_failure(what: str, e: OSError) -> KevscoreFailure:

@@ -35,8 +35,6 @@ from pathlib import Path
 
 KILL, SIGINT, ENOSPC = "KEVSCORE_TEST_KILL", "KEVSCORE_TEST_SIGINT", "KEVSCORE_TEST_ENOSPC"
 OOM = {"rows": "KEVSCORE_TEST_OOM_ROWS", "docs": "KEVSCORE_TEST_OOM_DOCS"}
-WRONG_ENTRY = "KEVSCORE_TEST_WRONG_ENTRY"
-MARKS, PAUSE = "KEVSCORE_TEST_MARKS", "KEVSCORE_TEST_PAUSE"
 PAUSE_S = 120
 _reached: Counter[tuple[str, str]] = Counter()  # (hook setting, point) -> times reached in this process
 
@@ -56,7 +54,7 @@ def _reach(spec: str | None, point: str) -> bool:
 def point(name: str) -> None:
     """A place a test may mark, pause, kill or interrupt the process at, or fail a write (no-op unless a
     test hook names it)."""
-    if marks := os.environ.get(MARKS):
+    if marks := os.environ.get("KEVSCORE_TEST_MARKS"):
         _mark(Path(marks), name)
     for hook, sig in ((KILL, signal.SIGKILL), (SIGINT, signal.SIGINT)):
         if _reach(os.environ.get(hook), name):
@@ -68,7 +66,7 @@ def point(name: str) -> None:
 def _mark(where: Path, name: str) -> None:
     """Touch where/name; pause until where/name.go exists when KEVSCORE_TEST_PAUSE names the point."""
     (where / name).touch()
-    if name in os.environ.get(PAUSE, "").split(","):
+    if name in os.environ.get("KEVSCORE_TEST_PAUSE", "").split(","):
         go, deadline = where / f"{name}.go", time.monotonic() + PAUSE_S
         while not go.exists() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -117,7 +115,7 @@ class StopSignals:
 
 def wrong_entry(docs: list[int]) -> dict[int, int]:
     """Under KEVSCORE_TEST_WRONG_ENTRY: each document -> the next of `docs` (cyclic); else identity."""
-    if os.environ.get(WRONG_ENTRY, "") in ("", "0"):
+    if os.environ.get("KEVSCORE_TEST_WRONG_ENTRY", "") in ("", "0"):
         return {d: d for d in docs}
     order = sorted(docs)
     return {d: order[(i + 1) % len(order)] for i, d in enumerate(order)}
