@@ -2,7 +2,7 @@
 # On the GPU machine: install the carried FLA wheels, run the cuda tests, then the scoring benchmark.
 # Usage (repo root): bash benchmarks/device_run.sh [pytest args...]; logs go to $OUT (or ./device-out). The wheels
 # (`pip download --no-deps -d .whl fla-core==0.5.2 flash-linear-attention==0.5.2`) are git-ignored: carry `.whl`.
-# SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (14 took 457 s with Triton's cache cold, 2026-11-30),
+# SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT=s, PYTEST_WORKERS=n (default 8: NOTES 98; the suite wants a call of its own),
 # BENCH_ARGS='...', AB_FUSED_CONV=1 (bench again with FLA's branch conv: bench_score.py --fla conv),
 # KERNELS=1|names (benchmarks/bench_kernels.py: launch configurations of our kernels, before the tests), LONGJOB=rows (a long job of that
 # many rows, one document per 10, on Kev-0.8B: issue 7's run; its last --log-json line is the summary),
@@ -28,7 +28,7 @@ if [ -n "${CPU_TESTS:-}" ]; then  # CPU test files on this image's packages (e.g
   timeout 300 python3 -m pytest -q -p no:hypothesispytest --tb=line -rfE $CPU_TESTS 2>&1 | tee "$OUT/pytest_cpu.log" | tail -5
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m cuda -q -n "${PYTEST_WORKERS:-2}" --dist loadgroup -p no:hypothesispytest --tb=line -rfEP --durations=12 "$@" 2>&1 \
+  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -m cuda -q -n "${PYTEST_WORKERS:-8}" --dist loadgroup -p no:hypothesispytest --tb=line -rfEP --durations=12 "$@" 2>&1 \
     | tee "$OUT/pytest_cuda.log" | grep -E "^(FAILED|ERROR|E |/)|max \||passed|failed|crashed" | tail -40
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then  # FLA caches autotune results on disk by keys without the token count:
