@@ -199,7 +199,7 @@ def run(
             plan = Scorer.from_options(opts).dry_run(opts)
         if log_json:
             return typer.echo(json.dumps({"event": "plan", **plan.fields()}))
-        return Console(width=80 if not sys.stdout.isatty() else None).print(display.plan_table(plan))
+        return display.table_console().print(display.plan_table(plan))
     if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
             _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
@@ -269,7 +269,7 @@ def _show(record: dict, as_json: bool, draw: Callable[[Console], None]) -> None:
     if as_json:
         typer.echo(json.dumps(record, indent=1))
     else:
-        draw(Console(width=None if Console().is_terminal else 80))
+        draw(display.table_console())
 
 
 @app.command("bank-inspect", cls=Command)
@@ -336,7 +336,7 @@ def compare(
     opts = options_of(comparing.CompareOptions, locals(), cases=cases.split(",") if cases else None)
     with _failing():
         report = comparing.compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))
-    (console if console.is_terminal else Console(stderr=True, width=80)).print(display.compare_table(report))
+    display.table_console(stderr=True).print(display.compare_table(report))
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if not report["parity"]:

@@ -18,12 +18,18 @@ from rich.text import Text
 from kevscore.engine.pipeline import Reporter
 
 console = Console(stderr=True)  # messages and progress; results go to stdout
+
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # never sent raw to a terminal (escape codes in doc ids, names)
 
 
 def escape(text: str) -> str:
     """Text for rich: markup escaped, control characters shown as \\xNN (one line, no terminal codes)."""
     return markup_escape(CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
+
+
+def table_console(stderr: bool = False) -> Console:
+    """A console for a result's table on stdout (or stderr): a terminal's width, else 80 columns (a file, a pipe)."""
+    return Console(stderr=stderr, width=None if Console(stderr=stderr).is_terminal else 80)
 
 
 class RateColumn(ProgressColumn):
