@@ -18,7 +18,6 @@ from rich.text import Text
 from kevscore.engine.pipeline import Reporter
 
 console = Console(stderr=True)  # messages and progress; results go to stdout
-
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # never sent raw to a terminal (escape codes in doc ids, names)
 
 

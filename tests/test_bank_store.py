@@ -192,6 +192,19 @@ def test_truncated_file_is_detected_and_recomputed(tmp_path, src, bank, warm):
     _recomputed(src, bank, tmp_path / "out.parquet", warm, ["truncated"])
 
 
+def test_negative_shape_in_a_header_is_refused_and_recomputed(tmp_path, src, bank, warm):
+    # two dimensions of one tensor negated: the product, and so the byte range, still fits
+    _, path = entry_of(bank, "garden")
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = next(k for k, v in header.items() if k != "__metadata__" and len(v["shape"]) >= 2)
+    header[name]["shape"][:2] = [-d for d in header[name]["shape"][:2]]
+    head = json.dumps(header).encode()
+    path.write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n:])
+    _recomputed(src, bank, tmp_path / "out.parquet", warm, [f"tensor {name!r}: malformed header entry"])
+
+
 def test_entry_of_another_model_under_this_key_is_refused(tmp_path, src, bank, warm):
     # a well-formed entry file of another document and model planted under garden's key
     _, garden = entry_of(bank, "garden")

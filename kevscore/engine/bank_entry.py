@@ -142,7 +142,7 @@ def _checked_header(head: bytes, size: int) -> EntryFile:
     data_start = 8 + n
     for name, spec in header.items():
         dtype, shape, begin, end = _tensor_spec(name, spec)
-        if dtype not in DTYPES or len(shape) != RANKS[name]:
+        if dtype not in DTYPES or len(shape) != RANKS[name]:  # shapes: non-negative (_tensor_spec)
             raise EntryError(f"tensor {name!r}: unexpected dtype {dtype} or shape {shape}")
         if end - begin != DTYPES[dtype].itemsize * math.prod(shape):
             raise EntryError(f"tensor {name!r}: byte range {begin}..{end} does not hold {shape} {dtype}")

@@ -129,8 +129,9 @@ def join_windows(plans: Sequence[Windows]) -> Windows:
     w + (windows of the ranks before r), and `rank` says whose each one is."""
     sizes = [len(p) for p in plans]
     of_row = np.full(len(plans[0].of_row), -1, dtype=np.int32)
-    for p, offset in zip(plans, np.cumsum([0] + sizes)):
-        of_row = np.where(p.of_row >= 0, p.of_row + offset, of_row).astype(np.int32)
+    for p, offset in zip(plans, np.cumsum([0, *sizes])):  # in place: one pass over each rank's rows
+        mine = p.of_row >= 0
+        of_row[mine] = p.of_row[mine] + offset
     rank = np.repeat(np.arange(len(plans), dtype=np.int64), sizes)
     cat = lambda name: np.concatenate([getattr(p, name) for p in plans]).astype(np.int64)  # noqa: E731
     return Windows(of_row, cat("rows"), cat("docs"), cat("tokens"), rank)
