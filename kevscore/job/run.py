@@ -292,8 +292,13 @@ def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
 
 def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> RunResult:
     """Score `rank`'s windows that have no part yet (with the on-disk bank when asked), writing their parts."""
-    opts = job.opts
-    store = open_store(opts, job.fingerprint, progress) if opts.bank is not None else None
+    opts, store = job.opts, None
+    if opts.bank is not None:  # the on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)
+        max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
+        try:
+            store = BankStore(Path(opts.bank), job.fingerprint, max_bytes, warn=progress.warn)
+        except OSError as exc:
+            raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc
     with closing(store) if store is not None else nullcontext(), StopSignals(progress.warn) as stop:
         result = new_result(job, parts, rank)
         engine = make_engine(opts, job.runner, store, stop)
@@ -371,11 +376,3 @@ def set_aside_table(scan: InputScan) -> pa.Table:
     ids = Cursor(scan.path, cols).take(rows) if cols and len(rows) else {}
     return errors_table(rows, [scan.invalid[int(r)] for r in rows], ids.get("doc_id"), ids.get("question_id"))
 
-
-def open_store(opts: RunOptions, fingerprint, progress: Reporter) -> BankStore:
-    """The on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)."""
-    max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
-    try:
-        return BankStore(Path(opts.bank), fingerprint, max_bytes, warn=progress.warn)
-    except OSError as exc:
-        raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc

@@ -65,13 +65,6 @@ def is_string(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or view(t)
 
 
-def _is_labels(t: pa.DataType) -> bool:
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and is_string(t.value_type)
-
-
-TYPES = {"labels": (_is_labels, "list<string>")}  # a column's expected type; any other column: a string
-
-
 # ---------------------------------------------------------------- files
 
 def open_parquet(path: Path) -> pq.ParquetFile:
@@ -100,12 +93,15 @@ def check_names(path: Path, names: list[str], required: Sequence[str], reject: s
 
 
 def _check_types(path: Path, file: pq.ParquetFile, names: Sequence[str]) -> None:
-    """Each of the columns `names` that the file has must be of its expected type (TYPES)."""
+    """Each of the columns `names` that the file has must be of its expected type: labels a list of strings,
+    any other column a string."""
     schema = file.schema_arrow
     for name in [n for n in names if n in schema.names]:
-        is_type, expected = TYPES.get(name, (is_string, "string"))
-        if not is_type(schema.field(name).type):
-            raise KevscoreError(f"{path}: column {name!r} has type {schema.field(name).type}, expected {expected}")
+        found, labels = schema.field(name).type, name == "labels"
+        listed = pa.types.is_list(found) or pa.types.is_large_list(found)
+        if labels != listed or not is_string(found.value_type if listed else found):
+            raise KevscoreError(f"{path}: column {name!r} has type {found}, expected "
+                                f"{'list<string>' if labels else 'string'}")
 
 
 def _nulls(path: Path, column: str, rows: list[int], scan: InputScan | None = None) -> None:
@@ -142,17 +138,13 @@ def decoded(path: Path, data: pa.RecordBatch | pa.Table, columns: Sequence[str],
         try:
             out[c] = column.to_pylist()
         except UnicodeDecodeError:
-            bad = next(j for j in range(len(column)) if not _decodes(column[j]))
-            raise KevscoreError(f"{path}: column {c!r} holds text that is not valid UTF-8 at row {row_of(bad)}") from None
+            for j in range(len(column)):  # the first value that does not decode
+                try:
+                    column[j].as_py()
+                except UnicodeDecodeError:
+                    raise KevscoreError(f"{path}: column {c!r} holds text that is not valid UTF-8 at row "
+                                        f"{row_of(j)}") from None
     return out
-
-
-def _decodes(value: pa.Scalar) -> bool:
-    try:
-        value.as_py()
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------- the scan
