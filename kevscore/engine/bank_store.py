@@ -20,6 +20,7 @@ check is reported on one line and recomputed (its file is replaced by the recomp
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -128,7 +129,7 @@ class BankStore:
         self._owner_lock = None
 
     def _path(self, key: str) -> Path:
-        return self.root / bank_dir.ENTRIES / key[:2] / f"{key}{bank_entry.SUFFIX}"
+        return self.root / bank_dir.entry_file(key)
 
     def _load_index(self, reconcile: bool) -> dict:
         """The index (under the lock); rebuilt from the entry files when missing or unreadable. With
@@ -155,7 +156,7 @@ class BankStore:
                 self.warn(f"entry file {path.relative_to(self.root)}: {exc}; removed")
                 path.unlink(missing_ok=True)
                 continue
-            entries[key] = bank_dir.entry_record(entry, path, self.root, path.stat().st_mtime)
+            entries[key] = bank_dir.entry_record(entry, path.stat().st_mtime)
         return index
 
     def _publish(self, index: dict, hook: str) -> None:
@@ -173,15 +174,12 @@ class BankStore:
         if self.max_bytes is None:
             return []
         entries = index["entries"]
-        total = sum(r["file_bytes"] for r in entries.values())
-        out = []
-        for key in sorted(entries, key=lambda k: (entries[k]["last_used"], k)):
-            if total <= self.max_bytes:
-                break
-            total -= entries[key]["file_bytes"]
-            out.append(self.root / entries.pop(key)["file"])
-        self.stats.evicted += len(out)
-        return out
+        oldest = sorted(entries, key=lambda k: (entries[k]["last_used"], k))
+        over = sum(r["file_bytes"] for r in entries.values()) - self.max_bytes  # bytes to free
+        freed = itertools.accumulate((entries[k]["file_bytes"] for k in oldest), initial=0)
+        n = next(i for i, f in enumerate(freed) if f >= over)  # the fewest oldest entries that free them
+        self.stats.evicted += n
+        return [self.root / entries.pop(k)["file"] for k in oldest[:n]]
 
     def _commit(self, written: list[tuple[str, Path, dict]]) -> None:
         """Under the lock: rename written entries into place, merge this run's records and uses into the
@@ -203,9 +201,8 @@ class BankStore:
                 if not self._path(key).exists():
                     continue  # evicted by another run meanwhile
                 old = entries.get(key, {})
-                rec = dict(rec, last_used=max(rec["last_used"], old.get("last_used", 0.0)))
-                rec["doc_ids"] = bank_dir.merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
-                entries[key] = rec
+                doc_ids = bank_dir.merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
+                entries[key] = dict(rec, last_used=max(rec["last_used"], old.get("last_used", 0.0)), doc_ids=doc_ids)
             self._publish(index, "bank-index-write")
         self._touched.clear()
 
@@ -245,7 +242,7 @@ class BankStore:
             entry, tensors = result
             self._copy_in(bank, slot_of[d], tensors)
             loaded.add(d)
-            self._touched[key] = bank_dir.entry_record(entry, self._path(key), self.root, time.time())
+            self._touched[key] = bank_dir.entry_record(entry, time.time())
             self.stats.loaded += 1
             self.stats.read_bytes += entry.size
         synchronize(bank.state.device)
@@ -279,16 +276,14 @@ class BankStore:
                 yield result(pending.popleft())
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
+        """An entry read back and checked (`read_entry`: its key, checked against the file name asked for, stands for
+        this model's fingerprint and the prefix ids), and its shapes against the bank slot's."""
         entry, tensors = bank_entry.read_entry(self._path(key), pin=bank.state.device.type == "cuda")
-        if entry.meta["model"] != self.model.digest:
-            raise EntryError(f"made by another model ({self._model_named(entry.meta['model'])})")
         for name, view in bank.entry(slot, len(prefix)).items():  # the slot's views: the shapes the bank needs
             t = tensors[name]
             if t.dtype != view.dtype or t.shape != view.shape:
                 raise EntryError(f"tensor {name!r} is {tuple(t.shape)} {t.dtype}, the bank needs {tuple(view.shape)} "
                                  f"{view.dtype}")
-        if tensors["ids"].tolist() != list(prefix):
-            raise EntryError("its prefix ids differ from the document's")
         return entry, tensors
 
     @staticmethod
@@ -313,7 +308,7 @@ class BankStore:
             data = bank_entry.entry_bytes(key, self.model.digest, prefix, host)
             tmp = temp_path(self._path(key), self.tmp)
             write_new(tmp, bytes_filler(data, "bank-entry-write"), self._path(key))
-            return key, tmp, bank_dir.entry_record(bank_entry.read_header(tmp), self._path(key), self.root, time.time())
+            return key, tmp, bank_dir.entry_record(bank_entry.read_header(tmp), time.time())
 
         written = []
         for (d, key), result in zip(items, self._pipelined(write, items)):
