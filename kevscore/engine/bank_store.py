@@ -63,9 +63,7 @@ class BankStore:
 
     def __init__(self, root: Path, model: Fingerprint, max_bytes: int | None = None,
                  warn: Callable[[str], None] | None = None, workers: int | None = None):
-        self.root = Path(root)
-        self.model = model
-        self.max_bytes = max_bytes
+        self.root, self.model, self.max_bytes = Path(root), model, max_bytes
         self._warn_cb = warn or (lambda message: None)
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         self.stats = BankStats()
