@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-import torch
-
 from kevscore import faults
 from kevscore.durable import bytes_filler, fsync_dir, lock_file, temp_path, write_json, write_new
 from kevscore.engine import bank_dir, bank_entry
@@ -234,11 +232,16 @@ class BankStore:
             if isinstance(result, Exception):
                 if not isinstance(result, FileNotFoundError):  # gone: another run evicted it
                     self.stats.rejected += 1
-                    self.warn(f"entry {key[:12]} ({self._path(key).relative_to(self.root)}"
-                              f"{self._ids_phrase(prefixes[d])}): {result}; recomputing it")
+                    ids = self._doc_ids.get(prefix_key(prefixes[d]))
+                    named = f", doc ids {', '.join(ids[:3])}{', …' if len(ids) > 3 else ''}" if ids else ""
+                    self.warn(f"entry {key[:12]} ({bank_dir.entry_file(key)}{named}): {result}; recomputing it")
                 continue
             entry, tensors = result
-            self._copy_in(bank, slot_of[d], tensors)
+            views = bank.entry(slot_of[d], len(prefixes[d]))
+            for t in bank.declared:  # one copy per contiguous block, non-blocking from pinned memory on CUDA
+                lead = 1 + (t.token_axis or 0)  # leading dims (layers, any before a token axis): one block per index
+                for dst, src in zip(views[t.name].flatten(0, lead - 1), tensors[t.name].flatten(0, lead - 1)):
+                    dst.copy_(src, non_blocking=True)
             loaded.add(d)
             self._touched[key] = bank_dir.entry_record(entry, time.time())
             self.stats.loaded += 1
@@ -246,10 +249,6 @@ class BankStore:
         synchronize(bank.state.device)
         self.stats.load_s += time.perf_counter() - t0
         return loaded
-
-    def _ids_phrase(self, prefix: Sequence[int]) -> str:
-        ids = self._doc_ids.get(prefix_key(prefix))
-        return f", doc ids {', '.join(ids[:3])}{', …' if len(ids) > 3 else ''}" if ids else ""
 
     def _keys(self, prefixes: Sequence[Sequence[int]], docs: Sequence[int]) -> list[tuple[int, str]]:
         """(document, entry key) of `docs`, but those with an empty prefix (nothing to store, prefill is free)."""
@@ -283,16 +282,6 @@ class BankStore:
                 raise EntryError(f"tensor {name!r} is {tuple(t.shape)} {t.dtype}, the bank needs {tuple(view.shape)} "
                                  f"{view.dtype}")
         return entry, tensors
-
-    @staticmethod
-    def _copy_in(bank, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Host -> bank slot, one copy per contiguous block (per layer, and per index of the dims before a
-        token axis), non-blocking from pinned memory on CUDA."""
-        views = bank.entry(slot, len(tensors["ids"]))
-        for t in bank.declared:
-            lead = 1 + (t.token_axis or 0)  # leading dims whose every index is one contiguous block
-            for dst, src in zip(views[t.name].flatten(0, lead - 1), tensors[t.name].flatten(0, lead - 1)):
-                dst.copy_(src, non_blocking=True)
 
     def save(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> None:
         """Write the entries of freshly prefilled `docs` (copied out of their bank slots) and commit them."""
