@@ -178,8 +178,7 @@ def read_header(path: Path) -> EntryFile:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
-        if len(head) == 8:
-            head += f.read(min(int.from_bytes(head, "little"), 1 << 24))
+        head += f.read(min(int.from_bytes(head, "little"), 1 << 24))  # nothing left to read when under 8 bytes
     return _parse_header(head, size)
 
 
