@@ -264,13 +264,11 @@ class BankStore:
                 return exc
 
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            pending: deque[Future] = deque()
-            for item in items:
-                pending.append(pool.submit(fn, item))
-                if len(pending) >= 2 * self.workers:
-                    yield result(pending.popleft())
+            todo = iter(items)
+            pending = deque(pool.submit(fn, item) for item in itertools.islice(todo, 2 * self.workers))
             while pending:
                 yield result(pending.popleft())
+                pending.extend(pool.submit(fn, item) for item in itertools.islice(todo, 1))  # one in, one out
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
         """An entry read back and checked (`read_entry`: its key, checked against the file name asked for, stands for
