@@ -41,6 +41,8 @@ Tabular = Any  # a pyarrow Table or RecordBatch, or a pandas DataFrame (pandas i
 # RunOptions' fields a Scorer fixes: the model and how it scores; the others belong to each call
 SCORER_OPTIONS = ("model", "device", "dtype", "labels", "template", "state_read", "batch_rows", "bank",
                   "bank_max_gb", "bank_capacity", "eager", "batch_invariant")
+# a call's arguments that are RunOptions' fields of the same name (score, score_file, plan)
+CALL_OPTIONS = ("carry", "limit", "window", "skip_invalid", "overwrite", "restart")
 TABLE_NAMES = {"questions": "<questions>", "documents": "<documents>"}  # how messages name tables passed in
 
 
@@ -85,13 +87,12 @@ class Scorer(AbstractContextManager):
         memory: row, doc_id, question_id, labels, probs, prediction, label_mass, then (with `carry`) the
         input's other columns. Tables go through a temporary Parquet file; a path is read as the command
         reads it (Parquet, CSV, JSON Lines, a directory or glob of Parquet files)."""
+        call = locals()
         with tempfile.TemporaryDirectory(prefix="kevscore-api-") as tmp:
-            given = {role: _as_input(data, Path(tmp), role)
-                     for role, data in (("questions", questions), ("documents", documents))}
+            given = {role: _as_input(call[role], Path(tmp), role) for role in ("questions", "documents")}
             output = Path(tmp) / "scores.parquet"
             try:
-                self.score_file(given["questions"], output, documents=given["documents"], columns=columns,
-                                carry=carry, limit=limit, window=window, progress=progress)
+                self.run(self._options({**call, "input": given["questions"], "output": output, **given}), progress)
             except KevscoreError as exc:
                 raise type(exc)(_told_as_tables(str(exc), Path(tmp))) from None
             except Interrupted:  # its parts were in the temporary directory: nothing to resume from
@@ -107,16 +108,13 @@ class Scorer(AbstractContextManager):
         stopped part way resumes from its completed windows when made again; `restart` discards them,
         `overwrite` replaces an existing output. `columns`: kevscore's column name -> the input's
         (e.g. {"question": "text"}). Returns the run's numbers (rows, documents prefilled, times)."""
-        return self.run(self.run_options(input, output, documents=documents, columns=columns, carry=carry,
-                                         limit=limit, window=window, skip_invalid=skip_invalid,
-                                         overwrite=overwrite, restart=restart), progress)
+        return self.run(self._options(locals()), progress)
 
     def plan(self, input: PathLike, *, documents: PathLike | None = None, columns: Mapping[str, str] | None = None,
              limit: int | None = None, window: int = WINDOW_DOCS, skip_invalid: bool = False) -> Plan:
         """`kevscore run --dry-run`: the whole input checked and planned, and a time estimate from scoring a
         few of its documents; nothing is written."""
-        return self.dry_run(self.run_options(input, documents=documents, columns=columns, limit=limit,
-                                             window=window, skip_invalid=skip_invalid))
+        return self.dry_run(self._options(locals()))
 
     def run(self, opts: RunOptions, progress: Reporter | None = None) -> RunResult:
         """The job `opts` describes, on this scorer's model (its model and scoring options replace those
@@ -130,15 +128,14 @@ class Scorer(AbstractContextManager):
         with one_line():
             return dry_run(self._own(opts), self.loaded)
 
-    def run_options(self, input: PathLike, output: PathLike | None = None, *, documents: PathLike | None = None,
-                    columns: Mapping[str, str] | None = None, carry: bool = True, limit: int | None = None,
-                    window: int = WINDOW_DOCS, skip_invalid: bool = False, overwrite: bool = False,
-                    restart: bool = False) -> RunOptions:
-        """The `kevscore run` options of a call: this scorer's, with the call's input, output and options."""
-        return dataclasses.replace(self.options, input=str(input), output=_path(output),
+    def _options(self, call: dict) -> RunOptions:
+        """The `kevscore run` options of a call (`call`: its arguments, by name): this scorer's, with the call's
+        input, output, documents, columns and CALL_OPTIONS."""
+        documents, output = call["documents"], call.get("output")
+        return dataclasses.replace(self.options, input=str(call["input"]), output=_path(output),
                                    documents=None if documents is None else str(documents),
-                                   rename=_rename(columns or {}), carry=carry, limit=limit, window=window,
-                                   skip_invalid=skip_invalid, overwrite=overwrite, restart=restart)
+                                   rename=_rename(call["columns"] or {}),
+                                   **{name: call[name] for name in CALL_OPTIONS if name in call})
 
     def close(self) -> None:
         """Let the model and its bank go (a later call loads the model again)."""

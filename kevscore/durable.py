@@ -94,12 +94,11 @@ def bytes_filler(data: bytes | memoryview, point: str | None = None) -> Filler:
     """A filler writing `data`; `point` is a fault point halfway, with the first half in the file."""
     def fill(f: BinaryIO) -> None:
         view = memoryview(data).cast("B")
-        half = len(view) // 2 if point else len(view)
-        f.write(view[:half])
+        f.write(view[:len(view) // 2])
         if point:
             f.flush()
             faults.point(point)
-        f.write(view[half:])
+        f.write(view[len(view) // 2:])
     return fill
 
 

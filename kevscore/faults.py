@@ -54,22 +54,17 @@ def _reach(spec: str | None, point: str) -> bool:
 def point(name: str) -> None:
     """A place a test may mark, pause, kill or interrupt the process at, or fail a write (no-op unless a
     test hook names it)."""
-    if marks := os.environ.get("KEVSCORE_TEST_MARKS"):
-        _mark(Path(marks), name)
+    if marks := os.environ.get("KEVSCORE_TEST_MARKS"):  # touch DIR/POINT, and pause there when KEVSCORE_TEST_PAUSE says
+        (Path(marks) / name).touch()
+        if name in os.environ.get("KEVSCORE_TEST_PAUSE", "").split(","):
+            go, deadline = Path(marks) / f"{name}.go", time.monotonic() + PAUSE_S
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
     for hook, sig in ((KILL, signal.SIGKILL), (SIGINT, signal.SIGINT)):
         if _reach(os.environ.get(hook), name):
             os.kill(os.getpid(), sig)
     if _reach(os.environ.get(ENOSPC), name):
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {ENOSPC})")
-
-
-def _mark(where: Path, name: str) -> None:
-    """Touch where/name; pause until where/name.go exists when KEVSCORE_TEST_PAUSE names the point."""
-    (where / name).touch()
-    if name in os.environ.get("KEVSCORE_TEST_PAUSE", "").split(","):
-        go, deadline = where / f"{name}.go", time.monotonic() + PAUSE_S
-        while not go.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
 
 
 def inject_oom(unit: str, n: int) -> None:

@@ -21,9 +21,14 @@ RECORD_FIELDS = {"file": str, "model": str, "prefix_sha256": str, "tokens": int,
                  "last_used": (int, float), "doc_ids": list}  # an index record's fields and their types
 
 
-def entry_record(entry: EntryFile, path: Path, root: Path, last_used: float) -> dict:
+def entry_file(key: str) -> str:
+    """Where the entry of `key` lies, relative to the bank directory."""
+    return f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}"
+
+
+def entry_record(entry: EntryFile, last_used: float) -> dict:
     """An entry file's index record; its document ids are merged in when the index is committed (`merge_ids`)."""
-    return {"file": path.relative_to(root).as_posix(), "model": entry.meta["model"],
+    return {"file": entry_file(entry.meta["key"]), "model": entry.meta["model"],
             "prefix_sha256": entry.meta["prefix_sha256"], "tokens": entry.tokens, "bytes": entry.component_bytes(),
             "file_bytes": entry.size, "created": float(entry.meta["created"]), "last_used": last_used, "doc_ids": []}
 
@@ -87,7 +92,7 @@ def index_or_why(root: Path) -> tuple[dict | None, str | None]:
             if not (isinstance(rec, dict) and all(isinstance(rec.get(n), kind) for n, kind in RECORD_FIELDS.items())
                     and all(type(v) is int for v in rec["bytes"].values())
                     and all(isinstance(i, str) for i in rec["doc_ids"])
-                    and rec["file"] == f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}"):
+                    and rec["file"] == entry_file(key)):
                 raise TypeError(f"malformed record for entry {key[:12]}")
         return data, None
     except FileNotFoundError:

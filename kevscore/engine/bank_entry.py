@@ -89,6 +89,7 @@ class EntryFile:
     meta: dict[str, str]
     tensors: dict[str, tuple[str, list[int], int, int]]
     size: int
+    crc: dict[str, int]  # per tensor, the CRC-32 of its bytes
 
     @property
     def tokens(self) -> int:
@@ -103,66 +104,62 @@ def _parse_header(head: bytes, size: int) -> EntryFile:
     describes: the four tensors, their ranks and dtypes, byte ranges that tile the data exactly, and the
     metadata fields. Raises EntryError, whatever the bytes."""
     try:
-        return _checked_header(head, size)
+        if size < 8:
+            raise EntryError(f"truncated ({size} bytes)")
+        n = int.from_bytes(head[:8], "little")
+        if n > size - 8 or n > 1 << 24:
+            raise EntryError(f"truncated or not safetensors (header of {n} bytes, file of {size})")
+        try:
+            header = json.loads(bytes(head[8:8 + n]))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise EntryError(f"unreadable header ({exc})") from None
+        if not isinstance(header, dict):
+            raise EntryError("unreadable header (not a JSON object)")
+        meta = header.pop("__metadata__", None)
+        if not isinstance(meta, dict) or any(not isinstance(meta.get(k), str) for k in META_KEYS):
+            raise EntryError("header metadata missing or incomplete")
+        if meta["format"] != FORMAT:
+            raise EntryError(f"not a kevscore bank entry (format {meta['format']!r})")
+        if meta["version"] != str(VERSION):
+            raise EntryError(f"bank format version {meta['version']}, this kevscore reads version {VERSION}")
+        if sorted(header) != sorted(TENSORS):
+            raise EntryError(f"tensors {sorted(header)}, expected {sorted(TENSORS)}")
+        tensors = {}
+        data_start = 8 + n
+        for name, spec in header.items():
+            if not (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and _naturals(spec.get("shape"))
+                    and _naturals(spec.get("data_offsets")) and len(spec["data_offsets"]) == 2):
+                raise EntryError(f"tensor {name!r}: malformed header entry")
+            dtype, shape, (begin, end) = spec["dtype"], spec["shape"], spec["data_offsets"]
+            if dtype not in DTYPES or len(shape) != RANKS[name]:
+                raise EntryError(f"tensor {name!r}: unexpected dtype {dtype} or shape {shape}")
+            if end - begin != DTYPES[dtype].itemsize * math.prod(shape):
+                raise EntryError(f"tensor {name!r}: byte range {begin}..{end} does not hold {shape} {dtype}")
+            tensors[name] = (dtype, shape, data_start + begin, data_start + end)
+        spans = sorted((begin - data_start, end - data_start) for _, _, begin, end in tensors.values())
+        if spans[0][0] != 0 or any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
+            raise EntryError("tensor byte ranges do not tile the data")
+        if data_start + spans[-1][1] != size:
+            kind = "truncated" if data_start + spans[-1][1] > size else "trailing bytes"
+            raise EntryError(f"{kind}: the header describes {data_start + spans[-1][1]} bytes, the file has {size}")
+        try:
+            tokens, _, crc = int(meta["tokens"]), float(meta["created"]), json.loads(meta["crc32"])
+        except ValueError:
+            crc = None
+        if not isinstance(crc, dict) or sorted(crc) != sorted(TENSORS) \
+                or not all(isinstance(v, int) for v in crc.values()):
+            raise EntryError("header metadata tokens/created/crc32 malformed")
+        if not _consistent({name: spec[1] for name, spec in tensors.items()}, tokens) or tensors["ids"][0] != "I64":
+            shapes = ", ".join(f"{name} {tensors[name][1]}" for name in TENSORS)
+            raise EntryError(f"inconsistent shapes for {tokens} tokens: {shapes}")
+        return EntryFile(meta, tensors, size, crc)
     except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         raise EntryError(f"malformed header ({type(exc).__name__}: {str(exc)[:80]})") from None
 
 
-def _tensor_spec(name: str, spec) -> tuple[str, list[int], int, int]:
-    """(dtype, shape, begin, end) of one tensor's header entry; EntryError unless it is well formed."""
-    ints = lambda xs: isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)  # noqa: E731
-    if not (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and ints(spec.get("shape"))
-            and ints(spec.get("data_offsets")) and len(spec["data_offsets"]) == 2):
-        raise EntryError(f"tensor {name!r}: malformed header entry")
-    return spec["dtype"], spec["shape"], *spec["data_offsets"]
-
-
-def _checked_header(head: bytes, size: int) -> EntryFile:
-    if size < 8:
-        raise EntryError(f"truncated ({size} bytes)")
-    n = int.from_bytes(head[:8], "little")
-    if n > size - 8 or n > 1 << 24:
-        raise EntryError(f"truncated or not safetensors (header of {n} bytes, file of {size})")
-    try:
-        header = json.loads(bytes(head[8:8 + n]))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise EntryError(f"unreadable header ({exc})") from None
-    if not isinstance(header, dict):
-        raise EntryError("unreadable header (not a JSON object)")
-    meta = header.pop("__metadata__", None)
-    if not isinstance(meta, dict) or any(not isinstance(meta.get(k), str) for k in META_KEYS):
-        raise EntryError("header metadata missing or incomplete")
-    if meta["format"] != FORMAT:
-        raise EntryError(f"not a kevscore bank entry (format {meta['format']!r})")
-    if meta["version"] != str(VERSION):
-        raise EntryError(f"bank format version {meta['version']}, this kevscore reads version {VERSION}")
-    if sorted(header) != sorted(TENSORS):
-        raise EntryError(f"tensors {sorted(header)}, expected {sorted(TENSORS)}")
-    tensors = {}
-    data_start = 8 + n
-    for name, spec in header.items():
-        dtype, shape, begin, end = _tensor_spec(name, spec)
-        if dtype not in DTYPES or len(shape) != RANKS[name]:  # shapes: non-negative (_tensor_spec)
-            raise EntryError(f"tensor {name!r}: unexpected dtype {dtype} or shape {shape}")
-        if end - begin != DTYPES[dtype].itemsize * math.prod(shape):
-            raise EntryError(f"tensor {name!r}: byte range {begin}..{end} does not hold {shape} {dtype}")
-        tensors[name] = (dtype, shape, data_start + begin, data_start + end)
-    spans = sorted((begin - data_start, end - data_start) for _, _, begin, end in tensors.values())
-    if spans[0][0] != 0 or any(a[1] != b[0] for a, b in itertools.pairwise(spans)):
-        raise EntryError("tensor byte ranges do not tile the data")
-    if data_start + spans[-1][1] != size:
-        kind = "truncated" if data_start + spans[-1][1] > size else "trailing bytes"
-        raise EntryError(f"{kind}: the header describes {data_start + spans[-1][1]} bytes, the file has {size}")
-    try:
-        tokens, _, crc = int(meta["tokens"]), float(meta["created"]), json.loads(meta["crc32"])
-    except ValueError:
-        crc = None
-    if not isinstance(crc, dict) or sorted(crc) != sorted(TENSORS) or not all(isinstance(v, int) for v in crc.values()):
-        raise EntryError("header metadata tokens/created/crc32 malformed")
-    if not _consistent({name: spec[1] for name, spec in tensors.items()}, tokens) or tensors["ids"][0] != "I64":
-        shapes = ", ".join(f"{name} {tensors[name][1]}" for name in TENSORS)
-        raise EntryError(f"inconsistent shapes for {tokens} tokens: {shapes}")
-    return EntryFile(meta, tensors, size)
+def _naturals(xs) -> bool:
+    """A list of non-negative ints (a header's shape or byte range)."""
+    return isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)
 
 
 def _consistent(shapes: dict[str, list[int]], tokens: int) -> bool:
@@ -181,8 +178,7 @@ def read_header(path: Path) -> EntryFile:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
-        if len(head) == 8:
-            head += f.read(min(int.from_bytes(head, "little"), 1 << 24))
+        head += f.read(min(int.from_bytes(head, "little"), 1 << 24))  # nothing left to read when under 8 bytes
     return _parse_header(head, size)
 
 
@@ -196,12 +192,11 @@ def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torc
         if (done := f.readinto(view)) < size:
             raise EntryError(f"truncated while reading ({done} of {size} bytes)")
     entry = _parse_header(view, size)
-    crc = json.loads(entry.meta["crc32"])
     tensors = {}
     for name, (dtype, shape, begin, end) in entry.tensors.items():
-        if zlib.crc32(view[begin:end]) != crc[name]:
+        if zlib.crc32(view[begin:end]) != entry.crc[name]:
             raise EntryError(f"checksum mismatch in {name!r} (CRC-32 {zlib.crc32(view[begin:end]):08x}, "
-                             f"recorded {crc[name]:08x})")
+                             f"recorded {entry.crc[name]:08x})")
         raw = buf[begin:end]
         if begin % DTYPES[dtype].itemsize:  # safetensors aligns data; copy if a writer did not
             raw = raw.clone()

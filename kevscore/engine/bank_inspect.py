@@ -1,12 +1,11 @@
 """`kevscore bank-inspect`: a read-only report of a bank directory, its models, entries and their checks."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
-from kevscore.engine.bank_dir import ENTRIES, TMP, bank_lock, check_bank_dir, entry_files, index_or_why
-from kevscore.engine.bank_entry import COMPONENTS, FORMAT, SUFFIX, VERSION, EntryError, read_entry, read_header
+from kevscore.engine.bank_dir import TMP, bank_lock, check_bank_dir, entry_file, entry_files, index_or_why
+from kevscore.engine.bank_entry import COMPONENTS, FORMAT, VERSION, EntryError, read_entry, read_header
 from kevscore.errors import KevscoreError
 
 
@@ -53,7 +52,7 @@ def _chosen_entry(root: Path, keys: list[str], prefix: str | None) -> str | None
 
 def _entry_row(key: str, rec: dict | None, path: Path | None, verify: bool, detail: bool) -> dict:
     """One entry's row: from its file's header (and, with `verify`, a full checked read), else its record."""
-    row = {"key": key, "file": f"{ENTRIES}/{key[:2]}/{key}{SUFFIX}", "indexed": rec is not None, "status": "unchecked"}
+    row = {"key": key, "file": entry_file(key), "indexed": rec is not None, "status": "unchecked"}
     if path is None:
         row.update(status="missing file", model=rec["model"], tokens=rec["tokens"], doc_ids=rec["doc_ids"],
                    bytes=rec["bytes"], file_bytes=0, last_used=rec["last_used"])
@@ -72,7 +71,7 @@ def _entry_row(key: str, rec: dict | None, path: Path | None, verify: bool, deta
             checked, tensors = read_entry(path)
             row["status"] = "ok"
             if detail:
-                row.update(ids_head=tensors["ids"][:16].tolist(), crc32=json.loads(checked.meta["crc32"]))
+                row.update(ids_head=tensors["ids"][:16].tolist(), crc32=checked.crc)
         except (OSError, EntryError) as exc:
             row["status"] = f"corrupt: {exc}"
     return row

@@ -20,6 +20,7 @@ check is reported on one line and recomputed (its file is replaced by the recomp
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -30,8 +31,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
-
-import torch
 
 from kevscore import faults
 from kevscore.durable import bytes_filler, fsync_dir, lock_file, temp_path, write_json, write_new
@@ -62,9 +61,7 @@ class BankStore:
 
     def __init__(self, root: Path, model: Fingerprint, max_bytes: int | None = None,
                  warn: Callable[[str], None] | None = None, workers: int | None = None):
-        self.root = Path(root)
-        self.model = model
-        self.max_bytes = max_bytes
+        self.root, self.model, self.max_bytes = Path(root), model, max_bytes
         self._warn_cb = warn or (lambda message: None)
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         self.stats = BankStats()
@@ -128,7 +125,7 @@ class BankStore:
         self._owner_lock = None
 
     def _path(self, key: str) -> Path:
-        return self.root / bank_dir.ENTRIES / key[:2] / f"{key}{bank_entry.SUFFIX}"
+        return self.root / bank_dir.entry_file(key)
 
     def _load_index(self, reconcile: bool) -> dict:
         """The index (under the lock); rebuilt from the entry files when missing or unreadable. With
@@ -155,7 +152,7 @@ class BankStore:
                 self.warn(f"entry file {path.relative_to(self.root)}: {exc}; removed")
                 path.unlink(missing_ok=True)
                 continue
-            entries[key] = bank_dir.entry_record(entry, path, self.root, path.stat().st_mtime)
+            entries[key] = bank_dir.entry_record(entry, path.stat().st_mtime)
         return index
 
     def _publish(self, index: dict, hook: str) -> None:
@@ -173,15 +170,12 @@ class BankStore:
         if self.max_bytes is None:
             return []
         entries = index["entries"]
-        total = sum(r["file_bytes"] for r in entries.values())
-        out = []
-        for key in sorted(entries, key=lambda k: (entries[k]["last_used"], k)):
-            if total <= self.max_bytes:
-                break
-            total -= entries[key]["file_bytes"]
-            out.append(self.root / entries.pop(key)["file"])
-        self.stats.evicted += len(out)
-        return out
+        oldest = sorted(entries, key=lambda k: (entries[k]["last_used"], k))
+        over = sum(r["file_bytes"] for r in entries.values()) - self.max_bytes  # bytes to free
+        freed = itertools.accumulate((entries[k]["file_bytes"] for k in oldest), initial=0)
+        n = next(i for i, f in enumerate(freed) if f >= over)  # the fewest oldest entries that free them
+        self.stats.evicted += n
+        return [self.root / entries.pop(k)["file"] for k in oldest[:n]]
 
     def _commit(self, written: list[tuple[str, Path, dict]]) -> None:
         """Under the lock: rename written entries into place, merge this run's records and uses into the
@@ -203,9 +197,8 @@ class BankStore:
                 if not self._path(key).exists():
                     continue  # evicted by another run meanwhile
                 old = entries.get(key, {})
-                rec = dict(rec, last_used=max(rec["last_used"], old.get("last_used", 0.0)))
-                rec["doc_ids"] = bank_dir.merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
-                entries[key] = rec
+                doc_ids = bank_dir.merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
+                entries[key] = dict(rec, last_used=max(rec["last_used"], old.get("last_used", 0.0)), doc_ids=doc_ids)
             self._publish(index, "bank-index-write")
         self._touched.clear()
 
@@ -239,22 +232,23 @@ class BankStore:
             if isinstance(result, Exception):
                 if not isinstance(result, FileNotFoundError):  # gone: another run evicted it
                     self.stats.rejected += 1
-                    self.warn(f"entry {key[:12]} ({self._path(key).relative_to(self.root)}"
-                              f"{self._ids_phrase(prefixes[d])}): {result}; recomputing it")
+                    ids = self._doc_ids.get(prefix_key(prefixes[d]))
+                    named = f", doc ids {', '.join(ids[:3])}{', …' if len(ids) > 3 else ''}" if ids else ""
+                    self.warn(f"entry {key[:12]} ({bank_dir.entry_file(key)}{named}): {result}; recomputing it")
                 continue
             entry, tensors = result
-            self._copy_in(bank, slot_of[d], tensors)
+            views = bank.entry(slot_of[d], len(prefixes[d]))
+            for t in bank.declared:  # one copy per contiguous block, non-blocking from pinned memory on CUDA
+                lead = 1 + (t.token_axis or 0)  # leading dims (layers, any before a token axis): one block per index
+                for dst, src in zip(views[t.name].flatten(0, lead - 1), tensors[t.name].flatten(0, lead - 1)):
+                    dst.copy_(src, non_blocking=True)
             loaded.add(d)
-            self._touched[key] = bank_dir.entry_record(entry, self._path(key), self.root, time.time())
+            self._touched[key] = bank_dir.entry_record(entry, time.time())
             self.stats.loaded += 1
             self.stats.read_bytes += entry.size
         synchronize(bank.state.device)
         self.stats.load_s += time.perf_counter() - t0
         return loaded
-
-    def _ids_phrase(self, prefix: Sequence[int]) -> str:
-        ids = self._doc_ids.get(prefix_key(prefix))
-        return f", doc ids {', '.join(ids[:3])}{', …' if len(ids) > 3 else ''}" if ids else ""
 
     def _keys(self, prefixes: Sequence[Sequence[int]], docs: Sequence[int]) -> list[tuple[int, str]]:
         """(document, entry key) of `docs`, but those with an empty prefix (nothing to store, prefill is free)."""
@@ -270,36 +264,22 @@ class BankStore:
                 return exc
 
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            pending: deque[Future] = deque()
-            for item in items:
-                pending.append(pool.submit(fn, item))
-                if len(pending) >= 2 * self.workers:
-                    yield result(pending.popleft())
+            todo = iter(items)
+            pending = deque(pool.submit(fn, item) for item in itertools.islice(todo, 2 * self.workers))
             while pending:
                 yield result(pending.popleft())
+                pending.extend(pool.submit(fn, item) for item in itertools.islice(todo, 1))  # one in, one out
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
+        """An entry read back and checked (`read_entry`: its key, checked against the file name asked for, stands for
+        this model's fingerprint and the prefix ids), and its shapes against the bank slot's."""
         entry, tensors = bank_entry.read_entry(self._path(key), pin=bank.state.device.type == "cuda")
-        if entry.meta["model"] != self.model.digest:
-            raise EntryError(f"made by another model ({self._model_named(entry.meta['model'])})")
         for name, view in bank.entry(slot, len(prefix)).items():  # the slot's views: the shapes the bank needs
             t = tensors[name]
             if t.dtype != view.dtype or t.shape != view.shape:
                 raise EntryError(f"tensor {name!r} is {tuple(t.shape)} {t.dtype}, the bank needs {tuple(view.shape)} "
                                  f"{view.dtype}")
-        if tensors["ids"].tolist() != list(prefix):
-            raise EntryError("its prefix ids differ from the document's")
         return entry, tensors
-
-    @staticmethod
-    def _copy_in(bank, slot: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Host -> bank slot, one copy per contiguous block (per layer, and per index of the dims before a
-        token axis), non-blocking from pinned memory on CUDA."""
-        views = bank.entry(slot, len(tensors["ids"]))
-        for t in bank.declared:
-            lead = 1 + (t.token_axis or 0)  # leading dims whose every index is one contiguous block
-            for dst, src in zip(views[t.name].flatten(0, lead - 1), tensors[t.name].flatten(0, lead - 1)):
-                dst.copy_(src, non_blocking=True)
 
     def save(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> None:
         """Write the entries of freshly prefilled `docs` (copied out of their bank slots) and commit them."""
@@ -313,7 +293,7 @@ class BankStore:
             data = bank_entry.entry_bytes(key, self.model.digest, prefix, host)
             tmp = temp_path(self._path(key), self.tmp)
             write_new(tmp, bytes_filler(data, "bank-entry-write"), self._path(key))
-            return key, tmp, bank_dir.entry_record(bank_entry.read_header(tmp), self._path(key), self.root, time.time())
+            return key, tmp, bank_dir.entry_record(bank_entry.read_header(tmp), time.time())
 
         written = []
         for (d, key), result in zip(items, self._pipelined(write, items)):

@@ -73,10 +73,7 @@ class Scores:
 class Engine:
     def __init__(self, runner, max_rows: int = 64, max_tokens: int = 8192, prefill_tokens: int = 8192,
                  store=None, stop=None, skip_failed: bool = False):
-        self.runner = runner
-        self.max_rows = max_rows
-        self.max_tokens = max_tokens
-        self.prefill_tokens = prefill_tokens
+        self.runner, self.max_rows, self.max_tokens, self.prefill_tokens = runner, max_rows, max_tokens, prefill_tokens
         self.store = store  # a kevscore.engine.bank_store.BankStore: entries loaded from / saved to disk
         self.stop = stop    # a kevscore.faults.StopSignals: checked between batches and prefill groups
         self.skip_failed = skip_failed  # a row that fails alone (out of memory) is reported, not fatal

@@ -116,9 +116,8 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.E
     status = RankStatus(ranks.rank, host_rank=f"{ranks.local} of node {os.environ.get('GROUP_RANK', '0')}")
     inputs = ranks.step(lambda: stack.enter_context(opened_inputs(opts)))
     job = ranks.step(lambda: _start(opts, inputs, ranks), inputs.message)
-    windows = job.prep.windows
-    status.rows = int(windows.rows[windows.of_rank(ranks.rank)].sum())
-    if job.prep.finished is not None:  # the output exists: this very job's (nothing to do), or refused
+    status.rows = int(job.windows.rows[job.windows.of_rank(ranks.rank)].sum())
+    if job.finished is not None:  # the output exists: this very job's (nothing to do), or refused
         ranks.step(lambda: finished_job(job, 0.0), inputs.message)
         status.reused = True
         return ranks.gather(status)

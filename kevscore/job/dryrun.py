@@ -13,7 +13,7 @@ from kevscore.engine.plan import plan_waves
 from kevscore.job.inputs import opened_inputs
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.rows import RowReader
-from kevscore.job.run import LoadedModel, Prepared, job_runner, prepare
+from kevscore.job.run import Job, LoadedModel, job_runner, prepare
 from kevscore.job.windows import make_engine
 
 CALIBRATION_DOCS = 4    # documents scored to measure the rates (after one warm-up document)
@@ -48,35 +48,35 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
     check_options(opts)
     with opened_inputs(opts) as inputs:
         loaded = loaded or LoadedModel()
-        p = prepare(opts, inputs, loaded)
-        runner, _ = job_runner(opts, p, loaded)  # the GPU warm-up joined too
-        live = p.windows.of_row >= 0
-        docs = np.unique(p.doc_of_row[live])
+        job = prepare(opts, inputs, loaded)
+        runner = job_runner(job, loaded)  # the GPU warm-up joined too
+        live = job.windows.of_row >= 0
+        docs = np.unique(job.doc_of_row[live])
         layout = runner.bank.layout
-        plan = Plan(p.ckpt.name, str(p.device), int(live.sum()), len(p.scan.invalid), len(docs),
-                    int(p.doc_tokens[docs].sum()), len(p.windows), count_waves(p, layout.entries, layout.tokens),
-                    layout.entries, sum(p.laps.phases.values()))
+        plan = Plan(job.ckpt.name, str(job.device), int(live.sum()), len(job.scan.invalid), len(docs),
+                    int(job.doc_tokens[docs].sum()), len(job.windows), count_waves(job, layout.entries, layout.tokens),
+                    layout.entries, sum(job.laps.phases.values()))
         if plan.rows:
-            calibrate(plan, opts, p, make_engine(opts, runner))
+            calibrate(plan, job, make_engine(opts, runner))
     return plan
 
 
-def count_waves(p: Prepared, entries: int, tokens: int) -> int:
+def count_waves(job: Job, entries: int, tokens: int) -> int:
     """Bank loads the job needs: per window, its documents in waves that fit the bank."""
-    windows = (dict.fromkeys(p.doc_of_row[p.windows.rows_of(w)].tolist()) for w in range(len(p.windows)))
-    return sum(len(plan_waves(p.doc_tokens[list(docs)].tolist(), entries, tokens)) for docs in windows)
+    windows = (dict.fromkeys(job.doc_of_row[job.windows.rows_of(w)].tolist()) for w in range(len(job.windows)))
+    return sum(len(plan_waves(job.doc_tokens[list(docs)].tolist(), entries, tokens)) for docs in windows)
 
 
-def calibrate(plan: Plan, opts: RunOptions, p: Prepared, engine: Engine) -> None:
+def calibrate(plan: Plan, job: Job, engine: Engine) -> None:
     """Score the first documents of the first window (after one warm-up document, not counted) and set
     the plan's rates and estimate from them."""
-    rows = p.windows.rows_of(0)
-    docs = list(dict.fromkeys(p.doc_of_row[rows].tolist()))[:CALIBRATION_DOCS + 1]
-    reader = RowReader(p.scan)
+    rows = job.windows.rows_of(0)
+    docs = list(dict.fromkeys(job.doc_of_row[rows].tolist()))[:CALIBRATION_DOCS + 1]
+    reader = RowReader(job.scan)
     for group in (docs[:1], docs[1:] or docs[:1]):  # the warm-up, then the measured documents
-        picked = rows[np.isin(p.doc_of_row[rows], group)][:CALIBRATION_ROWS]
-        enc = p.encode(reader.read(picked))
-        stats = engine.run(enc, opts.state_read).stats
+        picked = rows[np.isin(job.doc_of_row[rows], group)][:CALIBRATION_ROWS]
+        enc = job.encode(reader.read(picked))
+        stats = engine.run(enc, job.opts.state_read).stats
     plan.calibration_docs, plan.calibration_rows = len(enc.prefixes), len(enc)
     plan.prefill_tokens_per_s = stats.prefix_tokens / stats.prefill_s if stats.prefill_s > 0 else None
     plan.score_rows_per_s = len(enc) / stats.score_s if stats.score_s > 0 else None

@@ -181,12 +181,12 @@ def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
 def _as_kevscore(table: pa.Table, rename: dict[str, str]) -> pa.Table:
     """Columns renamed to kevscore's names, integer ids as strings, a CSV's labels (JSON arrays) as lists."""
     table = table.rename_columns([rename.get(n, n) for n in table.column_names])
-    for name in ("doc_id", "question_id"):
-        if name in table.column_names and pa.types.is_integer(table.schema.field(name).type):
-            table = table.set_column(table.column_names.index(name), name, table.column(name).cast(pa.string()))
-    if "labels" in table.column_names and pa.types.is_string(table.schema.field("labels").type):
-        values = [None if v is None else json.loads(v) for v in table.column("labels").to_pylist()]
-        table = table.set_column(table.column_names.index("labels"), "labels", pa.array(values, pa.list_(pa.string())))
+    for i, f in enumerate(table.schema):
+        if f.name in ("doc_id", "question_id") and pa.types.is_integer(f.type):
+            table = table.set_column(i, f.name, table.column(i).cast(pa.string()))
+        elif f.name == "labels" and pa.types.is_string(f.type):
+            values = [None if v is None else json.loads(v) for v in table.column(i).to_pylist()]
+            table = table.set_column(i, f.name, pa.array(values, pa.list_(pa.string())))
     return table
 
 

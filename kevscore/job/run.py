@@ -119,8 +119,12 @@ class Laps:
 
 
 @dataclass(slots=True)
-class Prepared:
-    """A checked input, its model and its window plan: what a run and a dry run start from."""
+class Job:
+    """A job: its checked input, model and window plan (`prepare`: what a run and a dry run start from), then
+    its runner and identity (`start_job`: what scoring its windows and merging them need)."""
+    opts: RunOptions
+    inputs: Inputs
+    output: Path | None           # None: a dry run's
     scan: InputScan
     device: torch.device
     dtype: torch.dtype            # the model's (--dtype on this device)
@@ -130,11 +134,17 @@ class Prepared:
     doc_of_row: np.ndarray        # each row's document (-1: not scored here)
     windows: Windows
     laps: Laps                    # scan, checkpoint, tokens so far
-    warm_up: WarmUp | None        # the GPU warm-up thread (kevscore.engine.warmup), joined once the runner is built
+    warming: WarmUp | None        # the GPU warm-up thread (kevscore.engine.warmup), joined once the runner is built
+    ranks: int = 1                # processes the windows are split over (kevscore.job.distributed)
     finished: str | None = None   # the job digest an existing output records (kevscore.job.provenance.output_job)
+    runner: object | None = None  # runner.EagerRunner or cuda_runner.GraphRunner (job_runner)
+    warm_up: dict | None = None   # the GPU warm-up thread's report (job_runner)
+    fingerprint: Fingerprint | None = None  # the model's (kevscore.engine.bank_store): the identity's and the bank's
+    identity: dict | None = None  # what the results depend on (job_identity)
+    first_window: tuple[int, Future] | None = None  # (window, its read_window) begun while the runner was built
 
 
-def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path | None = None, ranks: int = 1) -> Prepared:
+def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path | None = None, ranks: int = 1) -> Job:
     """Scan and check the input (and the output, when given), load the model into `loaded` (unless it holds it),
     measure every prompt's tokens and cut the documents into windows (of `ranks` ranks, each window scored
     by one of them)."""
@@ -143,7 +153,7 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     dtype = resolve_dtype(opts.dtype, device)
     # the GPU's context, imports and kernel compilation, on a thread while the input is read and the weights
     # load: for a model's first job only (a loaded model's kernels are compiled)
-    warm_up = prepare_device(device, peek_config(opts.model), opts.state_read, dtype) if loaded.ckpt is None else None
+    warming = prepare_device(device, peek_config(opts.model), opts.state_read, dtype) if loaded.ckpt is None else None
     laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
                       opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1)
@@ -176,54 +186,41 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     # each rank's documents cut into windows as its shard would be, rank 0's first
     windows = join_windows([plan_windows(shard_documents(scan, r, ranks) if ranks > 1 else doc_of_row, doc_tokens,
                                          opts.window, WINDOW_ROWS, WINDOW_TOKENS) for r in range(ranks)])
-    return Prepared(scan, device, dtype, loaded.ckpt, prompts, doc_tokens, doc_of_row, windows, laps, warm_up, finished)
-
-
-@dataclass(slots=True)
-class Job:
-    """A prepared job with its runner and identity: what scoring its windows and merging them need."""
-    opts: RunOptions
-    inputs: Inputs
-    output: Path
-    prep: Prepared
-    runner: object                # runner.EagerRunner or cuda_runner.GraphRunner
-    fingerprint: Fingerprint      # the model's (kevscore.engine.bank_store): the job identity's and the bank's
-    identity: dict                # what the results depend on (job_identity)
-    ranks: int = 1                # processes the windows are split over (kevscore.job.distributed)
-    warm_up: dict | None = None   # the GPU warm-up thread's report
-    first_window: tuple[int, Future] | None = None  # (window, its read_window) begun while the runner was built
+    return Job(opts, inputs, output, scan, device, dtype, loaded.ckpt, prompts, doc_tokens, doc_of_row, windows, laps,
+               warming, ranks, finished)
 
 
 def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedModel, ranks: int = 1) -> Job:
     """Prepare the job, build its runner (or reuse the loaded model's; then join the GPU warm-up) and
     compute its identity."""
-    p = prepare(opts, inputs, loaded, output, ranks)
-    first = None
-    if ranks == 1 and p.finished is None and len(p.windows) and not parts_dir(output).exists():  # a new job
-        w = int(p.windows.of_rank(0)[0])  # its first window, read and tokenized while the runner is built
-        first = w, in_background(read_window, RowReader(p.scan), p.windows, p.encode, w)
+    job = prepare(opts, inputs, loaded, output, ranks)
+    if ranks == 1 and job.finished is None and len(job.windows) and not parts_dir(output).exists():  # a new job
+        w = int(job.windows.of_rank(0)[0])  # its first window, read and tokenized while the runner is built
+        job.first_window = w, in_background(read_window, RowReader(job.scan), job.windows, job.encode, w)
     # a checkpoint's first job hashes its weights' files (gigabytes): beside the runner's build and the warm-up
-    weights = in_background(weights_digest, p.ckpt)
-    runner, warm_up = job_runner(opts, p, loaded)
-    p.laps.lap("runner")
-    fingerprint = model_fingerprint(p.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME, weights.result())
-    identity = job_identity(opts, inputs, p.ckpt.name, fingerprint, p.device.type, p.windows, ranks)
-    p.laps.lap("identity")
-    return Job(opts, inputs, output, p, runner, fingerprint, identity, ranks, warm_up, first)
+    weights = in_background(weights_digest, job.ckpt)
+    runner = job_runner(job, loaded)
+    job.laps.lap("runner")
+    job.fingerprint = model_fingerprint(job.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME, weights.result())
+    job.identity = job_identity(opts, inputs, job.ckpt.name, job.fingerprint, job.device.type, job.windows, ranks)
+    job.laps.lap("identity")
+    return job
 
 
-def job_runner(opts: RunOptions, p: Prepared, loaded: LoadedModel) -> tuple[object, dict | None]:
-    """The runner for a prepared job: the loaded model's last one when its bank serves the job, else a new
-    one (which the loaded model then keeps); and, once it is built, the GPU warm-up joined (its report, or None
-    where there was none)."""
-    docs = bank_documents(p.windows, p.doc_of_row, p.doc_tokens)
-    if loaded.runner is not None and not reusable(loaded.runner.bank.layout, p.ckpt, docs, opts.bank_capacity):
+def job_runner(job: Job, loaded: LoadedModel) -> object:
+    """The job's runner (job.runner): the loaded model's last one when its bank serves the job, else a new
+    one (which the loaded model then keeps); once it is built, the GPU warm-up is joined (job.warm_up: its
+    report, or None where there was none)."""
+    docs = bank_documents(job.windows, job.doc_of_row, job.doc_tokens)
+    if loaded.runner is not None and not reusable(loaded.runner.bank.layout, job.ckpt, docs, job.opts.bank_capacity):
         loaded.runner = None  # its memory is freed before the new bank is sized from what is free
         gc.collect()
-        release_cache(p.device)
+        release_cache(job.device)
     if loaded.runner is None:
-        loaded.runner = build_runner(p.ckpt, p.device, docs, opts.bank_capacity, opts.eager, p.dtype)
-    return loaded.runner, p.warm_up.join(WARM_UP_WAIT_S) if p.warm_up is not None else None
+        loaded.runner = build_runner(job.ckpt, job.device, docs, job.opts.bank_capacity, job.opts.eager, job.dtype)
+    job.runner = loaded.runner
+    job.warm_up = job.warming.join(WARM_UP_WAIT_S) if job.warming is not None else None
+    return job.runner
 
 
 def reusable(layout: BankLayout, ckpt: Checkpoint, doc_tokens: list[int], capacity: int | None) -> bool:
@@ -237,8 +234,7 @@ def reusable(layout: BankLayout, ckpt: Checkpoint, doc_tokens: list[int], capaci
 def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter, started: float,
              loaded: LoadedModel) -> RunResult:
     job = start_job(opts, inputs, output, loaded)
-    p = job.prep
-    if p.finished is not None:
+    if job.finished is not None:
         return finished_job(job, time.perf_counter() - started)
     parts = open_parts(job, progress)
     try:
@@ -255,7 +251,7 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
         if not parts.dir.exists():
             raise Interrupted(f"interrupted ({exc}) before any window was complete; nothing was written") from None
         done = sum(parts.done.values())
-        raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(p.windows)} windows ({done:,} rows) are "
+        raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(job.windows)} windows ({done:,} rows) are "
                           f"kept in {parts.dir}; rerun the same command to resume") from None
     parts.remove()
     if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
@@ -266,15 +262,15 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
         result.set_aside = pq.read_metadata(result.errors).num_rows
     result.wall_s = time.perf_counter() - started
     result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    if p.device.type == "cuda":
-        result.peak_gpu = int(torch.cuda.max_memory_allocated(p.device))
+    if job.device.type == "cuda":
+        result.peak_gpu = int(torch.cuda.max_memory_allocated(job.device))
     return result
 
 
 def open_parts(job: Job, progress: Reporter, member: bool = False) -> PartStore:
     """The output's parts directory (kevscore.job.parts): opened, or joined by a rank other than 0 (`member`)."""
     opts, output = job.opts, job.output
-    parts = PartStore(output, job.identity, job.prep.windows.rows, opts.restart, progress.warn, member)
+    parts = PartStore(output, job.identity, job.windows.rows, opts.restart, progress.warn, member)
     try:
         if not member and not opts.overwrite and output.exists() and not parts.finished():
             check_output_path(output, job.inputs.files, False)  # --restart of another job over an existing output
@@ -286,21 +282,27 @@ def open_parts(job: Job, progress: Reporter, member: bool = False) -> PartStore:
 
 def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
     """A RunResult for `rank`'s windows before scoring: what was loaded, which windows are done."""
-    p, mine = job.prep, job.prep.windows.of_rank(rank)
+    mine = job.windows.of_rank(rank)
     done = [w for w in mine if w in parts.done]
-    return RunResult(job.output, RunStats(), len(np.unique(p.doc_of_row[p.windows.of_row >= 0])), str(p.device),
-                     p.ckpt.name, time.perf_counter() - p.laps.t0, windows=len(mine), resumed=len(done),
-                     resumed_rows=sum(parts.done[w] for w in done), load_phases=p.laps.phases, warm_up=job.warm_up)
+    docs = len(np.unique(job.doc_of_row[job.windows.of_row >= 0]))
+    return RunResult(job.output, RunStats(), docs, str(job.device), job.ckpt.name, time.perf_counter() - job.laps.t0,
+                     windows=len(mine), resumed=len(done), resumed_rows=sum(parts.done[w] for w in done),
+                     load_phases=job.laps.phases, warm_up=job.warm_up)
 
 
 def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> RunResult:
     """Score `rank`'s windows that have no part yet (with the on-disk bank when asked), writing their parts."""
-    opts, p = job.opts, job.prep
-    store = open_store(opts, job.fingerprint, progress) if opts.bank is not None else None
+    opts, store = job.opts, None
+    if opts.bank is not None:  # the on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)
+        max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
+        try:
+            store = BankStore(Path(opts.bank), job.fingerprint, max_bytes, warn=progress.warn)
+        except OSError as exc:
+            raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc
     with closing(store) if store is not None else nullcontext(), StopSignals(progress.warn) as stop:
         result = new_result(job, parts, rank)
         engine = make_engine(opts, job.runner, store, stop)
-        score_windows(opts, p.scan, p.windows, engine, parts, p.encode, result.stats, progress, rank, job.first_window)
+        score_windows(opts, job.scan, job.windows, engine, parts, job.encode, result.stats, progress, rank, job.first_window)
     result.bank = store.stats if store is not None else None
     return result
 
@@ -312,10 +314,10 @@ def merge_job(job: Job, parts: PartStore, result: RunResult, progress: Reporter)
     t1 = time.perf_counter()
     set_aside = None
     if opts.skip_invalid:  # the scan's rows set aside, reported once: by a shard job's rank 0
-        set_aside = set_aside_table(job.prep.scan) if (opts.shard or (0, 1))[0] == 0 else ERRORS_SCHEMA.empty_table()
+        set_aside = set_aside_table(job.scan) if (opts.shard or (0, 1))[0] == 0 else ERRORS_SCHEMA.empty_table()
     tally = LabelTally()
     carry = Carry(job.inputs.questions, OUTPUT_SCHEMA.names, progress.warn) if carries(opts, job.ranks) else None
-    result.stats.rows = parts.merge(job.prep.windows.of_row, set_aside, lambda chunks: map(
+    result.stats.rows = parts.merge(job.windows.of_row, set_aside, lambda chunks: map(
         tally.add, map(carry.add, chunks) if carry else chunks))
     result.stats.write_s += time.perf_counter() - t1
     result.labels = tally.summary()
@@ -334,12 +336,12 @@ def check_outputs(opts: RunOptions, sources: list[Path], output: Path, overwrite
 
 def finished_job(job: Job, wall_s: float) -> RunResult:
     """The job's output exists, merged by a job: this very job (nothing to do), or another one (refused)."""
-    output, p = job.output, job.prep
+    output = job.output
     errors = errors_path(output) if job.opts.skip_invalid else None
-    if p.finished != job_digest(job.identity) or (errors is not None and not errors.is_file()):
+    if job.finished != job_digest(job.identity) or (errors is not None and not errors.is_file()):
         raise KevscoreError(f"{output}: already exists (the output of another job); pass --overwrite to replace it")
-    rows, windows = pq.read_metadata(output).num_rows, len(p.windows)
-    return RunResult(output, RunStats(rows=rows), int(p.windows.docs.sum()), str(p.device), p.ckpt.name, 0.0,
+    rows, windows = pq.read_metadata(output).num_rows, len(job.windows)
+    return RunResult(output, RunStats(rows=rows), int(job.windows.docs.sum()), str(job.device), job.ckpt.name, 0.0,
                      errors=errors, set_aside=pq.read_metadata(errors).num_rows if errors is not None else 0,
                      windows=windows, resumed=windows, resumed_rows=rows, wall_s=wall_s, already_complete=True)
 
@@ -374,11 +376,3 @@ def set_aside_table(scan: InputScan) -> pa.Table:
     ids = Cursor(scan.path, cols).take(rows) if cols and len(rows) else {}
     return errors_table(rows, [scan.invalid[int(r)] for r in rows], ids.get("doc_id"), ids.get("question_id"))
 
-
-def open_store(opts: RunOptions, fingerprint, progress: Reporter) -> BankStore:
-    """The on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)."""
-    max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
-    try:
-        return BankStore(Path(opts.bank), fingerprint, max_bytes, warn=progress.warn)
-    except OSError as exc:
-        raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc

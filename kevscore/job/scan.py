@@ -65,13 +65,6 @@ def is_string(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or view(t)
 
 
-def _is_labels(t: pa.DataType) -> bool:
-    return (pa.types.is_list(t) or pa.types.is_large_list(t)) and is_string(t.value_type)
-
-
-TYPES = {"labels": (_is_labels, "list<string>")}  # a column's expected type; any other column: a string
-
-
 # ---------------------------------------------------------------- files
 
 def open_parquet(path: Path) -> pq.ParquetFile:
@@ -100,12 +93,15 @@ def check_names(path: Path, names: list[str], required: Sequence[str], reject: s
 
 
 def _check_types(path: Path, file: pq.ParquetFile, names: Sequence[str]) -> None:
-    """Each of the columns `names` that the file has must be of its expected type (TYPES)."""
+    """Each of the columns `names` that the file has must be of its expected type: labels a list of strings,
+    any other column a string."""
     schema = file.schema_arrow
     for name in [n for n in names if n in schema.names]:
-        is_type, expected = TYPES.get(name, (is_string, "string"))
-        if not is_type(schema.field(name).type):
-            raise KevscoreError(f"{path}: column {name!r} has type {schema.field(name).type}, expected {expected}")
+        found, labels = schema.field(name).type, name == "labels"
+        listed = pa.types.is_list(found) or pa.types.is_large_list(found)
+        if labels != listed or not is_string(found.value_type if listed else found):
+            raise KevscoreError(f"{path}: column {name!r} has type {found}, expected "
+                                f"{'list<string>' if labels else 'string'}")
 
 
 def _nulls(path: Path, column: str, rows: list[int], scan: InputScan | None = None) -> None:
@@ -142,17 +138,13 @@ def decoded(path: Path, data: pa.RecordBatch | pa.Table, columns: Sequence[str],
         try:
             out[c] = column.to_pylist()
         except UnicodeDecodeError:
-            bad = next(j for j in range(len(column)) if not _decodes(column[j]))
-            raise KevscoreError(f"{path}: column {c!r} holds text that is not valid UTF-8 at row {row_of(bad)}") from None
+            for j in range(len(column)):  # the first value that does not decode
+                try:
+                    column[j].as_py()
+                except UnicodeDecodeError:
+                    raise KevscoreError(f"{path}: column {c!r} holds text that is not valid UTF-8 at row "
+                                        f"{row_of(j)}") from None
     return out
-
-
-def _decodes(value: pa.Scalar) -> bool:
-    try:
-        value.as_py()
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------- the scan
@@ -192,95 +184,77 @@ def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = F
     `keep_texts`: without doc_id, key documents by their text (as kevscore.job.shard does), not a digest."""
     path = Path(path)
     if documents is None:
-        file, docs = _indexed(path, ("document", "question"), None, keep_texts)
-        scan = InputScan(path, None, file.metadata.num_rows, docs.doc_of_row, docs.keys,
-                         np.asarray(docs.chars, np.int64), np.asarray(docs.first_rows, np.int64))
-        _nulls(path, "document", docs.null_texts, scan if skip_invalid else None)
+        file, scan = _indexed(path, ("document", "question"), None, keep_texts, skip_invalid)
     else:
-        file, docs = _indexed(path, ("question", "doc_id"), "document")  # the texts are in the documents file
-        scan = _join_documents(path, Path(documents), docs, skip_invalid)
+        file, scan = _indexed(path, ("question", "doc_id"), "document")  # the texts are in the documents file
+        _join_documents(scan, Path(documents), skip_invalid)
     _scan_questions(scan, file, skip_invalid)
     return scan
 
 
-def _join_documents(path: Path, documents: Path, docs: _Documents, skip_invalid: bool) -> InputScan:
-    """The questions file's documents (`docs`, keyed by doc_id) found in the documents file: each one's row
-    there and its text's length; a doc_id with no document stops the run (or its rows are set aside)."""
+def _join_documents(scan: InputScan, documents: Path, skip_invalid: bool) -> None:
+    """The questions file's documents (keyed by doc_id) found in the documents file: each one's row there and
+    its text's length; a doc_id with no document stops the run (or its rows are set aside)."""
     _, texts = _indexed(documents, ("doc_id", "document"), None)
-    _nulls(documents, "document", texts.null_texts)
-    found = {key: (row, chars) for key, row, chars in zip(texts.keys, texts.first_rows, texts.chars)}
-    doc_of_row, keys = docs.doc_of_row, docs.keys
+    found = dict(zip(texts.doc_keys, zip(texts.doc_row.tolist(), texts.doc_chars.tolist())))
+    doc_of_row, keys = scan.doc_of_row, scan.doc_keys
     unknown = [d for d, k in enumerate(keys) if k not in found]
-    doc_row, doc_chars = np.array([found.get(k, (-1, 0)) for k in keys], np.int64).reshape(-1, 2).T
-    scan = InputScan(path, documents, len(doc_of_row), doc_of_row, keys, doc_chars, doc_row)
+    scan.documents_path = documents
+    scan.doc_row, scan.doc_chars = np.array([found.get(k, (-1, 0)) for k in keys], np.int64).reshape(-1, 2).T
     if unknown:
         rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(unknown, np.int32))).tolist()
         if not skip_invalid:
-            raise KevscoreError(f"{path}: column 'doc_id' has values with no document in {documents}: "
+            raise KevscoreError(f"{scan.path}: column 'doc_id' has values with no document in {documents}: "
                                 f"{few(keys[d] for d in unknown)} at {rows_phrase(rows)}")
         for r in rows:
             scan.set_aside([r], f"doc_id {keys[doc_of_row[r]]!r} has no document in {documents.name}")
-    return scan
 
 
-def _indexed(path: Path, required: tuple[str, str], reject: str | None,
-             keep_texts: bool = False) -> tuple[pq.ParquetFile, _Documents]:
+def _indexed(path: Path, required: tuple[str, str], reject: str | None, keep_texts: bool = False,
+             skip_invalid: bool = False) -> tuple[pq.ParquetFile, InputScan]:
     """A file (the one-file input, or either file of the two-file form) opened and checked, its rows indexed by
-    document (`_index_documents`): its `required` columns present, `reject` absent, its document and doc_id
-    columns strings, doc_id never null nor given two different texts."""
+    document: its `required` columns present, `reject` absent, its document and doc_id columns strings, doc_id
+    never null nor given two different texts, a null text an error (or, with skip_invalid, its row set aside).
+    Documents are keyed by doc_id, else by the text (`keep_texts`) or its digest; without a `document` column
+    every text is empty."""
     file = open_parquet(path)
-    check_names(path, file.schema_arrow.names, required, reject)
+    names = file.schema_arrow.names
+    check_names(path, names, required, reject)
     _check_types(path, file, ("document", "doc_id"))
-    docs = _index_documents(path, file, keep_texts)
-    _nulls(path, "doc_id", docs.null_ids)
-    if docs.clashes:
-        rows = np.flatnonzero(np.isin(docs.doc_of_row, np.asarray(list(docs.clashes), np.int32))).tolist()
-        raise KevscoreError(f"{path}: column 'doc_id' maps {few(docs.keys[d] for d in docs.clashes)} to "
-                            f"different 'document' texts at {rows_phrase(rows)}")
-    return file, docs
-
-
-@dataclass(slots=True)
-class _Documents:
-    """The documents of one file's rows: per document its key, its text's length and its first row; the rows
-    whose doc_id or text is null, and the documents whose doc_id is given two different texts."""
-    doc_of_row: np.ndarray  # int32 per row: its document; -1 for a row whose doc_id or text is null
-    keys: list[str] = field(default_factory=list)
-    chars: list[int] = field(default_factory=list)
-    first_rows: list[int] = field(default_factory=list)
-    null_ids: list[int] = field(default_factory=list)
-    null_texts: list[int] = field(default_factory=list)
-    clashes: dict[int, None] = field(default_factory=dict)  # in first-seen order
-
-
-def _index_documents(path: Path, file: pq.ParquetFile, keep_texts: bool = False) -> _Documents:
-    """Each row's document, from the file's `document` and `doc_id` columns: keyed by doc_id, else by the text
-    (`keep_texts`) or its digest. Without a `document` column every text is empty."""
-    columns = [c for c in ("document", "doc_id") if c in file.schema_arrow.names]
-    docs = _Documents(np.full(file.metadata.num_rows, -1, dtype=np.int32))
+    columns = [c for c in ("document", "doc_id") if c in names]
+    doc_of_row = np.full(file.metadata.num_rows, -1, dtype=np.int32)  # -1: a row whose doc_id or text is null
     index: dict = {}  # document key -> its index
-    digests: list[bytes] = []
+    digests, chars, first_rows, null_ids, null_texts = [], [], [], [], []
+    clashes: dict[int, None] = {}  # documents given two different texts, in first-seen order
     for start, cols in batches(path, file, columns):
         ids, texts = cols.get("doc_id"), cols.get("document")
         for j in range(len(cols[columns[0]])):
             i, text = start + j, texts[j] if texts is not None else ""
             if ids is not None and ids[j] is None:
-                docs.null_ids.append(i)
+                null_ids.append(i)
             if text is None:
-                docs.null_texts.append(i)
+                null_texts.append(i)
             if text is None or (ids is not None and ids[j] is None):
                 continue
             digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
             d = index.setdefault(ids[j] if ids is not None else text if keep_texts else digest, len(index))
             if d == len(digests):
                 digests.append(digest)
-                docs.chars.append(len(text))
-                docs.first_rows.append(i)
+                chars.append(len(text))
+                first_rows.append(i)
             elif digests[d] != digest:
-                docs.clashes[d] = None
-            docs.doc_of_row[i] = d
-    docs.keys = [k if isinstance(k, str) else k.hex() for k in index]
-    return docs
+                clashes[d] = None
+            doc_of_row[i] = d
+    keys = [k if isinstance(k, str) else k.hex() for k in index]
+    _nulls(path, "doc_id", null_ids)
+    if clashes:
+        rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(list(clashes), np.int32))).tolist()
+        raise KevscoreError(f"{path}: column 'doc_id' maps {few(keys[d] for d in clashes)} to "
+                            f"different 'document' texts at {rows_phrase(rows)}")
+    scan = InputScan(path, None, len(doc_of_row), doc_of_row, keys, np.asarray(chars, np.int64),
+                     np.asarray(first_rows, np.int64))
+    _nulls(path, "document", null_texts, scan if skip_invalid else None)
+    return file, scan
 
 
 LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not v),

@@ -92,14 +92,12 @@ def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: 
     Launch defaults from `benchmarks/bench_kernels.py --only attention` (NOTES.md 94)."""
     r, t, nh, d = q.shape
     nkv = k.shape[2]
-    for x in (q, k, v):
-        assert x.stride(3) == 1 and x.stride(2) == d, "heads must be packed"
+    assert all(x.stride(3) == 1 and x.stride(2) == d for x in (q, k, v)), "heads must be packed"
     assert pool_k.stride()[1:] == (d, 1) and pool_v.stride() == pool_k.stride()
     o = torch.empty(r, t, nh, d, dtype=q.dtype, device=q.device)
     g = nh // nkv
     assert block_m % g == 0, "a program's query tile holds whole tokens"
-    if gate is not None:
-        assert gate.shape == q.shape and gate.stride(3) == 1
+    assert gate is None or (gate.shape == q.shape and gate.stride(3) == 1)
     sg = gate.stride()[:3] if gate is not None else (0, 0, 0)
     grid = (triton.cdiv(t * g, block_m), r * nkv)
     q_tiles = TensorDescriptor(q, list(q.shape), list(q.stride()), [1, block_m // g, g, d])

@@ -156,11 +156,9 @@ def _launch(x, weight, conv, slots, positions, hk, dk, hv, dv, b, block_t, num_w
     k = torch.empty_like(q)
     v = torch.empty(r, t, hv, dv, dtype=x.dtype, device=x.device)
     blocks = 2 * hk + hv
-    beta = None
-    if b is not None:
-        assert b.shape[:2] == (r, t) and b.stride(2) == 1
-        beta = torch.empty(r, t, b.shape[2], dtype=b.dtype, device=b.device)
     hb = 0 if b is None else b.shape[2]
+    assert b is None or (b.shape[:2] == (r, t) and b.stride(2) == 1)
+    beta = None if b is None else torch.empty(r, t, hb, dtype=b.dtype, device=b.device)
     b_arg, beta_arg = (q, q) if b is None else (b, beta)  # without b: placeholders no program touches
     packed = positions is not None
     bd = triton.next_power_of_2(max(dk, dv))

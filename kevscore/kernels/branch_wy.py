@@ -189,6 +189,16 @@ def default_block_v(bt1: int, bt2: int, fp32: bool = False) -> int:
     return 64 if fp32 or bt1 == 32 or bt2 == CHUNK else 128
 
 
+def _shapes(q, k, v, g, beta, a_inv, bank) -> tuple[int, ...]:
+    """(R, T, H, K, HV, V) of the tensors as `branch_wy` takes them, their layouts checked."""
+    (r, t, h, kd), (hv, vd) = k.shape, v.shape[2:]
+    assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape
+    assert all(x.is_contiguous() for x in (q, k, v, g, beta, a_inv))
+    assert g.shape == beta.shape == (r, t, hv) and g.dtype == torch.float32 and a_inv.shape == (r, t, hv, CHUNK)
+    assert bank.shape[1:] == (hv, kd, vd) and bank.stride()[1:] == (kd * vd, vd, 1) and bank.dtype == torch.float32
+    return r, t, h, kd, hv, vd
+
+
 def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
               block_v: int | None = None, num_warps: int = 4, num_stages: int = 1,
@@ -202,12 +212,8 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     Launch: block_v value columns per program (None: `default_block_v`), warps, and the chunks' token tiles
     (`token_tiles`), and Triton's other launch options (e.g. maxnreg); benchmarks/bench_kernels.py --only "fused
     wy" sweeps them, sm90_build.py reports their registers."""
-    r, t, h, kd = k.shape
-    hv, vd = v.shape[2], v.shape[3]
-    assert 0 < t <= MAX_T and kd in (16, 32, 64, 128) and hv % h == 0
-    assert all(x.is_contiguous() for x in (q, k, v, g, beta, a_inv)) and q.shape == k.shape
-    assert g.shape == beta.shape == (r, t, hv) and g.dtype == torch.float32 and a_inv.shape == (r, t, hv, CHUNK)
-    assert bank.shape[1:] == (hv, kd, vd) and bank.stride()[1:] == (kd * vd, vd, 1) and bank.dtype == torch.float32
+    r, t, h, kd, hv, vd = _shapes(q, k, v, g, beta, a_inv, bank)
+    assert 0 < t <= MAX_T
     stride = index.stride(0) if index_stride is None else index_stride
     bt1, bt2 = token_tiles(t, tiles)
     bv = min(block_v or default_block_v(bt1, bt2, v.dtype == torch.float32), triton.next_power_of_2(vd))
@@ -246,12 +252,7 @@ def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, stride: int, bl
     the bank), else rows (their states read from it). `num_stages`: the chunks' tiles in flight (None: 2, or 1
     for fp32 operands, whose tiles would not fit twice); `options`: Triton's other launch options (e.g.
     maxnreg); bench_kernels.py --only "prefill wy" sweeps the launches."""
-    r, t, h, kd = k.shape
-    hv, vd = v.shape[2], v.shape[3]
-    assert kd in (16, 32, 64, 128) and hv % h == 0 and q.shape == k.shape
-    assert all(x.is_contiguous() for x in (q, k, v, g, beta, a_inv))
-    assert g.shape == beta.shape == (r, t, hv) and g.dtype == torch.float32 and a_inv.shape == (r, t, hv, CHUNK)
-    assert bank.shape[1:] == (hv, kd, vd) and bank.stride()[1:] == (kd * vd, vd, 1) and bank.dtype == torch.float32
+    r, t, h, kd, hv, vd = _shapes(q, k, v, g, beta, a_inv, bank)
     # Triton 3.6 (the H200's) computes this kernel wrong in bf16 at 32 value columns, on 4 warps or 8: narrow
     # value heads take a block of 64, masked
     assert block_v >= 64, "the chunk loop takes blocks of at least 64 value columns"

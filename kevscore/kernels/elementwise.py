@@ -87,6 +87,12 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     return y if residual is None else (y, res_out)
 
 
+def token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x [..., H, D] as N token rows [N, H, D] (a view where its leading dims flatten to one stride), and N, H, D."""
+    flat = x.flatten(0, -3) if x.dim() > 2 else x[None]
+    return flat, *flat.shape
+
+
 @triton.jit(do_not_specialize=["n_tok"])  # one compile for every token count
 def _qk_norm_rope_kernel(x, sx_t, sx_h, w, cos, sin, o, n_tok, eps,
                          H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
@@ -120,12 +126,10 @@ def qk_norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: t
     token stride are copied first),
     scale [D] fp32 (1 + the norm weight), cos/sin [..., rotary_dim] fp32 -> rotary(rms_norm(x)) packed
     [..., H, D] in x's dtype."""
-    *lead, h, d = x.shape
+    flat, n, h, d = token_rows(x)
     rot = cos.shape[-1]
-    flat = x.flatten(0, -3) if lead else x[None]
     assert flat.stride(2) == 1 and rot % 2 == 0 and rot <= d
     cos, sin = cos.reshape(-1, rot).contiguous(), sin.reshape(-1, rot).contiguous()
-    n = flat.shape[0]
     assert cos.shape[0] == n and scale.is_contiguous()
     out = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_t), h)
@@ -156,10 +160,8 @@ def gated_rms_norm_heads(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     """DeltaNet's output norm, FLA `rms_norm_gated` arithmetic (swish): per head, w * x * rstd, then times
     silu(gate). x [..., H, D] contiguous; gate [..., H, D] with heads packed and tokens at one stride (a
     slice of the projection output, read in place: FLA's kernel would copy it) -> [..., H, D]."""
-    *lead, h, d = x.shape
+    flat, n, h, d = token_rows(gate)
     assert x.is_contiguous() and gate.shape == x.shape and gate.stride(-1) == 1 and gate.stride(-2) == d
-    flat = gate.flatten(0, -3) if lead else gate[None]
-    n = flat.shape[0]
     out = torch.empty_like(x)
     grid = (triton.cdiv(n, block_t), h)
     _gated_norm_kernel[grid](x, flat, flat.stride(0), weight, out, n, eps, H=h, D=d, BD=triton.next_power_of_2(d),
@@ -189,9 +191,7 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, index: torch.Tensor | None
     stride, leading dims flattening to one token stride: a slice of the projection output, read in place); x
     [B, L, H, D] at any strides with contiguous channels, token n at place index[n] of its flattened B x L (None:
     n) -> [..., H, D] contiguous, x's dtype."""
-    *lead, h, d = gate.shape
-    flat = gate.flatten(0, -3) if lead else gate[None]
-    n = flat.shape[0]
+    flat, n, h, d = token_rows(gate)
     assert x.dim() == 4 and x.shape[2:] == (h, d) and x.stride(3) == 1 and flat.stride(2) == 1
     assert (x.shape[0] * x.shape[1] if index is None else index.numel()) == n
     out = torch.empty(gate.shape, dtype=x.dtype, device=x.device)

@@ -111,16 +111,16 @@ def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
     one kernel after the solve writes each document's final state into its bank entry `bank[ctx.slots[d]]`
     (`branch_wy.prefill_wy`). gate = (a, A_log, dt_bias): the decay -exp(A_log) * softplus(a + dt_bias)."""
     cu, chunks = ctx.cu_seqlens_long, ctx.chunk_indices
-    gc = decay_cumsum(*gate, CHUNK, RCP_LN2, cu, chunks)
+    gc = gate_cumsum(gate, cu, chunks)
     return prefill_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), cu, bank, ctx.slots,
                       **CHUNKS_WY_LAUNCH)
 
 
-def gate_cumsum(gate) -> torch.Tensor:
-    """The per-chunk cumulative log2 decay from gate = (a, A_log, dt_bias): FLA's gate + cumsum arithmetic
-    in our kernel (`kernels/gate.py`), reading `a` in place."""
-    a, A_log, dt_bias = gate
-    return decay_cumsum(a, A_log, dt_bias, CHUNK, RCP_LN2)
+def gate_cumsum(gate, cu_seqlens=None, chunk_indices=None) -> torch.Tensor:
+    """The per-chunk cumulative log2 decay from gate = (a, A_log, dt_bias) (of packed documents with
+    `cu_seqlens` and `chunk_indices`): FLA's gate + cumsum arithmetic in our kernel (`kernels/gate.py`), reading
+    `a` in place."""
+    return decay_cumsum(*gate, CHUNK, RCP_LN2, cu_seqlens, chunk_indices)
 
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:

@@ -184,13 +184,6 @@ class _Compiles:
         self.running.clear()
 
 
-def _slowest(pending, seconds, dry_start: float, most: int = 5) -> list[tuple[str, float, float]]:
-    """The `most` longest compiles: (kernel name, its process's seconds, seconds into the dry pass it was met)."""
-    compiles = [(kernel[0].fn.__name__, round(took, 3), round(kernel[-1] - dry_start, 3))
-                for kernel, took in zip(pending, seconds) if took is not None]
-    return sorted(compiles, key=lambda c: -c[1])[:most]
-
-
 def workers_for() -> int:
     """Compile processes at once: two cores are the dry pass's and the job's (its load beside the warm-up)."""
     cores = os.cpu_count() or 1
@@ -216,9 +209,10 @@ def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = la
         if not report.skipped and not (compiles.slots and found):
             report.skipped = "no kernels to compile" if compiles.slots else "one core: no compile processes"
         if not report.skipped:
-            seconds = compiles.finish(timeout_s)
-            report.compiled = sum(s is not None for s in seconds)
-            report.slowest = _slowest(compiles.pending, seconds, t0)
+            # each compiled kernel: (its name, its process's seconds, seconds into the dry pass it was met)
+            done = [(kernel[0].fn.__name__, round(took, 3), round(kernel[-1] - t0, 3))
+                    for kernel, took in zip(compiles.pending, compiles.finish(timeout_s)) if took is not None]
+            report.compiled, report.slowest = len(done), sorted(done, key=lambda c: -c[1])[:5]
     except Exception as exc:  # noqa: BLE001 - a timeout or a failed fork: the run compiles the rest
         report.skipped = f"workers: {type(exc).__name__}: {exc}".splitlines()[0]
     finally:

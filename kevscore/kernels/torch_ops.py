@@ -8,6 +8,7 @@ from itertools import accumulate, groupby
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from kevscore.kernels import gdr_ref
 
@@ -83,34 +84,22 @@ def branch_front(x: torch.Tensor, weight: torch.Tensor, bank_conv: torch.Tensor,
     return split_front(conv_branch(x, weight, bank_conv.index_select(0, slots.long())), hk, dk, hv, dv, b)
 
 
-class Padded:
-    """The documents of a packed prefill [1, N, ...] as one zero-padded batch [D, T, ...] and back, so each
-    op runs once per pack, not once per document. Padding sits after each document's last token, so
-    causal ops leave the real positions as they would be alone."""
+def pad_docs(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """The documents of lengths `lens` packed in x [1, N, ...] as one zero-padded batch [D, T, ...], so each op
+    runs once per pack, not once per document. Padding sits after each document's last token, so causal ops
+    leave the real positions as they would be alone."""
+    return x if len(lens) == 1 else pad_sequence(x[0].split(lens), batch_first=True)
 
-    def __init__(self, cu_seqlens: torch.Tensor):
-        bounds = cu_seqlens.tolist()
-        self.lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-        self.t = max(self.lens)
-        self.index = torch.cat([torch.arange(n) + d * self.t for d, n in enumerate(self.lens)]).to(cu_seqlens.device)
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[1, N, ...] -> [D, T, ...], zeros after each document."""
-        if len(self.lens) == 1:
-            return x
-        out = x.new_zeros(len(self.lens) * self.t, *x.shape[2:])
-        out[self.index] = x[0]
-        return out.view(len(self.lens), self.t, *x.shape[2:])
-
-    def pack(self, y: torch.Tensor) -> torch.Tensor:
-        """[D, T, ...] -> [1, N, ...], the real positions."""
-        return y if len(self.lens) == 1 else y.flatten(0, 1)[self.index][None]
+def pack_docs(y: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """[D, T, ...] -> [1, N, ...], the real positions (`pad_docs` undone)."""
+    return y if len(lens) == 1 else torch.cat([doc[:n] for doc, n in zip(y, lens)])[None]
 
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    docs = Padded(cu_seqlens)
-    padded = docs.pad(x)
-    return docs.pack(conv_branch(padded, weight, x.new_zeros(padded.shape[0], x.shape[-1], weight.shape[-1] - 1)))
+    lens = cu_seqlens.diff().tolist()
+    padded = pad_docs(x, lens)
+    return pack_docs(conv_branch(padded, weight, x.new_zeros(padded.shape[0], x.shape[-1], weight.shape[-1] - 1)), lens)
 
 
 def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, hv: int, dv: int,
@@ -128,11 +117,11 @@ def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
     g = gdr_ref.gate_decay(*gate)
     outs, finals = [], []
     for s, e, cu in _runs(ctx.cu_seqlens):
-        docs = Padded(cu)
-        o, final = gdr_ref.chunk_gated_delta_rule(*(docs.pad(x[:, s:e]) for x in (q, k, v, g, beta)),
+        lens = cu.diff().tolist()
+        o, final = gdr_ref.chunk_gated_delta_rule(*(pad_docs(x[:, s:e], lens) for x in (q, k, v, g, beta)),
                                                   output_final_state=True, use_qk_l2norm=False,
-                                                  chunk=gdr_ref.chunk_size(docs.t))
-        outs.append(docs.pack(o))
+                                                  chunk=gdr_ref.chunk_size(max(lens)))
+        outs.append(pack_docs(o, lens))
         finals.append(final)
     bank.index_copy_(0, ctx.slots, torch.cat(finals, 0).to(bank.dtype))
     return torch.cat(outs, 1).to(v.dtype)
@@ -167,8 +156,8 @@ def _sdpa(q, k, v, mask):
 
 def attn_prefill(q, k, v, gate, ctx) -> torch.Tensor:
     """Causal attention within each packed document, times sigmoid(gate)."""
-    docs = Padded(ctx.cu_seqlens)
-    return docs.pack(_sdpa(docs.pad(q), docs.pad(k), docs.pad(v), None)) * torch.sigmoid(gate)
+    lens = ctx.cu_seqlens.diff().tolist()
+    return pack_docs(_sdpa(*(pad_docs(x, lens) for x in (q, k, v)), None), lens) * torch.sigmoid(gate)
 
 
 def branch_mask(kv_mask: torch.Tensor, t: int) -> torch.Tensor:

@@ -281,11 +281,10 @@ def normalize_names(weights: dict[str, torch.Tensor], cfg: KevConfig, path: Path
 def random_weights(cfg: KevConfig, seed: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     """Seeded random weights for benchmark shapes and tests: timing does not depend on their values."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    tied = cfg.tie_word_embeddings
-    out = {name: _init(name, shape, gen, device).to(dtype) for name, shape in weight_shapes(cfg).items()
-           if not (tied and name == "lm_head.weight")}
-    if tied:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    out = {}
+    for name, shape in weight_shapes(cfg).items():  # a tied lm_head is the embedding, listed before it
+        tied = cfg.tie_word_embeddings and name == "lm_head.weight"
+        out[name] = out["model.embed_tokens.weight"] if tied else _init(name, shape, gen, device).to(dtype)
     return out
 
 
