@@ -222,14 +222,12 @@ def run(
 
 
 def _launch(gpus: int) -> None:
-    """Re-run this command under torch's launcher with `gpus` processes (without --gpus)."""
+    """Re-run this command under torch's launcher with `gpus` processes; each one, a rank (`world_from_env`),
+    scores its share whatever its --gpus says."""
     from kevscore.job.distributed import launch
 
-    args = sys.argv[1:]
-    values = {i + 1 for i, arg in enumerate(args) if arg == "--gpus"}  # the N of `--gpus N`
-    argv = [arg for i, arg in enumerate(args) if arg != "--gpus" and not arg.startswith("--gpus=") and i not in values]
     try:
-        launch(argv, gpus)
+        launch(sys.argv[1:], gpus)
     except Exception as exc:  # torch's ChildFailedError: the ranks printed their errors above
         _fail(f"{gpus} processes launched, at least one failed ({type(exc).__name__}); see the rank errors above")
 
@@ -241,15 +239,14 @@ def _run_rank(opts, quiet: bool) -> None:
     renamed: interpreter teardown can abort a rank after a complete, correct job (SIGABRT, "terminate
     called without an active exception": a C++ thread still joinable while static objects are destroyed),
     and the launcher would then fail the job. Nothing is left for teardown to do."""
-    code = 0
-    try:
-        from kevscore.job.distributed import run_distributed, world_from_env
+    from kevscore.job.distributed import run_distributed, world_from_env
 
-        rank = world_from_env()[0]
+    rank, code = world_from_env()[0], 0
+    try:
         with _failing("interrupted; no output was written", f"rank {rank}: " if rank else ""):
             result = run_distributed(opts)
-        if rank == 0 and not quiet:
-            console.print(display.ranks_table(result))
+            if rank == 0 and not quiet:
+                console.print(display.ranks_table(result))
     except typer.Exit as exc:
         code = exc.exit_code
     except SystemExit as exc:
