@@ -187,19 +187,18 @@ def run(
     if path is not None:
         console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)
         state_read = path
-    with _failing():
-        label_list = parse_labels(labels)
     given = locals()
-    # rename: the input's column name -> kevscore's
-    opts = options_of(RunOptions, given, labels=label_list, rename={given[f"{name}_column"]: name for name in COLUMNS})
-    if str(output) == "-" and log_json:
-        _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
-    if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
-        with _failing():
+    with _failing():
+        # rename: the input's column name -> kevscore's
+        opts = options_of(RunOptions, given, labels=parse_labels(labels),
+                          rename={given[f"{name}_column"]: name for name in COLUMNS})
+        if str(output) == "-" and log_json:
+            _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
+        if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
             plan = Scorer.from_options(opts).dry_run(opts)
-        if log_json:
-            return typer.echo(json.dumps({"event": "plan", **plan.fields()}))
-        return display.table_console().print(display.plan_table(plan))
+            if log_json:
+                return typer.echo(json.dumps({"event": "plan", **plan.fields()}))
+            return display.table_console().print(display.plan_table(plan))
     if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
             _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)

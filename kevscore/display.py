@@ -35,8 +35,7 @@ class RateColumn(ProgressColumn):
     """Rows (or documents) per second of the phase, or seconds per one when slower; nothing for the bank."""
 
     def render(self, task) -> Text:
-        unit, speed = task.fields.get("unit"), task.speed
-        if not unit or not speed:
+        if not (unit := task.fields.get("unit")) or not (speed := task.speed):
             return Text("")
         rate = f"{speed:,.1f} {unit}s/s" if speed >= 1 else f"{1 / speed:,.1f} s/{unit}"
         return Text(rate, style="progress.data.speed")
@@ -96,9 +95,9 @@ class RichProgress(Reporter):
 class JsonProgress(Reporter):
     """--log-json: one JSON object per line on stdout per event, and a `progress` line at most every
     `every` seconds, for batch schedulers. Warnings also go to stderr."""
+    every = 10.0
 
-    def __init__(self, every: float = 10.0):
-        self.every = every
+    def __init__(self):
         self.total, self.done = {}, {}  # per phase: its total, and how many are done
         self.began = self.last = time.monotonic()
         self.resumed = 0
@@ -227,11 +226,10 @@ def _mass(p: float) -> str:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB"):
-        if abs(n) < 1000:
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:,.0f} B" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1000
-    return f"{n:,.1f} GB"
 
 
 def plan_table(plan) -> Table:
