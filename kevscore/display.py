@@ -155,16 +155,15 @@ def summary_fields(result) -> dict:
     s = result.stats
     scored = s.rows - result.resumed_rows
     figures = {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(s).items()}
-    out = {"output": str(result.output), "model": result.model, "device": result.device, **figures,
-           "rows_scored": scored, "rows_resumed": result.resumed_rows, "documents": result.documents,
-           "windows": result.windows, "windows_resumed": result.resumed, "load_s": round(result.load_s, 3),
-           "wall_s": round(result.wall_s, 3), "rows_per_s": round(scored / s.score_s, 2) if s.score_s > 0 else None,
-           "rows_per_s_wall": round(scored / result.wall_s, 2) if result.wall_s > 0 else None,
-           "peak_rss_bytes": result.peak_rss, "peak_gpu_bytes": result.peak_gpu,
-           "already_complete": result.already_complete}
-    if result.errors is not None:
-        out.update(errors=str(result.errors), set_aside=result.set_aside)
-    return out | (result.labels or {})  # label mass and predictions
+    return {"output": str(result.output), "model": result.model, "device": result.device, **figures,
+            "rows_scored": scored, "rows_resumed": result.resumed_rows, "documents": result.documents,
+            "windows": result.windows, "windows_resumed": result.resumed, "load_s": round(result.load_s, 3),
+            "wall_s": round(result.wall_s, 3), "rows_per_s": round(scored / s.score_s, 2) if s.score_s > 0 else None,
+            "rows_per_s_wall": round(scored / result.wall_s, 2) if result.wall_s > 0 else None,
+            "peak_rss_bytes": result.peak_rss, "peak_gpu_bytes": result.peak_gpu,
+            "already_complete": result.already_complete,
+            **({"errors": str(result.errors), "set_aside": result.set_aside} if result.errors is not None else {}),
+            **(result.labels or {})}  # label mass and predictions
 
 
 def progress_bars(out: Console, disable: bool = False) -> Progress:
