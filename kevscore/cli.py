@@ -187,19 +187,18 @@ def run(
     if path is not None:
         console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)
         state_read = path
-    with _failing():
-        label_list = parse_labels(labels)
     given = locals()
-    # rename: the input's column name -> kevscore's
-    opts = options_of(RunOptions, given, labels=label_list, rename={given[f"{name}_column"]: name for name in COLUMNS})
-    if str(output) == "-" and log_json:
-        _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
-    if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
-        with _failing():
+    with _failing():
+        # rename: the input's column name -> kevscore's
+        opts = options_of(RunOptions, given, labels=parse_labels(labels),
+                          rename={given[f"{name}_column"]: name for name in COLUMNS})
+        if str(output) == "-" and log_json:
+            _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
+        if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
             plan = Scorer.from_options(opts).dry_run(opts)
-        if log_json:
-            return typer.echo(json.dumps({"event": "plan", **plan.fields()}))
-        return display.table_console().print(display.plan_table(plan))
+            if log_json:
+                return typer.echo(json.dumps({"event": "plan", **plan.fields()}))
+            return display.table_console().print(display.plan_table(plan))
     if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
             _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
@@ -222,14 +221,12 @@ def run(
 
 
 def _launch(gpus: int) -> None:
-    """Re-run this command under torch's launcher with `gpus` processes (without --gpus)."""
+    """Re-run this command under torch's launcher with `gpus` processes; each one, a rank (`world_from_env`),
+    scores its share whatever its --gpus says."""
     from kevscore.job.distributed import launch
 
-    args = sys.argv[1:]
-    values = {i + 1 for i, arg in enumerate(args) if arg == "--gpus"}  # the N of `--gpus N`
-    argv = [arg for i, arg in enumerate(args) if arg != "--gpus" and not arg.startswith("--gpus=") and i not in values]
     try:
-        launch(argv, gpus)
+        launch(sys.argv[1:], gpus)
     except Exception as exc:  # torch's ChildFailedError: the ranks printed their errors above
         _fail(f"{gpus} processes launched, at least one failed ({type(exc).__name__}); see the rank errors above")
 
@@ -241,15 +238,14 @@ def _run_rank(opts, quiet: bool) -> None:
     renamed: interpreter teardown can abort a rank after a complete, correct job (SIGABRT, "terminate
     called without an active exception": a C++ thread still joinable while static objects are destroyed),
     and the launcher would then fail the job. Nothing is left for teardown to do."""
-    code = 0
-    try:
-        from kevscore.job.distributed import run_distributed, world_from_env
+    from kevscore.job.distributed import run_distributed, world_from_env
 
-        rank = world_from_env()[0]
+    rank, code = world_from_env()[0], 0
+    try:
         with _failing("interrupted; no output was written", f"rank {rank}: " if rank else ""):
             result = run_distributed(opts)
-        if rank == 0 and not quiet:
-            console.print(display.ranks_table(result))
+            if rank == 0 and not quiet:
+                console.print(display.ranks_table(result))
     except typer.Exit as exc:
         code = exc.exit_code
     except SystemExit as exc:

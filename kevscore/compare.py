@@ -34,9 +34,8 @@ from kevscore.model.prompt import Encoded, encode, first_and_tails, label_token_
 from kevscore.reference import reference_model
 
 PATHS = ("gathered", "indexed")
-SHAPE_CASES = ("shared", "distinct", "padded", "long-branch", "long-document")
 TEMPERATURES = {"cold": 0.0, "mixed": 0.5, "warm": 1.0}
-CASES = SHAPE_CASES + tuple(TEMPERATURES)
+CASES = ("shared", "distinct", "padded", "long-branch", "long-document", *TEMPERATURES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,7 @@ class RateColumn(ProgressColumn):
     """Rows (or documents) per second of the phase, or seconds per one when slower; nothing for the bank."""
 
     def render(self, task) -> Text:
-        unit, speed = task.fields.get("unit"), task.speed
-        if not unit or not speed:
+        if not (unit := task.fields.get("unit")) or not (speed := task.speed):
             return Text("")
         rate = f"{speed:,.1f} {unit}s/s" if speed >= 1 else f"{1 / speed:,.1f} s/{unit}"
         return Text(rate, style="progress.data.speed")
@@ -96,9 +95,9 @@ class RichProgress(Reporter):
 class JsonProgress(Reporter):
     """--log-json: one JSON object per line on stdout per event, and a `progress` line at most every
     `every` seconds, for batch schedulers. Warnings also go to stderr."""
+    every = 10.0
 
-    def __init__(self, every: float = 10.0):
-        self.every = every
+    def __init__(self):
         self.total, self.done = {}, {}  # per phase: its total, and how many are done
         self.began = self.last = time.monotonic()
         self.resumed = 0
@@ -156,16 +155,15 @@ def summary_fields(result) -> dict:
     s = result.stats
     scored = s.rows - result.resumed_rows
     figures = {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(s).items()}
-    out = {"output": str(result.output), "model": result.model, "device": result.device, **figures,
-           "rows_scored": scored, "rows_resumed": result.resumed_rows, "documents": result.documents,
-           "windows": result.windows, "windows_resumed": result.resumed, "load_s": round(result.load_s, 3),
-           "wall_s": round(result.wall_s, 3), "rows_per_s": round(scored / s.score_s, 2) if s.score_s > 0 else None,
-           "rows_per_s_wall": round(scored / result.wall_s, 2) if result.wall_s > 0 else None,
-           "peak_rss_bytes": result.peak_rss, "peak_gpu_bytes": result.peak_gpu,
-           "already_complete": result.already_complete}
-    if result.errors is not None:
-        out.update(errors=str(result.errors), set_aside=result.set_aside)
-    return out | (result.labels or {})  # label mass and predictions
+    return {"output": str(result.output), "model": result.model, "device": result.device, **figures,
+            "rows_scored": scored, "rows_resumed": result.resumed_rows, "documents": result.documents,
+            "windows": result.windows, "windows_resumed": result.resumed, "load_s": round(result.load_s, 3),
+            "wall_s": round(result.wall_s, 3), "rows_per_s": round(scored / s.score_s, 2) if s.score_s > 0 else None,
+            "rows_per_s_wall": round(scored / result.wall_s, 2) if result.wall_s > 0 else None,
+            "peak_rss_bytes": result.peak_rss, "peak_gpu_bytes": result.peak_gpu,
+            "already_complete": result.already_complete,
+            **({"errors": str(result.errors), "set_aside": result.set_aside} if result.errors is not None else {}),
+            **(result.labels or {})}  # label mass and predictions
 
 
 def progress_bars(out: Console, disable: bool = False) -> Progress:
@@ -177,48 +175,44 @@ def progress_bars(out: Console, disable: bool = False) -> Progress:
                     console=out, disable=disable, transient=False)
 
 
-def key_value_table(title: str | None, rows: list[tuple[str, str]] = (), name_style: str = "", **options) -> Table:
-    """Two columns, names and values (`rows` first); a long value (a path, a list) folds onto the next line,
-    never cut. `options`: rich's Table options (box=None: no lines)."""
+def key_value_table(title: str | None, rows: dict[str, str | None], name_style: str = "", **options) -> Table:
+    """Two columns, names and values (no row for a value of None); a long value (a path, a list) folds onto the
+    next line, never cut. `options`: rich's Table options (box=None: no lines)."""
     table = Table(title=escape(title) if title else None, show_header=False, **options)
     table.add_column("name", style=name_style, no_wrap=True)
     table.add_column("value", overflow="fold")
-    for name, value in rows:
-        table.add_row(name, value)
+    for name, value in rows.items():
+        if value is not None:
+            table.add_row(name, value)
     return table
 
 
 def summary_table(result) -> Table:
-    s, f = result.stats, summary_fields(result)
+    s, f, b, labels = result.stats, summary_fields(result), result.bank, result.labels or {}
     rate = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
     resumed = f" ({result.resumed_rows:,} from parts of an earlier run)" if result.resumed_rows else ""
-    table = key_value_table(f"kevscore run · {result.model} on {result.device}", [
-        ("documents", f"{result.documents:,}"), ("distinct prefixes", f"{s.prefixes:,}"),
-        ("prefilled", f"{s.prefilled:,} in {_count(s.waves, 'wave')}"),
-        ("rows", f"{s.rows:,} in {_count(s.batches, 'batch')}" + resumed),
-        ("windows", f"{result.windows:,}" + (f", {result.resumed:,} resumed" if result.resumed else "")),
-        ("prefix tokens", f"{s.prefix_tokens:,}"), ("branch tokens", f"{s.branch_tokens:,}"),
-        ("load + encode", f"{result.load_s:.2f} s"), ("prefill time", f"{s.prefill_s:.3f} s"),
-        ("scoring time", f"{s.score_s:.3f} s" + (f" ({s.capture_s:.2f} s capturing graphs)" if s.capture_s else "")),
-        ("read + write", f"{s.read_s:.2f} s + {s.write_s:.2f} s"), ("wall time", f"{result.wall_s:.2f} s"),
-        ("rows/s", f"{rate(f['rows_per_s'])} scoring, {rate(f['rows_per_s_wall'])} wall"),
-        ("peak host memory", _size(result.peak_rss))])
-    if result.peak_gpu is not None:
-        table.add_row("peak GPU memory", _size(result.peak_gpu))
-    if s.oom_retries:
-        table.add_row("out of memory", f"{_count(s.oom_retries, 'batch')} split and retried")
-    if result.errors is not None:
-        table.add_row("set aside", f"{result.set_aside:,} rows -> {escape(str(result.errors))}")
-    if (labels := result.labels) and labels["predictions"]:
-        table.add_row("label mass", f"min {_mass(labels['label_mass_min'])}, median {_mass(labels['label_mass_median'])}")
-        table.add_row("predictions", escape(", ".join(f"{label} {n:,}" for label, n in labels["predictions"].items())))
-    table.add_row("output", escape(str(result.output)))
-    if (b := result.bank) is not None:
-        table.add_row("bank entries", f"{b.loaded:,} loaded, {s.prefilled:,} prefilled, {b.saved:,} saved, "
-                                      f"{b.evicted:,} evicted" + (f", {b.rejected:,} rejected" if b.rejected else ""))
-        table.add_row("bank bytes", f"{_size(b.read_bytes)} read in {b.load_s:.3f} s, "
-                                    f"{_size(b.written_bytes)} written in {b.save_s:.3f} s")
-    return table
+    return key_value_table(f"kevscore run · {result.model} on {result.device}", {
+        "documents": f"{result.documents:,}", "distinct prefixes": f"{s.prefixes:,}",
+        "prefilled": f"{s.prefilled:,} in {_count(s.waves, 'wave')}",
+        "rows": f"{s.rows:,} in {_count(s.batches, 'batch')}" + resumed,
+        "windows": f"{result.windows:,}" + (f", {result.resumed:,} resumed" if result.resumed else ""),
+        "prefix tokens": f"{s.prefix_tokens:,}", "branch tokens": f"{s.branch_tokens:,}",
+        "load + encode": f"{result.load_s:.2f} s", "prefill time": f"{s.prefill_s:.3f} s",
+        "scoring time": f"{s.score_s:.3f} s" + (f" ({s.capture_s:.2f} s capturing graphs)" if s.capture_s else ""),
+        "read + write": f"{s.read_s:.2f} s + {s.write_s:.2f} s", "wall time": f"{result.wall_s:.2f} s",
+        "rows/s": f"{rate(f['rows_per_s'])} scoring, {rate(f['rows_per_s_wall'])} wall",
+        "peak host memory": _size(result.peak_rss),
+        "peak GPU memory": None if result.peak_gpu is None else _size(result.peak_gpu),
+        "out of memory": f"{_count(s.oom_retries, 'batch')} split and retried" if s.oom_retries else None,
+        "set aside": None if result.errors is None else f"{result.set_aside:,} rows -> {escape(str(result.errors))}",
+        **({"label mass": f"min {_mass(labels['label_mass_min'])}, median {_mass(labels['label_mass_median'])}",
+            "predictions": escape(", ".join(f"{label} {n:,}" for label, n in labels["predictions"].items()))}
+           if labels.get("predictions") else {}),
+        "output": escape(str(result.output)),
+        **({"bank entries": f"{b.loaded:,} loaded, {s.prefilled:,} prefilled, {b.saved:,} saved, {b.evicted:,} evicted"
+                            + (f", {b.rejected:,} rejected" if b.rejected else ""),
+            "bank bytes": f"{_size(b.read_bytes)} read in {b.load_s:.3f} s, "
+                          f"{_size(b.written_bytes)} written in {b.save_s:.3f} s"} if b is not None else {})})
 
 
 def _compact(n: int) -> str:
@@ -231,28 +225,24 @@ def _mass(p: float) -> str:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB"):
-        if abs(n) < 1000:
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:,.0f} B" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1000
-    return f"{n:,.1f} GB"
 
 
 def plan_table(plan) -> Table:
-    table = key_value_table(f"kevscore run --dry-run · {plan.model} on {plan.device}", [
-        ("rows", f"{plan.rows:,}" + (f" ({plan.set_aside:,} set aside)" if plan.set_aside else "")),
-        ("documents", f"{plan.documents:,} ({plan.prefix_tokens:,} tokens to prefill)"),
-        ("windows", f"{plan.windows:,}, {_count(plan.waves, 'wave')} (the bank holds {plan.bank_entries:,} documents)"),
-        ("model load", f"{plan.load_s:.1f} s (with tokenizing every prompt)")])
-    if plan.estimate_s is not None:
-        table.add_row("calibration", f"{_count(plan.calibration_docs, 'document')}, {plan.calibration_rows} rows: "
-                                     f"prefill {plan.prefill_tokens_per_s:,.0f} tokens/s, scoring "
-                                     f"{plan.score_rows_per_s:,.1f} rows/s")
-        table.add_row("estimate", f"about {_duration(plan.estimate_s)} on {plan.device}")
-        gpu = ("without the kernels' compiles and CUDA-graph capture at the start (seconds)"
-               if plan.device.startswith("cuda") else "a GPU (--device cuda) is not estimated here")
-        table.add_row("assumes", f"the whole input runs at the calibrated rates; {gpu}")
-    return table
+    gpu = ("without the kernels' compiles and CUDA-graph capture at the start (seconds)"
+           if plan.device.startswith("cuda") else "a GPU (--device cuda) is not estimated here")
+    return key_value_table(f"kevscore run --dry-run · {plan.model} on {plan.device}", {
+        "rows": f"{plan.rows:,}" + (f" ({plan.set_aside:,} set aside)" if plan.set_aside else ""),
+        "documents": f"{plan.documents:,} ({plan.prefix_tokens:,} tokens to prefill)",
+        "windows": f"{plan.windows:,}, {_count(plan.waves, 'wave')} (the bank holds {plan.bank_entries:,} documents)",
+        "model load": f"{plan.load_s:.1f} s (with tokenizing every prompt)",
+        **({"calibration": f"{_count(plan.calibration_docs, 'document')}, {plan.calibration_rows} rows: prefill "
+                           f"{plan.prefill_tokens_per_s:,.0f} tokens/s, scoring {plan.score_rows_per_s:,.1f} rows/s",
+            "estimate": f"about {_duration(plan.estimate_s)} on {plan.device}",
+            "assumes": f"the whole input runs at the calibrated rates; {gpu}"} if plan.estimate_s is not None else {})})
 
 
 def _count(n: int, word: str) -> str:
@@ -271,18 +261,18 @@ def provenance_table(record: dict) -> Table:
     def file(entry) -> str:
         return "-" if not entry else f"{entry['name']} (sha256 {entry['sha256'][:16]})"
 
-    rows = [("kevscore", str(record.get("kevscore"))),
-            ("input", file(record.get("input"))), ("documents", file(record.get("documents"))),
-            ("template", file(record.get("template")) if record.get("template") else "the model's chat template"),
-            ("model", f"{model.get('name')} (fingerprint {str(model.get('fingerprint'))[:16]})"),
-            ("device", f"{opts.get('device')}, {record.get('dtype')}, state read "
-                       f"{opts.get('state_read', opts.get('path'))}"),
-            ("labels", ", ".join(repr(label) for label in opts.get("labels", []))),
-            ("rows", f"{plan.get('rows', 0):,} in {_count(plan.get('windows', 0), 'window')}"),
-            ("options", ", ".join(f"{k} {v}" for k, v in opts.items()
-                                  if k not in ("device", "dtype", "state_read", "path", "labels"))),
-            ("job", str(record.get("job")))]
-    return key_value_table(None, [(name, markup_escape(value)) for name, value in rows], "bold", box=None,
+    rows = {"kevscore": str(record.get("kevscore")),
+            "input": file(record.get("input")), "documents": file(record.get("documents")),
+            "template": file(record.get("template")) if record.get("template") else "the model's chat template",
+            "model": f"{model.get('name')} (fingerprint {str(model.get('fingerprint'))[:16]})",
+            "device": f"{opts.get('device')}, {record.get('dtype')}, state read "
+                      f"{opts.get('state_read', opts.get('path'))}",
+            "labels": ", ".join(repr(label) for label in opts.get("labels", [])),
+            "rows": f"{plan.get('rows', 0):,} in {_count(plan.get('windows', 0), 'window')}",
+            "options": ", ".join(f"{k} {v}" for k, v in opts.items()
+                                 if k not in ("device", "dtype", "state_read", "path", "labels")),
+            "job": str(record.get("job"))}
+    return key_value_table(None, {name: markup_escape(value) for name, value in rows.items()}, "bold", box=None,
                            pad_edge=False)
 
 
@@ -328,8 +318,8 @@ def print_inspect(out: Console, r: dict, detail: bool) -> None:
         row = r["entries"][0]
         fields = ("key", "file", "model", "status", "tokens", "doc_ids", "bytes", "file_bytes", "indexed", "tensors",
                   "crc32", "ids_head")
-        out.print(key_value_table(f"entry {row['key']}", [(k, escape(str(row[k]))) for k in fields if k in row] + [
-            ("created", _when(row.get("created"))), ("last used", _when(row.get("last_used")))]))
+        out.print(key_value_table(f"entry {row['key']}", {k: escape(str(row[k])) for k in fields if k in row} | {
+            "created": _when(row.get("created")), "last used": _when(row.get("last_used"))}))
         return
     out.print(inspect_table(r))
     out.print(f"in all: recurrent state {_size(tot.get('recurrent', 0))}, conv {_size(tot.get('conv', 0))}, "

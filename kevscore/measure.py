@@ -68,11 +68,8 @@ def _version(package: str) -> str | None:
 def environment(device: torch.device) -> dict:
     """What a result was measured on: device, driver, CUDA and package versions, and the code's digests.
     Holds no host name, path or user name."""
-    env = {"device": device.type, "python": platform.python_version(),
-           "versions": {pkg: _version(pkg) for pkg in PACKAGES}, "source_sha256": source_digests()}
-    if device.type == "cuda":
-        env |= {"gpu": torch.cuda.get_device_name(device), "driver": _driver_version(), "cuda": torch.version.cuda}
-    else:
-        env |= {"cpu": platform.machine(), "threads": torch.get_num_threads()}
-    return env
+    hardware = ({"gpu": torch.cuda.get_device_name(device), "driver": _driver_version(), "cuda": torch.version.cuda}
+                if device.type == "cuda" else {"cpu": platform.machine(), "threads": torch.get_num_threads()})
+    return {"device": device.type, "python": platform.python_version(),
+            "versions": {pkg: _version(pkg) for pkg in PACKAGES}, "source_sha256": source_digests()} | hardware
 
