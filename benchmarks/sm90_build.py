@@ -234,7 +234,7 @@ def main() -> None:
     for name, fn, types, consts, wp, st, aligned in variants() + fla + fp32_variants():
         if args.only and not name.startswith(tuple(args.only.split(","))):
             continue
-        with f32_dots("tf32x3" if name.startswith("fp32 ") else None):  # as cuda_runner.fp32_dots sets
+        with f32_dots("tf32x3" if name.startswith("fp32 ") else None):  # as cuda_runner.process_settings sets
             res = build(fn, types, consts, wp, st, aligned)
         rows.append({"variant": name} | res)
         print(f"{name:<44}{res['registers']:>5} regs {res['spill_bytes']:>7} B spilled {res['shared']:>8} B shared"

@@ -203,6 +203,37 @@ def test_cli_runs_on_cuda(tmp_path):
     assert all(abs(sum(p) - 1) < 1e-9 for p in res["indexed"])
 
 
+# one W1-sized GEMM (96 branches x 64 tokens, Kev-4B's DeltaNet in-projection) profiled in a fresh process:
+# printed, the memsets the GPU ran for it
+GEMM_MEMSETS = """
+import sys, torch
+if sys.argv[1] == "runner":
+    from kevscore.engine.cuda_runner import process_settings
+    process_settings(torch.bfloat16)
+x = torch.randn(6144, 2560, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(8192, 2560, device="cuda", dtype=torch.bfloat16)
+x @ w.T
+torch.cuda.synchronize()
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    x @ w.T
+    torch.cuda.synchronize()
+print(sum("memset" in e.name.lower() for e in prof.events()))
+"""
+
+
+def test_gemms_run_without_cublas_memsets():
+    """A process that builds a GPU runner runs cuBLAS without a workspace (`process_settings`): its GEMMs
+    need no memset (a graph node each in a captured scoring call); a process that does not, for contrast."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    memsets = {mode: subprocess.run([sys.executable, "-c", GEMM_MEMSETS, mode], capture_output=True, text=True,
+                                    env=env, check=True).stdout.split()[-1] for mode in ("default", "runner")}
+    assert memsets["runner"] == "0", memsets
+
+
 @pytest.mark.parametrize("dims", [(16, 4, 256), (4, 2, 64)], ids=["kev4b", "demo"])
 @pytest.mark.parametrize("t", [1, 17, 64, 130])
 def test_branch_attention_matches_gathered_sdpa(dims, t):

@@ -96,11 +96,16 @@ class GraphRunner(EagerRunner):
         return CapturedBatch(graph, host, device, out, uploaded), first
 
 
-def fp32_dots(dtype: torch.dtype) -> None:
-    """For an fp32 model, Triton's dots of fp32 operands in 3xTF32 instead of TF32, FLA's and ours alike where
-    they name no precision (kernels/fla_ops.py: the one FLA names). Process-wide, read when a kernel compiles
-    and part of Triton's cache key; set before an fp32 model's first kernel compiles (a kernel already
-    compiled in this process keeps its dots). No bf16 model's kernel has such a dot: their code is the same."""
+def process_settings(dtype: torch.dtype) -> None:
+    """The process-wide switches a GPU runner's kernels read at their first use, set before any:
+    - cuBLAS without a workspace: its heuristic then picks the same tiles in variants that need no zeroed
+      workspace, so a captured scoring call has no memset node before each GEMM, at the same kernel time
+      (NOTES 100); read at the process's first cuBLAS call; a CUBLAS_WORKSPACE_CONFIG the user set is kept.
+    - for an fp32 model, Triton's dots of fp32 operands in 3xTF32 instead of TF32, FLA's and ours alike where
+      they name no precision (kernels/fla_ops.py: the one FLA names); read when a kernel compiles and part of
+      Triton's cache key (a kernel already compiled in this process keeps its dots). No bf16 model's kernel has
+      such a dot: their code is the same."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
     if dtype == torch.float32:
         os.environ["TRITON_F32_DEFAULT"] = "tf32x3"  # fp32's precision on tensor cores (TF32 moves p by ~3e-4)
 
@@ -109,7 +114,7 @@ def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[i
                       eager: bool, dtype: torch.dtype = torch.bfloat16) -> GraphRunner:
     from kevscore.kernels import fla_ops
 
-    fp32_dots(dtype)
+    process_settings(dtype)
     model = KevModel.from_weights(ckpt.config, ckpt.weights, fla_ops, dtype, device)
     free, _ = torch.cuda.mem_get_info(device)
     layout = BankLayout.plan(ckpt.config, dtype, doc_tokens, int(free * BANK_SHARE), capacity)

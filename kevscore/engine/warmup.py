@@ -199,7 +199,7 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
     from kevscore.engine import cuda_runner
     from kevscore.kernels import fla_ops  # noqa: F401
 
-    cuda_runner.fp32_dots(dtype)  # before the thread compiles anything
+    cuda_runner.process_settings(dtype)  # before the thread compiles anything
     triton_hashed = hash_triton()
 
     def work() -> None:

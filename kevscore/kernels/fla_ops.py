@@ -44,7 +44,7 @@ PREFILL_CONV = {"block_t": 8, "num_warps": 2}  # the packed conv's launch: bench
 FUSED_WY_LAUNCH: dict = {}
 CHUNKS_WY_LAUNCH: dict = {}
 # An fp32 model's Triton dots run in 3xTF32, fp32's precision on tensor cores (TRITON_F32_DEFAULT, set by
-# cuda_runner.fp32_dots). Its branch attention's tiles: the bf16 defaults' would take 512 KB of shared memory at
+# cuda_runner.process_settings). Its branch attention's tiles: the bf16 defaults' would take 512 KB of shared memory at
 # head dim 256, over the H200's 227 KB; these take 192 KB (benchmarks/sm90_build.py)
 ATTN_FP32 = {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 1}
 
