@@ -57,9 +57,10 @@ if [ "${NCU:-0}" != 0 ]; then  # Nsight Compute on our kernels at the benchmark'
   done
 fi
 if [ "${JOB:-0}" = 1 ]; then  # the job benchmark keeps its own Triton cache (its cold start empties it)
-  python3 benchmarks/bench_job.py ${JOB_ARGS:---profile} --logs "$OUT" --json "$OUT/job.json" 2>&1 | tee "$OUT/job.log" | tail -14
+  eval "job_args=(${JOB_ARGS:---profile})"  # the shell's words and quotes: JOB_ARGS="--budgets '' --prefill-docs ''"
+  python3 benchmarks/bench_job.py "${job_args[@]}" --logs "$OUT" --json "$OUT/job.json" 2>&1 | tee "$OUT/job.log" | tail -14
   if [ -n "${JOB_AB:-}${JOB_AB_ARGS:-}" ]; then  # the A/B's logs stay on the machine: $OUT brings back 8 files at most
-    mkdir -p /tmp/job-ab && env ${JOB_AB:+"$JOB_AB"} python3 benchmarks/bench_job.py ${JOB_ARGS:---profile} ${JOB_AB_ARGS:-} --logs /tmp/job-ab \
+    mkdir -p /tmp/job-ab && env ${JOB_AB:+"$JOB_AB"} python3 benchmarks/bench_job.py "${job_args[@]}" ${JOB_AB_ARGS:-} --logs /tmp/job-ab \
       --json "$OUT/job-ab.json" 2>&1 | tee "$OUT/job-ab.log" | tail -14
   fi
 fi
