@@ -203,6 +203,17 @@ def test_csv_labels_column_holds_json_arrays(tmp_path: Path, source: pa.Table) -
     assert out.column("labels").to_pylist() == [json.loads(v) for v in labels]
 
 
+@pytest.mark.parametrize("bad", ["not json", "5", '["Yes", 3]'])
+def test_csv_labels_that_are_no_json_array_name_their_row(tmp_path: Path, source: pa.Table, bad: str) -> None:
+    labels = [json.dumps(["Yes", "No"])] * source.num_rows
+    labels[2] = bad
+    pacsv.write_csv(source.append_column("labels", pa.array(labels)), tmp_path / "q.csv")
+    result = kevscore("run", tmp_path / "q.csv", "-o", tmp_path / "out.parquet")
+    assert result.exit_code == 2 and "q.csv" in result.stderr and "column 'labels' at row 2" in result.stderr, \
+        result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and listing(tmp_path) == ["q.csv"]
+
+
 def test_several_gpus_write_parquet_only(tmp_path: Path) -> None:
     result = kevscore("run", EXAMPLES / "questions.parquet", "--gpus", "2", "-o", tmp_path / "out.csv")
     assert result.exit_code == 2 and "give -o a .parquet name" in result.stderr, result.stderr

@@ -148,7 +148,7 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
     try:
         tables = _tables(_reader(paths, fmt, rename, fs), limit)
         with open(staged, "xb") as f:
-            write_tables(f, (_as_kevscore(table, rename) for table in tables), "parquet", {})
+            write_tables(f, _as_kevscore(tables, rename), "parquet", {})
     except (pa.ArrowException, OSError, ValueError) as e:
         what = {"parquet": "Parquet", "csv": "CSV", "jsonl": "JSON Lines"}[fmt]
         raise KevscoreError(f"{given}: not readable as {what} ({first_line(e)})") from e
@@ -178,16 +178,31 @@ def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
             return
 
 
-def _as_kevscore(table: pa.Table, rename: dict[str, str]) -> pa.Table:
-    """Columns renamed to kevscore's names, integer ids as strings, a CSV's labels (JSON arrays) as lists."""
-    table = table.rename_columns([rename.get(n, n) for n in table.column_names])
-    for i, f in enumerate(table.schema):
-        if f.name in ("doc_id", "question_id") and pa.types.is_integer(f.type):
-            table = table.set_column(i, f.name, table.column(i).cast(pa.string()))
-        elif f.name == "labels" and pa.types.is_string(f.type):
-            values = [None if v is None else json.loads(v) for v in table.column(i).to_pylist()]
-            table = table.set_column(i, f.name, pa.array(values, pa.list_(pa.string())))
-    return table
+def _as_kevscore(tables: Iterable[pa.Table], rename: dict[str, str]) -> Iterator[pa.Table]:
+    """Columns renamed to kevscore's names, integer ids as strings, a CSV's labels (JSON arrays) as lists (a label
+    cell that is not a JSON array of strings names its row)."""
+    start = 0  # the table's first row in the input
+    for table in tables:
+        table = table.rename_columns([rename.get(n, n) for n in table.column_names])
+        for i, f in enumerate(table.schema):
+            if f.name in ("doc_id", "question_id") and pa.types.is_integer(f.type):
+                table = table.set_column(i, f.name, table.column(i).cast(pa.string()))
+            elif f.name == "labels" and pa.types.is_string(f.type):
+                lists = [_label_list(v, start + j) for j, v in enumerate(table.column(i).to_pylist())]
+                table = table.set_column(i, f.name, pa.array(lists, pa.list_(pa.string())))
+        start += table.num_rows
+        yield table
+
+
+def _label_list(text: str | None, row: int) -> list[str] | None:
+    """A CSV's labels cell (a JSON array of strings) as a list; ValueError naming the row when it is not one."""
+    try:
+        labels = None if text is None else json.loads(text)
+    except ValueError:
+        labels = text
+    if labels is not None and not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)):
+        raise ValueError(f"column 'labels' at row {row}: {text[:40]!r} is not a JSON array of strings")
+    return labels
 
 
 class Carry:
