@@ -78,7 +78,6 @@ class Engine:
         self.stop = stop    # a kevscore.faults.StopSignals: checked between batches and prefill groups
         self.skip_failed = skip_failed  # a row that fails alone (out of memory) is reported, not fatal
         self.prefill_queued = None  # the last prefill's (queue mark at its end, host time then, its stats)
-        self.prefill_streams = 1  # EXPERIMENT: prefill groups round-robin over this many CUDA streams
 
     def run(self, enc: Encoded, path: str, progress: Reporter = QUIET) -> Scores:
         scores = Scores.empty(len(enc))
@@ -134,22 +133,13 @@ class Engine:
         work is queued (scoring queues behind it); the scoring that follows adds to `stats.prefill_s` the seconds
         the GPU worked on past that (`_settle_prefill`)."""
         t0 = time.perf_counter()
-        streams = [None]
-        if self.prefill_streams > 1 and self.runner.device.type == "cuda":
-            main = torch.cuda.current_stream()
-            streams = [main] + [torch.cuda.Stream() for _ in range(self.prefill_streams - 1)]
-            for side in streams[1:]:
-                side.wait_stream(main)
         try:
             with progress.phase("prefill"):
-                for i, group in enumerate(self._prefill_groups(enc, docs)):
-                    with torch.cuda.stream(streams[i % len(streams)]) if streams[0] is not None else nullcontext():
-                        self._prefill_group(enc, group, slot_of, stats, progress)
+                for group in self._prefill_groups(enc, docs):
+                    self._prefill_group(enc, group, slot_of, stats, progress)
                     progress.advance("prefill", len(group))
                     self._between("prefill")
         finally:
-            for side in streams[1:]:
-                streams[0].wait_stream(side)
             stats.prefill_s += time.perf_counter() - t0
             self.prefill_queued = (queue_mark(self.runner.device), time.perf_counter(), stats)
         stats.prefilled += len(docs)
