@@ -16,8 +16,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kevscore.kernels.dependent_launch import launch_options, wait_for_inputs
-
 LOG2E = 1.4426950408889634
 
 
@@ -38,8 +36,7 @@ def _online_block(b_q, b_k, b_v, valid, b_m, b_l, acc, qk_scale):
 def _branch_attn_kernel(q, k, v, o, gate, pool_k, pool_v, kv_start, kv_len, T, qk_scale,
                         sk_r, sk_t, sv_r, sv_t, so_r, so_t, sg_r, sg_t, sg_h, s_start, s_len,
                         NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        HAS_GATE: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                        HAS_GATE: tl.constexpr):
     i_m, i_rh = tl.program_id(0), tl.program_id(1)
     i_r, i_kv = i_rh // NKV, i_rh % NKV
     o_m = i_m * BM + tl.arange(0, BM)
@@ -108,6 +105,5 @@ def branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool_k: 
     _branch_attn_kernel[grid](q_tiles, k, v, o, gate if gate is not None else q, *pools, kv_start, kv_len, t,
                               d ** -0.5 * LOG2E, k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
                               o.stride(1), *sg, kv_start.stride(0), kv_len.stride(0), NKV=nkv, G=g, D=d, BM=block_m,
-                              BN=block_n, HAS_GATE=gate is not None, num_warps=num_warps, num_stages=num_stages,
-                              **launch_options(q.device))
+                              BN=block_n, HAS_GATE=gate is not None, num_warps=num_warps, num_stages=num_stages)
     return o

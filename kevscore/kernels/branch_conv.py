@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kevscore.kernels.dependent_launch import launch_options, wait_for_inputs
-
 L2_EPS = 1e-6
 
 
@@ -117,8 +115,7 @@ def _branch_conv_kernel(x, sx_r, sx_t, w, conv, s_conv, slots, s_slot, q, k, v, 
                         QK: tl.constexpr, NQK: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
                         C: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, EPS: tl.constexpr,
                         EVEN: tl.constexpr, TILES: tl.constexpr, NCB: tl.constexpr,
-                        HB: tl.constexpr, BH: tl.constexpr, PACKED: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                        HB: tl.constexpr, BH: tl.constexpr, PACKED: tl.constexpr):
     # programs side by side take one time tile's heads: whole rows of x and of q, k, v in flight at once
     i_g, i_c, i_r = tl.program_id(0) // (NCB + (HB > 0)), tl.program_id(0) % (NCB + (HB > 0)), tl.program_id(1)
     if i_c == NCB:  # past the NCB channel blocks (only launched with HB > 0): the tiles' beta
@@ -170,6 +167,5 @@ def _launch(x, weight, conv, slots, positions, hk, dk, hv, dv, b, block_t, num_w
                               slots.stride(0), q, k, v, t, positions if packed else slots, b_arg, b_arg.stride(0),
                               b_arg.stride(1), beta_arg, QK=hk * dk, NQK=hk, KD=dk, VD=dv, C=c, W=width,
                               BT=block_t, BD=bd, EPS=L2_EPS, EVEN=dk == bd and dv == bd, TILES=tiles, NCB=blocks,
-                              HB=hb, BH=triton.next_power_of_2(max(hb, 1)), num_warps=num_warps, PACKED=packed,
-                              **launch_options(x.device))
+                              HB=hb, BH=triton.next_power_of_2(max(hb, 1)), num_warps=num_warps, PACKED=packed)
     return q, k, v, beta

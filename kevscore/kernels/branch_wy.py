@@ -39,7 +39,6 @@ import triton.language as tl
 from fla.ops.utils.op import exp2
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kevscore.kernels.dependent_launch import launch_options, wait_for_inputs
 from kevscore.kernels.gdr_ref import CHUNK
 
 BC = tl.constexpr(CHUNK)  # A_inv's row length: the solve's chunk
@@ -109,8 +108,7 @@ def _state_after(b_h, k, g, b_vn, b_g, t0, T, H: tl.constexpr, HV: tl.constexpr,
 @triton.jit(do_not_specialize=["T"])
 def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_stride, o, T, scale,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                      BT1: tl.constexpr, BT2: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                      BT1: tl.constexpr, BT2: tl.constexpr):
     i_v, i_rh = tl.program_id(0), tl.program_id(1)
     i_r, i_h = i_rh // HV, i_rh % HV
     slot = tl.load(index + i_r * index_stride).to(tl.int64)
@@ -135,14 +133,13 @@ def _branch_wy_kernel(q, k, v, g, beta, a_inv, bank, index, index_stride, bank_s
 @triton.jit(do_not_specialize=["T"])
 def _chunks_wy_kernel(q, k, v, g, beta, a_inv, cu_seqlens, T, bank, index, index_stride, bank_stride, o, scale,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                      PACKED: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                      PACKED: tl.constexpr, STAGES: tl.constexpr):
     """Every 64-token chunk of a sequence, the state in fp32 registers between them. PACKED: documents from
     cu_seqlens, from a zero state, document d's final state written to `bank[index[d * index_stride]]`; else
     rows of T tokens, row r from `bank[index[r * index_stride]]`, nothing but the output written. q, k, v and
     a_inv are TMA descriptors over [tokens, heads * dim]: a chunk's tiles land in shared memory, STAGES chunks
     ahead, and its keys serve the state update too. Rows past a sequence's end are the next one's or zeros:
     the gate, beta and the output are masked, and (I + A)^-1 is taken on its valid lower triangle only."""
-    wait_for_inputs(PDL)
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     o_v, o_k, o_j = i_v * BV + tl.arange(0, BV), tl.arange(0, K), tl.arange(0, BC)
@@ -225,7 +222,7 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     o = torch.empty_like(v)
     _branch_wy_kernel[(triton.cdiv(vd, bv), r * hv)](
         q, k, v, g, beta, a_inv, bank, index, stride, bank.stride(0), o, t, kd ** -0.5, H=h, HV=hv, K=kd, V=vd,
-        BV=bv, BT1=bt1, BT2=bt2, num_warps=num_warps, num_stages=num_stages, **launch_options(g.device), **options)
+        BV=bv, BT1=bt1, BT2=bt2, num_warps=num_warps, num_stages=num_stages, **options)
     return o
 
 
@@ -269,6 +266,5 @@ def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, stride: int, bl
              for x, cols in ((q, kd), (k, kd), (v, bv), (a_inv, CHUNK))]
     _chunks_wy_kernel[(triton.cdiv(vd, bv), sequences * hv)](
         *tiles[:3], g, beta, tiles[3], cu_seqlens, t, bank, index, stride, bank.stride(0), o, kd ** -0.5, H=h,
-        HV=hv, K=kd, V=vd, BV=bv, PACKED=packed, STAGES=stages, num_warps=num_warps, num_stages=stages,
-        **launch_options(g.device), **options)
+        HV=hv, K=kd, V=vd, BV=bv, PACKED=packed, STAGES=stages, num_warps=num_warps, num_stages=stages, **options)
     return o

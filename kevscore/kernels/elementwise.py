@@ -27,12 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kevscore.kernels.dependent_launch import launch_options, wait_for_inputs
-
 
 @triton.jit
-def _swiglu_kernel(x, o, n_rows, sx, N_IN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+def _swiglu_kernel(x, o, n_rows, sx, N_IN: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     i_c, i_r = tl.program_id(0), tl.program_id(1)
     o_r = i_r * BR + tl.arange(0, BR)
     o_c = i_c * BC + tl.arange(0, BC)
@@ -53,15 +50,13 @@ def swiglu_rows(gate_up: torch.Tensor, block_rows: int = 2, block_cols: int = 10
     n = x.shape[0]
     bc = min(block_cols, triton.next_power_of_2(inner))
     grid = (triton.cdiv(inner, bc), triton.cdiv(n, block_rows))
-    _swiglu_kernel[grid](x, out, n, x.stride(0), N_IN=inner, BR=block_rows, BC=bc, num_warps=num_warps,
-                         **launch_options(x.device))
+    _swiglu_kernel[grid](x, out, n, x.stride(0), N_IN=inner, BR=block_rows, BC=bc, num_warps=num_warps)
     return out
 
 
 @triton.jit
 def _rms_norm_kernel(x, res, w, y, res_out, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                     HAS_RESIDUAL: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
@@ -88,7 +83,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
     grid = (triton.cdiv(n, block_rows),)
     _rms_norm_kernel[grid](x, residual if residual is not None else x, weight, y, res_out, n, eps, D=d,
                            BD=triton.next_power_of_2(d), BR=block_rows, HAS_RESIDUAL=residual is not None,
-                           num_warps=num_warps, **launch_options(x.device))
+                           num_warps=num_warps)
     return y if residual is None else (y, res_out)
 
 
@@ -100,9 +95,7 @@ def token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 @triton.jit(do_not_specialize=["n_tok"])  # one compile for every token count
 def _qk_norm_rope_kernel(x, sx_t, sx_h, w, cos, sin, o, n_tok, eps,
-                         H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                         H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < n_tok
@@ -141,15 +134,13 @@ def qk_norm_rope(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: t
     out = torch.empty(*x.shape, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, block_t), h)
     _qk_norm_rope_kernel[grid](flat, flat.stride(0), flat.stride(1), scale, cos, sin, out, n, eps, H=h, D=d,
-                               ROT=rot, BD=triton.next_power_of_2(d), BT=block_t, num_warps=num_warps,
-                               **launch_options(x.device))
+                               ROT=rot, BD=triton.next_power_of_2(d), BT=block_t, num_warps=num_warps)
     return out
 
 
 @triton.jit
 def _gated_norm_kernel(x, z, sz_t, w, o, n_tok, eps, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                       BT: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                       BT: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = tl.arange(0, BD)
@@ -174,14 +165,13 @@ def gated_rms_norm_heads(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     out = torch.empty_like(x)
     grid = (triton.cdiv(n, block_t), h)
     _gated_norm_kernel[grid](x, flat, flat.stride(0), weight, out, n, eps, H=h, D=d, BD=triton.next_power_of_2(d),
-                             BT=block_t, num_warps=num_warps, **launch_options(x.device))
+                             BT=block_t, num_warps=num_warps)
     return out
 
 
 @triton.jit(do_not_specialize=["L", "n_tok"])  # one compile for every token count and padded length
 def _sigmoid_gate_kernel(x, index, sx_b, sx_l, sx_h, L, g, sg_t, sg_h, o, n_tok, H: tl.constexpr, D: tl.constexpr,
-                         BD: tl.constexpr, BT: tl.constexpr, INDEXED: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                         BD: tl.constexpr, BT: tl.constexpr, INDEXED: tl.constexpr):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < n_tok
@@ -208,6 +198,5 @@ def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, index: torch.Tensor | None
     grid = (triton.cdiv(n, block_t), h)
     _sigmoid_gate_kernel[grid](x, x if index is None else index, x.stride(0), x.stride(1), x.stride(2), x.shape[1], flat,
                                flat.stride(0), flat.stride(1), out, n, H=h, D=d, BD=triton.next_power_of_2(d),
-                               BT=block_t, INDEXED=index is not None, num_warps=num_warps,
-                               **launch_options(x.device))
+                               BT=block_t, INDEXED=index is not None, num_warps=num_warps)
     return out

@@ -14,13 +14,10 @@ import triton.language as tl
 from fla.ops.utils.op import exp
 from fla.ops.utils.softplus import softplus
 
-from kevscore.kernels.dependent_launch import launch_options, wait_for_inputs
-
 
 @triton.jit(do_not_specialize=["T", "stride_b", "stride_t"])
 def _gate_cumsum_kernel(a, A_log, dt_bias, out, scale, cu_seqlens, chunk_indices, T, stride_b, stride_t,
-                        H: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                        H: tl.constexpr, BT: tl.constexpr, VARLEN: tl.constexpr):
     i_c, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     if VARLEN:  # packed documents in one row: chunk i_c is chunk c of document n
@@ -53,5 +50,5 @@ def gate_cumsum(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, chu
     if chunks and H:
         _gate_cumsum_kernel[(chunks, B * H)](a, A_log, dt_bias, out, scale, cu_seqlens, chunk_indices, T,
                                              a.stride(0), a.stride(1), H=H, BT=chunk, VARLEN=varlen,
-                                             num_warps=1, **launch_options(a.device))
+                                             num_warps=1)
     return out

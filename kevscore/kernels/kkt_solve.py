@@ -18,7 +18,6 @@ import triton.language as tl
 from fla.ops.utils.op import exp2
 from fla.utils import IS_TF32_SUPPORTED
 
-from kevscore.kernels.dependent_launch import launch_options, wait_for_inputs
 from kevscore.kernels.gdr_ref import CHUNK
 
 
@@ -51,10 +50,8 @@ def _merge(a, b, PRECISION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _kkt_solve_kernel(k, g, beta, A, cu_seqlens, chunk_indices, T, H: tl.constexpr, HV: tl.constexpr,
-                      G: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr,
-                      PDL: tl.constexpr = False):
+                      G: tl.constexpr, K: tl.constexpr, IS_VARLEN: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (chunk, row and key head); grid (chunks, R * H)."""
-    wait_for_inputs(PDL)
     i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     if IS_VARLEN:
@@ -151,6 +148,5 @@ def solve_chunks(k: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, a: torch
     grid = (triton.cdiv(t, CHUNK) if cu_seqlens is None else chunk_indices.shape[0], r * h)
     precision = ("tf32x3" if k.dtype == torch.float32 else "tf32") if IS_TF32_SUPPORTED else "ieee"
     _kkt_solve_kernel[grid](k, gc, beta, a, cu_seqlens, chunk_indices, t, H=h, HV=hv, G=hv // h, K=dk,
-                            IS_VARLEN=cu_seqlens is not None, PRECISION=precision, num_warps=num_warps, num_stages=1,
-                            **launch_options(k.device))
+                            IS_VARLEN=cu_seqlens is not None, PRECISION=precision, num_warps=num_warps, num_stages=1)
     return a

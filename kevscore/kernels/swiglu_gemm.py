@@ -18,8 +18,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kevscore.kernels.dependent_launch import launch_options, wait_for_inputs
-
 HALF = 128  # gate rows (and up rows) per block of the interleaved weight: half an output tile
 
 
@@ -32,10 +30,9 @@ def interleave(gate: torch.Tensor, up: torch.Tensor, half: int = HALF) -> torch.
 
 @triton.jit(do_not_specialize=["M", "PROGRAMS"])
 def _swiglu_gemm_kernel(x_desc, w_desc, o_desc, M, N, K, PROGRAMS, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, GROUP_M: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr = False):
+                        BK: tl.constexpr, GROUP_M: tl.constexpr, SWIGLU: tl.constexpr):
     """SWIGLU: the tile's silu(gate) * up; else x W^T itself (the plain GEMM that bench_gemm_epilogue.py puts
     against cuBLAS's)."""
-    wait_for_inputs(PDL)
     tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     per_group = GROUP_M * tiles_n
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
@@ -74,5 +71,5 @@ def swiglu_gemm(x: torch.Tensor, weight: torch.Tensor, half: int = HALF, swiglu:
         descriptors = [TensorDescriptor.from_tensor(t, block) for t, block in blocks]
         _swiglu_gemm_kernel[(programs,)](*descriptors, rows.shape[0], n, k, programs, BM=block_m, BN=2 * half,
                                          BK=block_k, GROUP_M=8, SWIGLU=swiglu, num_stages=num_stages,
-                                         num_warps=num_warps, **launch_options(x.device))
+                                         num_warps=num_warps)
     return out.reshape(*x.shape[:-1], width)
