@@ -284,7 +284,7 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
     import fla_oracles
 
     from kevscore.kernels import fla_ops
-    from kevscore.kernels.branch_wy import branch_wy, rows_wy
+    from kevscore.kernels.branch_wy import branch_wy, chunks_wy
     from kevscore.model.config import LINEAR
 
     layers = cfg.layer_types.count(LINEAR)
@@ -311,11 +311,11 @@ def bench_fused_wy(record, sweep, cfg, r: int, lengths: tuple[int, ...], gen: to
             record(f"fused wy {tt}", f"gate + solve + fused wy {name}", timed(lambda: fused_path(launch)), layers)
         for launch in sweep(ROWS_WY_LAUNCHES):  # the chunk loop (TMA tiles) in place of the two-chunk kernel
             name = str(launch)[1:-1].replace("'", "") or "default"
-            record(f"wy parts {tt}", f"chunk loop {name}", timed(lambda: rows_wy(
+            record(f"wy parts {tt}", f"chunk loop {name}", timed(lambda: chunks_wy(
                 q, k, v, gc, beta, a_inv, bank, slots, **launch)), layers, floor)
 
 
-# the chunk loop's launches on branches (rows_wy), as bench_fused_wy sets them beside the two-chunk kernel
+# the chunk loop's launches on branches (chunks_wy), as bench_fused_wy sets them beside the two-chunk kernel
 ROWS_WY_LAUNCHES = ({}, dict(num_stages=1), dict(block_v=128, num_warps=8), dict(block_v=128), dict(num_warps=8))
 
 # the chunk loop's launches: the default (2 stages) first; maxnreg 168: 3 programs an SM by registers (NOTES 89)
@@ -326,13 +326,13 @@ PREFILL_WY_LAUNCHES = ({}, dict(num_stages=1), dict(num_stages=3), dict(num_warp
 def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:
     """Prefill's gated delta rule after the solve on m tokens of 1,700-token documents, per DeltaNet layer:
     FLA's w/u, state scan and output kernels (at a job's pins) against the fused kernel at each launch
-    (`branch_wy.prefill_wy`); the floor is the fused kernel's HBM traffic (q, k read once per value head)."""
+    (`branch_wy.chunks_wy`); the floor is the fused kernel's HBM traffic (q, k read once per value head)."""
     import types
 
     import fla_oracles
 
     from kevscore.kernels import fla_ops
-    from kevscore.kernels.branch_wy import prefill_wy
+    from kevscore.kernels.branch_wy import chunks_wy
     from kevscore.model.config import LINEAR
 
     layers = cfg.layer_types.count(LINEAR)
@@ -355,7 +355,7 @@ def bench_prefill_wy(record, sweep, cfg, m: int, gen: torch.Generator) -> None:
     for launch in sweep(PREFILL_WY_LAUNCHES):
         name = str(launch)[1:-1].replace("'", "") or "default"
         record("prefill wy", f"fused {name}", timed(
-            lambda: prefill_wy(q, k, v, gc, beta, a_inv, cu, bank, slots, **launch)), layers, floor)
+            lambda: chunks_wy(q, k, v, gc, beta, a_inv, bank, slots, cu_seqlens=cu, **launch)), layers, floor)
 
 
 # FLA's kkt + solve kernel: its own list of configurations (BK x warps), at 2 and 3 stages; the H200's pin first

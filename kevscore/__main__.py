@@ -7,14 +7,14 @@ import sys
 
 def main() -> None:
     try:
-        # the imports below take a second or more before the progress display can start
+        # the CLI's imports (every command's modules: numpy, pyarrow, torch) take a second or more before the
+        # progress display can start
         if line := starting_line(sys.argv[1:], sys.stderr.isatty()):
             print(line, end="", file=sys.stderr, flush=True)
         with _deferred_interrupt():
             # A SIGINT inside a C extension's import can surface as an ImportError that a library catches
             # and works around: the heavy imports run with it held, and it is raised once they are done.
             from kevscore.cli import app
-            from kevscore.job import run as job  # noqa: F401  (numpy, pyarrow, torch)
         app()
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")

@@ -15,9 +15,18 @@ import typer
 from rich.console import Console
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from kevscore import display
+from kevscore import __version__, display
+from kevscore import compare as comparing
+from kevscore.api import Scorer
 from kevscore.display import console, escape
+from kevscore.engine.bank_inspect import inspect_bank
 from kevscore.errors import KevscoreError, reported
+from kevscore.job import scan
+from kevscore.job.distributed import launch, run_distributed, world_from_env
+from kevscore.job.formats import file_format
+from kevscore.job.labels import parse_labels
+from kevscore.job.options import RunOptions
+from kevscore.job.provenance import output_provenance
 
 
 class ValueHelp:
@@ -48,8 +57,6 @@ app = typer.Typer(cls=Group, no_args_is_help=True)  # its help: _group's docstri
 
 def _version(value: bool) -> None:
     if value:
-        from kevscore import __version__
-
         typer.echo(f"kevscore {__version__}")
         raise typer.Exit()
 
@@ -177,13 +184,6 @@ def run(
                             "stdout per event (start, window, wave, part, progress, warning, merged, done, error)."),
 ) -> None:
     """Score every question row against its document; write probabilities over the labels."""
-    from kevscore.api import Scorer
-    from kevscore.job.distributed import world_from_env
-    from kevscore.job.formats import file_format
-    from kevscore.job.labels import parse_labels
-    from kevscore.job.options import RunOptions
-    from kevscore.job.scan import COLUMNS
-
     if path is not None:
         console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)
         state_read = path
@@ -191,7 +191,7 @@ def run(
     with _failing():
         # rename: the input's column name -> kevscore's
         opts = options_of(RunOptions, given, labels=parse_labels(labels),
-                          rename={given[f"{name}_column"]: name for name in COLUMNS})
+                          rename={given[f"{name}_column"]: name for name in scan.COLUMNS})
         if str(output) == "-" and log_json:
             _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
         if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
@@ -223,8 +223,6 @@ def run(
 def _launch(gpus: int) -> None:
     """Re-run this command under torch's launcher with `gpus` processes; each one, a rank (`world_from_env`),
     scores its share whatever its --gpus says."""
-    from kevscore.job.distributed import launch
-
     try:
         launch(sys.argv[1:], gpus)
     except Exception as exc:  # torch's ChildFailedError: the ranks printed their errors above
@@ -238,8 +236,6 @@ def _run_rank(opts, quiet: bool) -> None:
     renamed: interpreter teardown can abort a rank after a complete, correct job (SIGABRT, "terminate
     called without an active exception": a C++ thread still joinable while static objects are destroyed),
     and the launcher would then fail the job. Nothing is left for teardown to do."""
-    from kevscore.job.distributed import run_distributed, world_from_env
-
     rank, code = world_from_env()[0], 0
     try:
         with _failing("interrupted; no output was written", f"rank {rank}: " if rank else ""):
@@ -277,8 +273,6 @@ def bank_inspect(
 ) -> None:
     """List a bank's entries: models, sizes per component, last use; with --verify, checksum status.
     Exits 1 when --verify finds a bad entry."""
-    from kevscore.engine.bank_inspect import inspect_bank
-
     with _failing():
         report = inspect_bank(directory, entry, verify)
     _show(report, as_json, lambda out: display.print_inspect(out, report, detail=entry is not None))
@@ -293,8 +287,6 @@ def info(
 ) -> None:
     """How a Parquet output was made: kevscore's version, the inputs and their SHA-256s, the template, the
     model and its fingerprint, the device, dtype, state-read mode, labels and options."""
-    from kevscore.job.provenance import output_provenance
-
     with _failing():
         record = output_provenance(output)
     if record is None:
@@ -327,8 +319,6 @@ def compare(
     """Run the gathered and indexed paths on the same weights and inputs; time them and check parity.
     Exits 1 when any case shows a probability difference, a decision flip or a changed bank (the fp32
     baseline's flips are reported, with their rows in --json, not failures)."""
-    from kevscore import compare as comparing
-
     opts = options_of(comparing.CompareOptions, locals(), cases=cases.split(",") if cases else None)
     with _failing():
         report = comparing.compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))

@@ -17,7 +17,7 @@ LONG_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 1e-2}  # as tests/test_cu
 @pytest.mark.parametrize("t", [129, 200])
 @pytest.mark.parametrize("dims", [(16, 32, 128, 128), (2, 4, 64, 64)], ids=["kev4b", "demo"])
 def test_long_branches_read_the_bank_by_index(dims, t, dtype):
-    """Branches past the two-chunk kernel (`branch_wy.rows_wy`): indexed equals gathered to the bit, the bank
+    """Branches past the two-chunk kernel (`branch_wy.chunks_wy`): indexed equals gathered to the bit, the bank
     is never written, and both are close to FLA's stages on the gathered states (tests/fla_oracles.py)."""
     import fla_oracles
 

@@ -1,4 +1,4 @@
-"""The torch reference of the chunked gated delta rule and of the indexed state scan."""
+"""The torch reference of the chunked gated delta rule and of the fused kernel's indexed state read."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,11 +61,13 @@ def test_strong_decay_stays_finite():
 
 @pytest.mark.parametrize("t", [1, 17, 64, 129])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
-def test_indexed_scan_equals_gathered_scan(rows, t):
+def test_indexed_read_equals_gathered_read(rows, t):
+    """`branch_wy` reading row r's state from `bank[index[r * index_stride]]` gives, to the bit, what it gives from
+    the rows' states copied out (row r: entry r), so each row starts from its own entry; the bank is never written."""
     q, k, v, g, beta = inputs(rows, t, seed=rows * 1000 + t)
-    k = gdr_ref.l2norm(k)
+    q, k = gdr_ref.l2norm(q), gdr_ref.l2norm(k)
     gc = gdr_ref.chunk_cumsum(g)
-    w, u = gdr_ref.wy_repr(k, v, gc, beta)
+    a_inv = gdr_ref.chunk_inverse(k, gc, beta)
     bank = torch.randn(5, 4, 32, 16)
     snapshot = bank.clone()
     # the indices are one column of an upload buffer [rows, 7], repeated entries included
@@ -73,12 +75,10 @@ def test_indexed_scan_equals_gathered_scan(rows, t):
     upload[:, 4] = torch.tensor([(3 * r) % 5 if r % 3 else 2 for r in range(rows)])
     index = upload[:, 4]
     assert index.stride(0) == 7
-    h, v_new = gdr_ref.state_scan_indexed(k, w, u, gc, bank, index, index.stride(0))
-    h_g, v_new_g, final = gdr_ref.state_scan(k, w, u, gc, bank.index_select(0, index))
-    assert torch.equal(h, h_g) and torch.equal(v_new, v_new_g) and final is None
+    out = gdr_ref.branch_wy(q, k, v, gc, beta, a_inv, bank, index, index.stride(0))
+    gathered = gdr_ref.branch_wy(q, k, v, gc, beta, a_inv, bank.index_select(0, index), torch.arange(rows))
+    assert torch.equal(out, gathered)
     assert torch.equal(bank, snapshot)
-    for r in range(rows):  # each row started from its own entry
-        assert torch.equal(h[r, 0], bank[index[r]])
 
 
 def test_bank_rows_reads_through_the_stride():

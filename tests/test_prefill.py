@@ -175,15 +175,15 @@ def test_fused_prefill_launch_fits_the_h200(monkeypatch, dtype):
     v = torch.zeros(1, n, hv, d, dtype=dtype)
     g, beta, a_inv = torch.zeros(1, n, hv), torch.zeros(1, n, hv, dtype=dtype), torch.zeros(1, n, hv, 64, dtype=dtype)
     bank, slots = torch.zeros(4, hv, d, d), torch.tensor([3, 1])
-    o = branch_wy.prefill_wy(q, q, v, g, beta, a_inv, torch.tensor([0, 30, 100]), bank, slots)
+    o = branch_wy.chunks_wy(q, q, v, g, beta, a_inv, bank, slots, cu_seqlens=torch.tensor([0, 30, 100]))
     (grid, kw), = launches
     stages = 2 if dtype == torch.bfloat16 else 1
     assert kw["num_stages"] == kw["STAGES"] == stages and kw["BV"] == 64 and kw["PACKED"] and grid == (1, 2 * hv)
     assert o.shape == v.shape
     with pytest.raises(AssertionError):
-        branch_wy.prefill_wy(q, q, v, g, beta, a_inv, torch.tensor([0, 100]), bank, slots[:1], block_v=32)
+        branch_wy.chunks_wy(q, q, v, g, beta, a_inv, bank, slots[:1], cu_seqlens=torch.tensor([0, 100]), block_v=32)
     with pytest.raises(AssertionError):  # the final states are fp32
-        branch_wy.prefill_wy(q, q, v, g, beta, a_inv, torch.tensor([0, 100]), bank.half(), slots[:1])
+        branch_wy.chunks_wy(q, q, v, g, beta, a_inv, bank.half(), slots[:1], cu_seqlens=torch.tensor([0, 100]))
 
 
 def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatch, tmp_path):

@@ -26,9 +26,9 @@ Torch reference with the same interface: `kevscore.kernels.gdr_ref.branch_wy`.
 
 Sequences of any length run the same chunk step in a loop (`_chunks_wy_kernel`): one program per (sequence,
 value head, block of value columns) walks the sequence's 64-token chunks, the state in fp32 registers from
-chunk to chunk. Prefill (`prefill_wy`) walks packed documents from a zero
+chunk to chunk (`chunks_wy`). Given `cu_seqlens` (prefill), it walks packed documents from a zero
 state and writes each one's final state, in place of FLA's w/u kernel, state scan and output kernel (and the h
-and v_new they pass between them through memory); branches of more than 128 tokens (`rows_wy`) start from
+and v_new they pass between them through memory); without (branches of more than 128 tokens), rows start from
 their bank entries read by index, as `branch_wy`'s rows do.
 """
 from __future__ import annotations
@@ -226,40 +226,26 @@ def branch_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return o
 
 
-def prefill_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               a_inv: torch.Tensor, cu_seqlens: torch.Tensor, bank: torch.Tensor, slots: torch.Tensor,
-               **launch) -> torch.Tensor:
-    """o [1, N, HV, V] (v's dtype) of D documents packed into N tokens, each from a zero state, whose final
-    states [HV, K, V] go straight into their bank entries `bank[slots[d]]` (fp32, any entry stride);
-    cu_seqlens [D + 1] their bounds. Tensors as `branch_wy` takes them with R = 1 and T = N; g and a_inv chunked
-    per document (FLA's varlen gate cumsum and solve). Launch: `_chunks_wy`."""
-    assert slots.shape == (cu_seqlens.shape[0] - 1,)
-    return _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, slots, slots.stride(0), **launch)
-
-
-def rows_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
-            **launch) -> torch.Tensor:
-    """`branch_wy` for rows of any length: o [R, T, HV, V], chunk after chunk in one program, row r from
-    `bank[index[r * index_stride]]` (never written). Launch: `_chunks_wy`."""
-    stride = index.stride(0) if index_stride is None else index_stride
-    return _chunks_wy(q, k, v, g, beta, a_inv, None, bank, index, stride, **launch)
-
-
-def _chunks_wy(q, k, v, g, beta, a_inv, cu_seqlens, bank, index, stride: int, block_v: int = 64, num_warps: int = 4,
-               num_stages: int | None = None, **options) -> torch.Tensor:
-    """Launches `_chunks_wy_kernel`: packed documents when cu_seqlens is given (their final states written to
-    the bank), else rows (their states read from it). `num_stages`: the chunks' tiles in flight (None: 2, or 1
-    for fp32 operands, whose tiles would not fit twice); `options`: Triton's other launch options (e.g.
-    maxnreg); bench_kernels.py --only "prefill wy" sweeps the launches."""
+def chunks_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              a_inv: torch.Tensor, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
+              cu_seqlens: torch.Tensor | None = None, block_v: int = 64, num_warps: int = 4,
+              num_stages: int | None = None, **options) -> torch.Tensor:
+    """o [R, T, HV, V] (v's dtype), every 64-token chunk of a sequence in one program (`_chunks_wy_kernel`),
+    tensors as `branch_wy` takes them. Rows (branches of any length): row r from `bank[index[r * index_stride]]`,
+    never written. Packed documents (`cu_seqlens` [D + 1] their bounds; R = 1, T = N, g and a_inv chunked per
+    document as FLA's varlen gate cumsum and solve give them): each from a zero state, document d's final state
+    [HV, K, V] written into `bank[index[d * index_stride]]` (fp32, any entry stride). `num_stages`: the chunks'
+    tiles in flight (None: 2, or 1 for fp32 operands, whose tiles would not fit twice); `options`: Triton's other
+    launch options (e.g. maxnreg); bench_kernels.py --only "prefill wy" sweeps the launches."""
     r, t, h, kd, hv, vd = _shapes(q, k, v, g, beta, a_inv, bank)
     # Triton 3.6 (the H200's) computes this kernel wrong in bf16 at 32 value columns, on 4 warps or 8: narrow
     # value heads take a block of 64, masked
     assert block_v >= 64, "the chunk loop takes blocks of at least 64 value columns"
     bv = min(block_v, max(64, triton.next_power_of_2(vd)))
     packed = cu_seqlens is not None
-    assert not packed or r == 1
     sequences = cu_seqlens.shape[0] - 1 if packed else r
+    assert not packed or (r == 1 and index.shape == (sequences,))
+    stride = index.stride(0) if index_stride is None else index_stride
     o = torch.empty_like(v)
     stages = num_stages or (1 if k.dtype == torch.float32 else 2)
     tiles = [TensorDescriptor(x, [r * t, x.shape[2] * x.shape[3]], [x.shape[2] * x.shape[3], 1], [CHUNK, cols])

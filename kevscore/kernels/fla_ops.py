@@ -24,7 +24,7 @@ from fla.ops.utils.constant import RCP_LN2  # noqa: E402
 
 from kevscore.kernels.branch_attn import branch_attention  # noqa: E402
 from kevscore.kernels.branch_conv import branch_conv, packed_conv  # noqa: E402
-from kevscore.kernels.branch_wy import MAX_T, branch_wy, prefill_wy, rows_wy  # noqa: E402
+from kevscore.kernels.branch_wy import MAX_T, branch_wy, chunks_wy  # noqa: E402
 from kevscore.kernels.elementwise import gated_rms_norm_heads, qk_norm_rope, rms_norm_rows, sigmoid_gate, swiglu_rows  # noqa: E402
 from kevscore.kernels.gate import gate_cumsum as decay_cumsum  # noqa: E402
 from kevscore.kernels.gdr_ref import CHUNK  # noqa: E402
@@ -109,11 +109,11 @@ def prefill_front(x: torch.Tensor, weight: torch.Tensor, ctx, hk: int, dk: int, 
 def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
     """Packed documents from zero states (q and k l2-normalized, as `prefill_front` leaves them): the output;
     one kernel after the solve writes each document's final state into its bank entry `bank[ctx.slots[d]]`
-    (`branch_wy.prefill_wy`). gate = (a, A_log, dt_bias): the decay -exp(A_log) * softplus(a + dt_bias)."""
+    (`branch_wy.chunks_wy`). gate = (a, A_log, dt_bias): the decay -exp(A_log) * softplus(a + dt_bias)."""
     cu, chunks = ctx.cu_seqlens_long, ctx.chunk_indices
     gc = gate_cumsum(gate, cu, chunks)
-    return prefill_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), cu, bank, ctx.slots,
-                      **CHUNKS_WY_LAUNCH)
+    return chunks_wy(q, k, v, gc, beta, solve_chunks(k, gc, beta, None, cu, chunks), bank, ctx.slots, cu_seqlens=cu,
+                     **CHUNKS_WY_LAUNCH)
 
 
 def gate_cumsum(gate, cu_seqlens=None, chunk_indices=None) -> torch.Tensor:
@@ -126,14 +126,14 @@ def gate_cumsum(gate, cu_seqlens=None, chunk_indices=None) -> torch.Tensor:
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:
     """gate = (a, A_log, dt_bias); q and k l2-normalized, as `branch_front` leaves them. The gate cumsum,
     the solve, then one kernel that reads each row's state from the bank by slot (`branch_wy` for branches of
-    up to 128 tokens, `rows_wy` beyond); `gathered` gives it the rows' states copied out and an identity index,
+    up to 128 tokens, `chunks_wy` beyond); `gathered` gives it the rows' states copied out and an identity index,
     so both paths compute alike to the bit."""
     gc = gate_cumsum(gate)
     if path == "gathered":
         bank, slots = bank.index_select(0, slots), torch.arange(slots.shape[0], device=slots.device)
     short = q.shape[1] <= MAX_T
-    return (branch_wy if short else rows_wy)(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots,
-                                             slots.stride(0), **(FUSED_WY_LAUNCH if short else CHUNKS_WY_LAUNCH))
+    return (branch_wy if short else chunks_wy)(q, k, v, gc, beta, solve_chunks(k, gc, beta), bank, slots,
+                                               slots.stride(0), **(FUSED_WY_LAUNCH if short else CHUNKS_WY_LAUNCH))
 
 
 def sdpa_causal(q, k, v):

@@ -4,10 +4,9 @@ Stages and tensor layouts follow `fla.ops.gated_delta_rule.chunk_gated_delta_rul
 gate cumsum (log2 space) -> WY representation (w, u) -> state scan (h, v_new) -> output.
 Shapes: q, k [R, T, H, K]; v, u [R, T, HV, V]; w [R, T, HV, K]; g, beta [R, T, HV];
 h [R, NT, HV, K, V] (the state entering each chunk); states [N, HV, K, V] in fp32.
-Every function computes in fp32. `state_scan_indexed` reads row r's initial state from
-`bank[index[r * index_stride]]`, as the fused kernels do (`torch_ops.gdr_branch` composes the four stages
-for branches); `branch_wy`, the stages after the solve (`chunk_inverse`), has the interface of the fused
-kernel in `kevscore.kernels.branch_wy`.
+Every function computes in fp32. `torch_ops.gdr_branch` composes the four stages for branches; `branch_wy`, the
+stages after the solve (`chunk_inverse`), has the interface of the fused kernel in `kevscore.kernels.branch_wy`:
+row r's initial state is `bank[index[r * index_stride]]` (`bank_rows`), as the fused kernels read it.
 """
 from __future__ import annotations
 
@@ -134,13 +133,6 @@ def bank_rows(index: torch.Tensor, rows: int, index_stride: int | None = None) -
     return index.as_strided((rows,), (stride,)).long()
 
 
-def state_scan_indexed(k, w, u, g, bank: torch.Tensor, index: torch.Tensor, index_stride: int | None = None,
-                       chunk: int = CHUNK):
-    """The state scan reading row r's initial state from `bank[index[r * index_stride]]`; never writes the bank."""
-    slots = bank_rows(index, u.shape[0], index_stride)
-    return state_scan(k, w, u, g, bank[slots], False, chunk)[:2]
-
-
 def chunk_output(q, k, v_new, h, g, scale: float, chunk: int = CHUNK) -> torch.Tensor:
     """o = scale * (q h exp2(g) + causal(q k^T exp2(g_i - g_j)) v_new): [R, T, HV, V]."""
     t, hv, c = q.shape[1], v_new.shape[2], chunk
@@ -179,5 +171,5 @@ def branch_wy(q, k, v, g, beta, a_inv: torch.Tensor, bank: torch.Tensor, index: 
     q, k = (repeat_heads(x, v.shape[2]).float() for x in (q, k))
     g, beta, a_inv = g.float(), beta.float(), a_inv.float()
     w, u = wy_from_inverse(k, v.float(), g, beta, a_inv)
-    h, v_new = state_scan_indexed(k, w, u, g, bank, index, index_stride)
+    h, v_new, _ = state_scan(k, w, u, g, bank[bank_rows(index, v.shape[0], index_stride)])  # the states copied out
     return chunk_output(q, k, v_new, h, g, q.shape[-1] ** -0.5).to(v.dtype)

@@ -116,8 +116,7 @@ def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
     q, k = (gdr_ref.repeat_heads(x, v.shape[2]) for x in (q, k))  # once, not in every stage
     g = gdr_ref.gate_decay(*gate)
     outs, finals = [], []
-    for s, e, cu in _runs(ctx.cu_seqlens):
-        lens = cu.diff().tolist()
+    for s, e, lens in _runs(ctx.cu_seqlens):
         o, final = gdr_ref.chunk_gated_delta_rule(*(pad_docs(x[:, s:e], lens) for x in (q, k, v, g, beta)),
                                                   output_final_state=True, use_qk_l2norm=False,
                                                   chunk=gdr_ref.chunk_size(max(lens)))
@@ -127,13 +126,14 @@ def gdr_prefill(q, k, v, gate, beta, ctx, bank: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs, 1).to(v.dtype)
 
 
-def _runs(cu_seqlens: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
-    """(first token, end token, cu_seqlens from 0) of each run of consecutive documents that span as many
+def _runs(cu_seqlens: torch.Tensor) -> list[tuple[int, int, list[int]]]:
+    """(first token, end token, its documents' lengths) of each run of consecutive documents that span as many
     chunks: padding within a run stays under one chunk a document."""
     bounds = cu_seqlens.tolist()
-    chunks = [-(-(e - s) // gdr_ref.CHUNK) for s, e in zip(bounds[:-1], bounds[1:])]
-    firsts = [0, *accumulate(len(list(run)) for _, run in groupby(chunks))]  # each run's first document
-    return [(bounds[a], bounds[b], cu_seqlens[a:b + 1] - bounds[a]) for a, b in zip(firsts, firsts[1:])]
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    # each run's first document: runs grouped by their documents' chunk counts
+    firsts = [0, *accumulate(len(list(run)) for _, run in groupby(-(-n // gdr_ref.CHUNK) for n in lens))]
+    return [(bounds[a], bounds[b], lens[a:b]) for a, b in zip(firsts, firsts[1:])]
 
 
 def gdr_branch(q, k, v, gate, beta, bank: torch.Tensor, slots: torch.Tensor, path: str) -> torch.Tensor:

@@ -99,9 +99,9 @@ def tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def tokenize_labels(tokenizer, labels: Sequence[str]) -> tuple[list[list[int]], str | None]:
-    """Each label's token ids, the label tokenized on its own (the answer as it continues the prompt), and why
+    """Each label's token ids, each label tokenized on its own (the answer as it continues the prompt), and why
     the labels cannot be scored (a label of no tokens) or None."""
-    ids = [list(tokenizer.encode(label, add_special_tokens=False)) for label in labels]
+    ids = tokenize(tokenizer, list(labels))
     empty = [label for label, t in zip(labels, ids) if not t]
     return ids, f"label {empty[0]!r} tokenizes to no tokens" if empty else None
 

@@ -83,8 +83,8 @@ def kept_attribute(name: str) -> property:
 
 class LightTokenizer:
     """A fast tokenizer's snapshot, answering kevscore's calls with transformers' ids: `tokenizer(texts,
-    add_special_tokens=False)["input_ids"]`, `encode(text, add_special_tokens=False)`, the chat prompt and the
-    attributes in KEPT. Any other call loads transformers' tokenizer, which from then on answers everything."""
+    add_special_tokens=False)["input_ids"]` (`prompt.tokenize`, labels included; a single text too), the chat prompt
+    and the attributes in KEPT. Any other call loads transformers' tokenizer, which from then on answers everything."""
     __slots__ = ("_backend", "_meta", "_load", "_real", "_lock")
     split_special_tokens, pad_token_id, eos_token_id, chat_template = map(kept_attribute, KEPT)
 
@@ -113,11 +113,6 @@ class LightTokenizer:
             return self.transformers_tokenizer()(text, *args, add_special_tokens=add_special_tokens, **kwargs)
         ids = self._ids(text if batch else [text])  # verbose: transformers only warns of long texts
         return {"input_ids": ids if batch else ids[0]}
-
-    def encode(self, text, *args, add_special_tokens: bool = True, **kwargs) -> list[int]:
-        if self._real is not None or args or kwargs or add_special_tokens or not isinstance(text, str):
-            return self.transformers_tokenizer().encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
-        return self._ids([text])[0]
 
     def apply_chat_template(self, conversation, *args, **kwargs):
         if self._real is None and not args and self._meta["chat"] and self._meta["chat"][:2] == [conversation, kwargs]:

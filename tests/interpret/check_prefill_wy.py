@@ -1,13 +1,13 @@
 """Run under TRITON_INTERPRET=1: the chunk-loop kernel of `branch_wy` in both its modes, on the CPU in fp32
 (Triton 3.8's interpreter multiplies bf16 dot operands as their raw bits).
 
-Prefill (`prefill_wy`: every chunk of each packed document from a zero state, its final state out), after our
-varlen gate cumsum and our varlen kkt + solve kernel (`kkt_solve.solve_chunks`), against
+Prefill (`chunks_wy` with `cu_seqlens`: every chunk of each packed document from a zero state, its final state
+out), after our varlen gate cumsum and our varlen kkt + solve kernel (`kkt_solve.solve_chunks`), against
 `gdr_ref.chunk_gated_delta_rule` run on each document alone: outputs and final states. Documents of 1 to 200
 tokens (one partial chunk, exact chunks, a partial last chunk), value heads narrower than the 64-column block
-(masked) and two blocks of them. Rows (`rows_wy`: branches longer than `branch_wy`'s two chunks, each from a
-bank entry read by index) against `gdr_ref.branch_wy`, the bank never written. On both, our kkt + solve kernel
-against FLA's on the same inputs."""
+(masked) and two blocks of them. Rows (`chunks_wy` without: branches longer than `branch_wy`'s two chunks, each
+from a bank entry read by index) against `gdr_ref.branch_wy`, the bank never written. On both, our kkt + solve
+kernel against FLA's on the same inputs."""
 import sys
 import time
 from pathlib import Path
@@ -17,7 +17,7 @@ import triton
 from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel
 
 from kevscore.kernels import gdr_ref
-from kevscore.kernels.branch_wy import prefill_wy, rows_wy
+from kevscore.kernels.branch_wy import chunks_wy
 from kevscore.kernels.gate import gate_cumsum
 from kevscore.kernels.kkt_solve import solve_chunks
 
@@ -56,7 +56,7 @@ for (h, hv, dk, dv, launch), lengths in [((2, 4, 32, 32, {}), (1, 17, 64, 130)),
     solve_distance = max(solve_distance, lower_distance(a_inv, fla, cu))
     bank = torch.full((len(lengths) + 2, hv, dk, dv), float("nan"))  # each document's entry, two left alone
     slots = torch.randperm(len(lengths) + 2, generator=gen)[:len(lengths)]
-    out = prefill_wy(q, k, v, gc, beta, a_inv, cu, bank, slots, **launch)
+    out = chunks_wy(q, k, v, gc, beta, a_inv, bank, slots, cu_seqlens=cu, **launch)
     final = bank[slots]
     assert out.shape == v.shape and bank.isnan().sum() == 2 * hv * dk * dv  # no entry but the documents' written
     decay = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)  # the gate kernel's natural-log decay
@@ -83,7 +83,7 @@ for rows, t, hv, d in [(3, 129, 2, 32), (2, 200, 4, 64)]:
     bank = torch.randn(5, hv, d, d, generator=gen) * 0.3
     snapshot = bank.clone()
     upload = torch.randint(0, 5, (rows, 3), generator=gen)
-    out = rows_wy(q, k, v, gc, beta, a_inv, bank, upload[:, 1], upload.stride(0))
+    out = chunks_wy(q, k, v, gc, beta, a_inv, bank, upload[:, 1], upload.stride(0))
     ref = gdr_ref.branch_wy(q, k, v, gc, beta, gdr_ref.chunk_inverse(k, gc, beta), bank, upload[:, 1], upload.stride(0))
     assert torch.equal(bank, snapshot)
     error = ((out - ref).norm() / ref.norm()).item()
