@@ -43,13 +43,6 @@ class InputTable:
     def __len__(self) -> int:
         return len(self.questions)
 
-    def take(self, indices: Sequence[int]) -> InputTable:
-        """The rows at `indices` (positions in this table), keeping their input row numbers."""
-        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
-        rows = list(indices) if self.rows is None else [self.rows[i] for i in indices]
-        return InputTable(pick(self.documents), pick(self.questions), pick(self.doc_ids), pick(self.question_ids),
-                          pick(self.labels), self.sources, rows)
-
 
 # ---------------------------------------------------------------- small helpers (messages)
 
