@@ -131,8 +131,7 @@ class Job:
     ckpt: Checkpoint
     encode: Callable              # an InputTable's prompts tokenized (kevscore.model.prompt.encode, this job's)
     doc_tokens: np.ndarray        # prefix tokens per document
-    doc_of_row: np.ndarray        # each row's document (-1: not scored here)
-    windows: Windows
+    windows: Windows              # the rows it scores (of_row >= 0; their documents: scan.doc_of_row), in windows
     laps: Laps                    # scan, checkpoint, tokens so far
     warming: WarmUp | None        # the GPU warm-up thread (kevscore.engine.warmup), joined once the runner is built
     ranks: int = 1                # processes the windows are split over (kevscore.job.distributed)
@@ -186,8 +185,8 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     # each rank's documents cut into windows as its shard would be, rank 0's first
     windows = join_windows([plan_windows(shard_documents(scan, r, ranks) if ranks > 1 else doc_of_row, doc_tokens,
                                          opts.window, WINDOW_ROWS, WINDOW_TOKENS) for r in range(ranks)])
-    return Job(opts, inputs, output, scan, device, dtype, loaded.ckpt, prompts, doc_tokens, doc_of_row, windows, laps,
-               warming, ranks, finished)
+    return Job(opts, inputs, output, scan, device, dtype, loaded.ckpt, prompts, doc_tokens, windows, laps, warming,
+               ranks, finished)
 
 
 def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedModel, ranks: int = 1) -> Job:
@@ -211,7 +210,7 @@ def job_runner(job: Job, loaded: LoadedModel) -> object:
     """The job's runner (job.runner): the loaded model's last one when its bank serves the job, else a new
     one (which the loaded model then keeps); once it is built, the GPU warm-up is joined (job.warm_up: its
     report, or None where there was none)."""
-    docs = bank_documents(job.windows, job.doc_of_row, job.doc_tokens)
+    docs = bank_documents(job.windows, job.scan.doc_of_row, job.doc_tokens)
     if loaded.runner is not None and not reusable(loaded.runner.bank.layout, job.ckpt, docs, job.opts.bank_capacity):
         loaded.runner = None  # its memory is freed before the new bank is sized from what is free
         gc.collect()
@@ -284,7 +283,7 @@ def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
     """A RunResult for `rank`'s windows before scoring: what was loaded, which windows are done."""
     mine = job.windows.of_rank(rank)
     done = [w for w in mine if w in parts.done]
-    docs = len(np.unique(job.doc_of_row[job.windows.of_row >= 0]))
+    docs = len(np.unique(job.scan.doc_of_row[job.windows.of_row >= 0]))
     return RunResult(job.output, RunStats(), docs, str(job.device), job.ckpt.name, time.perf_counter() - job.laps.t0,
                      windows=len(mine), resumed=len(done), resumed_rows=sum(parts.done[w] for w in done),
                      load_phases=job.laps.phases, warm_up=job.warm_up)
