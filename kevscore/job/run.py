@@ -349,8 +349,7 @@ def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:
     """doc_of_row keeping only the rows of documents that kevscore.job.shard assigns to `rank` (others -1)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    costs = scan.doc_chars + scan.question_chars  # a document's text length plus its questions' (kevscore.job.shard)
-    assignment = assign_documents(dict(zip(scan.doc_keys, costs.tolist())), world)
+    assignment = assign_documents(dict(zip(scan.doc_keys, scan.doc_chars.tolist())), world)
     mine = np.asarray([assignment[k] == rank for k in scan.doc_keys] + [False], dtype=bool)
     return np.where(mine[scan.doc_of_row], scan.doc_of_row, -1).astype(np.int32)
 

@@ -157,9 +157,8 @@ class InputScan:
     rows: int
     doc_of_row: np.ndarray                 # int32 [rows]: index into doc_keys; -1 for a row set aside
     doc_keys: list[str]                    # doc_id, else the text (keep_texts) or its digest (hex)
-    doc_chars: np.ndarray                  # int64 per document: its text's length in characters
+    doc_chars: np.ndarray                  # int64 per document: its text's characters and its questions' (shard cost)
     doc_row: np.ndarray                    # int64 per document: a row holding its text (input, or documents file)
-    question_chars: np.ndarray | None = None  # int64 per document: its questions' lengths, summed (_scan_questions)
     columns: list[str] = field(default_factory=list)  # the optional columns it has: doc_id, question_id, labels
     invalid: dict[int, str] = field(default_factory=dict)  # row -> why it is set aside (skip_invalid)
 
@@ -259,7 +258,7 @@ LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not 
 
 
 def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -> None:
-    """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths per document."""
+    """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths added to doc_chars."""
     path, names = scan.path, file.schema_arrow.names
     _check_types(path, file, ("question", "question_id", "labels"))
     scan.columns = [c for c in ("doc_id", "question_id", "labels") if c in names]
@@ -267,14 +266,13 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
     nulls: dict[str, list[int]] = {}
     bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
     qhash = np.zeros(scan.rows if "question_id" in columns else 0, dtype=np.int64)
-    scan.question_chars = np.zeros(scan.documents, dtype=np.int64)
     for start, cols in batches(path, file, columns, nulls):
         qids, labels = cols.get("question_id"), cols.get("labels")
         docs = scan.doc_of_row[start:start + len(cols["question"])]
         for j, q in enumerate(cols["question"]):
             i = start + j
             if q is not None and docs[j] >= 0:
-                scan.question_chars[docs[j]] += len(q)
+                scan.doc_chars[docs[j]] += len(q)
             if qids is not None and qids[j] is not None:
                 qhash[i] = hash(qids[j])
             if labels is not None:
