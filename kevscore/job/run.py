@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -48,7 +49,7 @@ from kevscore.job.provenance import job_digest, job_identity, output_job
 from kevscore.job.rows import Cursor, RowReader
 from kevscore.job.scan import InputScan, scan_input
 from kevscore.job.shard import assign_documents
-from kevscore.job.tokens import in_background, measure_tokens
+from kevscore.job.tokens import measure_tokens
 from kevscore.job.windows import make_engine, read_window, score_windows
 from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
 from kevscore.model.config import KevConfig
@@ -116,6 +117,20 @@ class Laps:
 
     def lap(self, phase: str) -> None:
         self.phases[phase] = time.perf_counter() - self.t0 - sum(self.phases.values())
+
+
+def in_background(fn: Callable, *args) -> Future:
+    """fn(*args) on a daemon thread of its own: a job that fails meanwhile exits without waiting for it."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - raised again by future.result() in the job's thread
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"kevscore-{fn.__name__}", daemon=True).start()
+    return future
 
 
 @dataclass(slots=True)

@@ -3,9 +3,7 @@
 Labels, empty questions and lengths are checked; with --skip-invalid a row that fails is set aside."""
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -48,17 +46,3 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
     if (error := check.error()) and not skip_invalid:
         raise error
     return doc_tokens
-
-
-def in_background(fn: Callable, *args) -> Future:
-    """fn(*args) on a daemon thread of its own: a job that fails meanwhile exits without waiting for it."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - raised again by future.result() in the job's thread
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name=f"kevscore-{fn.__name__}", daemon=True).start()
-    return future
