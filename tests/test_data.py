@@ -12,9 +12,9 @@ import pytest
 from kevscore import faults
 from kevscore.durable import write_atomic
 from kevscore.errors import KevscoreError, KevscoreFailure
-from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, output_table, read_input
+from kevscore.job.data import OUTPUT_SCHEMA, output_table, read_input
 from kevscore.job.formats import table_filler
-from kevscore.job.inputs import output_path
+from kevscore.job.inputs import check_output_path, output_path
 from kevscore.job.options import RunOptions
 from kevscore.job.scan import InputTable
 
