@@ -10,10 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from kevscore import faults
+from kevscore.durable import write_atomic
 from kevscore.errors import KevscoreError, KevscoreFailure
-from kevscore.job.data import OUTPUT_SCHEMA, check_output_path, output_table, read_input
-from kevscore.job.formats import write_parquet
-from kevscore.job.inputs import output_path
+from kevscore.job.data import OUTPUT_SCHEMA, output_table, read_input
+from kevscore.job.formats import table_filler
+from kevscore.job.inputs import check_output_path, output_path
 from kevscore.job.options import RunOptions
 from kevscore.job.scan import InputTable
 
@@ -374,9 +375,9 @@ def test_output_table_rejects_mismatched_lengths(bad: str) -> None:
 
 
 def write(out: Path, hook: str | None = None) -> None:
-    """One output table written the way parts and outputs are (formats.write_parquet)."""
+    """One output table written the way parts are (durable.write_atomic of formats.table_filler)."""
     table = output_table(empty_rows(1), [["a", "b"]], [[0.3, 0.7]], [0.9])
-    write_parquet(out, OUTPUT_SCHEMA, [table], out.parent, hook=hook)
+    write_atomic(out, table_filler([table], hook=hook), out.parent)
 
 
 @pytest.fixture

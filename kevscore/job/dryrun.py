@@ -51,7 +51,7 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
         job = prepare(opts, inputs, loaded)
         runner = job_runner(job, loaded)  # the GPU warm-up joined too
         live = job.windows.of_row >= 0
-        docs = np.unique(job.doc_of_row[live])
+        docs = np.unique(job.scan.doc_of_row[live])
         layout = runner.bank.layout
         plan = Plan(job.ckpt.name, str(job.device), int(live.sum()), len(job.scan.invalid), len(docs),
                     int(job.doc_tokens[docs].sum()), len(job.windows), count_waves(job, layout.entries, layout.tokens),
@@ -63,7 +63,7 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
 
 def count_waves(job: Job, entries: int, tokens: int) -> int:
     """Bank loads the job needs: per window, its documents in waves that fit the bank."""
-    windows = (dict.fromkeys(job.doc_of_row[job.windows.rows_of(w)].tolist()) for w in range(len(job.windows)))
+    windows = (dict.fromkeys(job.scan.doc_of_row[job.windows.rows_of(w)].tolist()) for w in range(len(job.windows)))
     return sum(len(plan_waves(job.doc_tokens[list(docs)].tolist(), entries, tokens)) for docs in windows)
 
 
@@ -71,10 +71,10 @@ def calibrate(plan: Plan, job: Job, engine: Engine) -> None:
     """Score the first documents of the first window (after one warm-up document, not counted) and set
     the plan's rates and estimate from them."""
     rows = job.windows.rows_of(0)
-    docs = list(dict.fromkeys(job.doc_of_row[rows].tolist()))[:CALIBRATION_DOCS + 1]
+    docs = list(dict.fromkeys(job.scan.doc_of_row[rows].tolist()))[:CALIBRATION_DOCS + 1]
     reader = RowReader(job.scan)
     for group in (docs[:1], docs[1:] or docs[:1]):  # the warm-up, then the measured documents
-        picked = rows[np.isin(job.doc_of_row[rows], group)][:CALIBRATION_ROWS]
+        picked = rows[np.isin(job.scan.doc_of_row[rows], group)][:CALIBRATION_ROWS]
         enc = job.encode(reader.read(picked))
         stats = engine.run(enc, job.opts.state_read).stats
     plan.calibration_docs, plan.calibration_rows = len(enc.prefixes), len(enc)

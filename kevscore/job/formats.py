@@ -18,7 +18,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from kevscore import faults
-from kevscore.durable import Filler, write_atomic
+from kevscore.durable import Filler
 from kevscore.errors import KevscoreError, first_line
 from kevscore.job.rows import Cursor
 
@@ -59,12 +59,6 @@ def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dic
                  hook: str | None = None) -> Filler:
     """A `write_new` filler: `write_tables` of `tables` in `fmt`."""
     return lambda f: write_tables(f, tables, fmt, metadata, hook)
-
-
-def write_parquet(path: Path, schema: pa.Schema, tables: Iterable[pa.Table], tmp_dir: Path,
-                  hook: str | None = None) -> None:
-    """Write `tables` atomically as one Parquet file of `schema` (the temporary file in tmp_dir)."""
-    write_atomic(path, table_filler((t.cast(schema) for t in tables), hook=hook), tmp_dir)
 
 
 def lists_as_json(table: pa.Table) -> pa.Table:

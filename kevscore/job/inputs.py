@@ -1,4 +1,4 @@
-"""A job's files: the input and documents opened as Parquet files to stream, the output's path, stdout.
+"""A job's files: the input and documents opened as Parquet files to stream, the output's path (chosen, checked), stdout.
 
 An input that is not one Parquet file is staged in a temporary directory (kevscore.job.formats)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +62,31 @@ def output_path(opts: RunOptions) -> Path:
     if any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
         raise KevscoreError(f"{opts.input}: a glob or URI input needs -o/--output")
     return Path(opts.input).with_name(f"{Path(opts.input).stem}.scores.parquet")
+
+
+def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, within: Sequence[Path] = ()) -> None:
+    """Refuse an output that is an input (a file of `inputs`, or anything inside a directory of `within`:
+    the model's, the bank's), that is not a regular file, that exists (unless overwrite) or has no directory."""
+    for source in inputs:
+        if _same_file(output, source):
+            raise KevscoreError(f"{output}: the output is the input file {source}; choose another --output")
+    for directory in map(Path, within):
+        if directory.is_dir() and output.resolve().is_relative_to(directory.resolve()):
+            raise KevscoreError(f"{output}: the output is inside {directory}, which this run reads; "
+                                "choose another --output")
+    if not output.parent.is_dir():
+        raise KevscoreError(f"{output}: directory {output.parent} does not exist")
+    if output.is_dir():
+        raise KevscoreError(f"{output}: is a directory; choose a file name for --output")
+    if output.exists() and not output.is_file():
+        raise KevscoreError(f"{output}: exists and is not a regular file (a device, pipe or socket); "
+                            "choose another --output")
+    if output.exists() and not overwrite:
+        raise KevscoreError(f"{output}: already exists; pass --overwrite to replace it")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
 
 
 def to_stdout(path: Path) -> None:

@@ -27,10 +27,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kevscore import faults
-from kevscore.durable import file_sha256, lock_file, read_json_object, replace_into, temp_path, write_json, write_new
+from kevscore.durable import (file_sha256, lock_file, read_json_object, replace_into, temp_path, write_atomic, write_json,
+                              write_new)
 from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
 from kevscore.job.data import OUTPUT_SCHEMA
-from kevscore.job.formats import file_format, table_filler, write_parquet
+from kevscore.job.formats import file_format, table_filler
 from kevscore.job.provenance import JOB_KEY, PROVENANCE_KEY, differences, job_digest, provenance
 from kevscore.job.rows import Cursor
 
@@ -188,10 +189,10 @@ class PartStore:
     def write(self, w: int, table: pa.Table, errors: pa.Table | None = None) -> None:
         """Window w's scores (rows ascending) and the rows that failed on their own, atomically."""
         if errors is not None and errors.num_rows:
-            write_parquet(self._file("errors", w), ERRORS_SCHEMA, [errors], self.dir)
+            write_atomic(self._file("errors", w), table_filler([errors]), self.dir)
         table = table.replace_schema_metadata({JOB_KEY: self.job.encode()})
         groups = [pa.Table.from_batches([b], table.schema) for b in table.to_batches(max_chunksize=PART_ROW_GROUP)]
-        write_parquet(self._file("part", w), table.schema, groups or [table], self.dir, hook="part-write")
+        write_atomic(self._file("part", w), table_filler(groups or [table], hook="part-write"), self.dir)
         faults.point("part-done")
         self.done[w] = table.num_rows
         if not self.member:  # rank 0's manifest; the parts on disk are what counts

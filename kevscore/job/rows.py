@@ -63,24 +63,19 @@ class Cursor:
 
 
 class RowReader:
-    """Reads the rows of a scanned input (one window at a time) as InputTables."""
+    """Reads the rows of a scanned input (one window at a time) as InputTables, each document's text read
+    once, at its row (`InputScan.doc_row`) in the input or the documents file."""
 
     def __init__(self, scan: InputScan):
         self.scan = scan
-        self.docs = None if scan.documents_path is None else Cursor(scan.documents_path, ["document"])
-        self.rows = Cursor(scan.path, ["question", *scan.columns] + (["document"] if self.docs is None else []))
+        self.docs = Cursor(scan.documents_path or scan.path, ["document"])
+        self.rows = Cursor(scan.path, ["question", *scan.columns])
 
     def read(self, rows: np.ndarray):
         """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""
         scan = self.scan
         cols = self.rows.take(rows)
-        if self.docs is None:
-            texts: dict[str, str] = {}
-            documents = [texts.setdefault(t, t) for t in cols["document"]]  # one string per distinct text
-        else:
-            # each distinct document read once, by its row in the documents file
-            doc_rows, of_row = np.unique(scan.doc_row[scan.doc_of_row[rows]], return_inverse=True)
-            texts = self.docs.take(doc_rows)["document"]
-            documents = [texts[i] for i in of_row]
-        return InputTable(documents, cols["question"], cols.get("doc_id"), cols.get("question_id"),
+        doc_rows, of_row = np.unique(scan.doc_row[scan.doc_of_row[rows]], return_inverse=True)
+        texts = self.docs.take(doc_rows)["document"]
+        return InputTable([texts[i] for i in of_row], cols["question"], cols.get("doc_id"), cols.get("question_id"),
                           cols.get("labels"), scan.sources, rows.tolist())

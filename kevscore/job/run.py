@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -38,9 +39,9 @@ from kevscore.engine.plan import Windows, join_windows, plan_windows
 from kevscore.engine.warmup import WarmUp, prepare_device
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
-from kevscore.job.data import OUTPUT_SCHEMA, check_output_path
+from kevscore.job.data import OUTPUT_SCHEMA
 from kevscore.job.formats import STDOUT, Carry, file_format
-from kevscore.job.inputs import Inputs, opened_inputs, output_path, to_stdout
+from kevscore.job.inputs import Inputs, check_output_path, opened_inputs, output_path, to_stdout
 from kevscore.job.labels import LabelTally, low_mass_warning
 from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, carries, check_options
 from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, errors_table, merged_output, parts_dir
@@ -48,7 +49,7 @@ from kevscore.job.provenance import job_digest, job_identity, output_job
 from kevscore.job.rows import Cursor, RowReader
 from kevscore.job.scan import InputScan, scan_input
 from kevscore.job.shard import assign_documents
-from kevscore.job.tokens import in_background, measure_tokens
+from kevscore.job.tokens import measure_tokens
 from kevscore.job.windows import make_engine, read_window, score_windows
 from kevscore.model.checkpoint import MODEL_NAMES, Checkpoint, load_checkpoint, peek_config
 from kevscore.model.config import KevConfig
@@ -118,6 +119,20 @@ class Laps:
         self.phases[phase] = time.perf_counter() - self.t0 - sum(self.phases.values())
 
 
+def in_background(fn: Callable, *args) -> Future:
+    """fn(*args) on a daemon thread of its own: a job that fails meanwhile exits without waiting for it."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - raised again by future.result() in the job's thread
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"kevscore-{fn.__name__}", daemon=True).start()
+    return future
+
+
 @dataclass(slots=True)
 class Job:
     """A job: its checked input, model and window plan (`prepare`: what a run and a dry run start from), then
@@ -131,8 +146,7 @@ class Job:
     ckpt: Checkpoint
     encode: Callable              # an InputTable's prompts tokenized (kevscore.model.prompt.encode, this job's)
     doc_tokens: np.ndarray        # prefix tokens per document
-    doc_of_row: np.ndarray        # each row's document (-1: not scored here)
-    windows: Windows
+    windows: Windows              # the rows it scores (of_row >= 0; their documents: scan.doc_of_row), in windows
     laps: Laps                    # scan, checkpoint, tokens so far
     warming: WarmUp | None        # the GPU warm-up thread (kevscore.engine.warmup), joined once the runner is built
     ranks: int = 1                # processes the windows are split over (kevscore.job.distributed)
@@ -186,8 +200,8 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     # each rank's documents cut into windows as its shard would be, rank 0's first
     windows = join_windows([plan_windows(shard_documents(scan, r, ranks) if ranks > 1 else doc_of_row, doc_tokens,
                                          opts.window, WINDOW_ROWS, WINDOW_TOKENS) for r in range(ranks)])
-    return Job(opts, inputs, output, scan, device, dtype, loaded.ckpt, prompts, doc_tokens, doc_of_row, windows, laps,
-               warming, ranks, finished)
+    return Job(opts, inputs, output, scan, device, dtype, loaded.ckpt, prompts, doc_tokens, windows, laps, warming,
+               ranks, finished)
 
 
 def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedModel, ranks: int = 1) -> Job:
@@ -211,7 +225,7 @@ def job_runner(job: Job, loaded: LoadedModel) -> object:
     """The job's runner (job.runner): the loaded model's last one when its bank serves the job, else a new
     one (which the loaded model then keeps); once it is built, the GPU warm-up is joined (job.warm_up: its
     report, or None where there was none)."""
-    docs = bank_documents(job.windows, job.doc_of_row, job.doc_tokens)
+    docs = bank_documents(job.windows, job.scan.doc_of_row, job.doc_tokens)
     if loaded.runner is not None and not reusable(loaded.runner.bank.layout, job.ckpt, docs, job.opts.bank_capacity):
         loaded.runner = None  # its memory is freed before the new bank is sized from what is free
         gc.collect()
@@ -284,7 +298,7 @@ def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
     """A RunResult for `rank`'s windows before scoring: what was loaded, which windows are done."""
     mine = job.windows.of_rank(rank)
     done = [w for w in mine if w in parts.done]
-    docs = len(np.unique(job.doc_of_row[job.windows.of_row >= 0]))
+    docs = len(np.unique(job.scan.doc_of_row[job.windows.of_row >= 0]))
     return RunResult(job.output, RunStats(), docs, str(job.device), job.ckpt.name, time.perf_counter() - job.laps.t0,
                      windows=len(mine), resumed=len(done), resumed_rows=sum(parts.done[w] for w in done),
                      load_phases=job.laps.phases, warm_up=job.warm_up)
@@ -350,8 +364,7 @@ def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:
     """doc_of_row keeping only the rows of documents that kevscore.job.shard assigns to `rank` (others -1)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    costs = scan.doc_chars + scan.question_chars  # a document's text length plus its questions' (kevscore.job.shard)
-    assignment = assign_documents(dict(zip(scan.doc_keys, costs.tolist())), world)
+    assignment = assign_documents(dict(zip(scan.doc_keys, scan.doc_chars.tolist())), world)
     mine = np.asarray([assignment[k] == rank for k in scan.doc_keys] + [False], dtype=bool)
     return np.where(mine[scan.doc_of_row], scan.doc_of_row, -1).astype(np.int32)
 

@@ -43,13 +43,6 @@ class InputTable:
     def __len__(self) -> int:
         return len(self.questions)
 
-    def take(self, indices: Sequence[int]) -> InputTable:
-        """The rows at `indices` (positions in this table), keeping their input row numbers."""
-        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
-        rows = list(indices) if self.rows is None else [self.rows[i] for i in indices]
-        return InputTable(pick(self.documents), pick(self.questions), pick(self.doc_ids), pick(self.question_ids),
-                          pick(self.labels), self.sources, rows)
-
 
 # ---------------------------------------------------------------- small helpers (messages)
 
@@ -104,8 +97,10 @@ def _check_types(path: Path, file: pq.ParquetFile, names: Sequence[str]) -> None
                                 f"{'list<string>' if labels else 'string'}")
 
 
-def _nulls(path: Path, column: str, rows: list[int], scan: InputScan | None = None) -> None:
-    """Rows whose `column` is null stop the run, unless `scan` is given (--skip-invalid): it sets them aside."""
+def _nulls(path: Path, column: str, nulls: dict[str, list[int]], scan: InputScan | None = None) -> None:
+    """Rows whose `column` is null (`nulls`: the null rows of each column read, `batches`) stop the run, unless
+    `scan` is given (--skip-invalid): it sets them aside."""
+    rows = nulls.get(column, [])
     if rows and scan is None:
         raise KevscoreError(f"{path}: column {column!r} has nulls at {rows_phrase(rows)}")
     if scan is not None:
@@ -121,10 +116,14 @@ def record_batches(path: Path, file: pq.ParquetFile, **chosen) -> Iterator[pa.Re
         raise KevscoreError(f"{path}: cannot read the Parquet data ({first_line(e)})") from e
 
 
-def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str]) -> Iterator[tuple[int, dict[str, list]]]:
-    """(first input row, {column: values}) per record batch of `columns`, dictionaries decoded."""
+def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str],
+            nulls: dict[str, list[int]] | None = None) -> Iterator[tuple[int, dict[str, list]]]:
+    """(first input row, {column: values}) per record batch of `columns`, dictionaries decoded; `nulls`, when
+    given, gets each column's null rows (input rows, ascending)."""
     start = 0
     for batch in record_batches(path, file, columns=list(columns)):
+        for c in columns if nulls is not None else ():
+            nulls.setdefault(c, []).extend((np.flatnonzero(batch.column(c).is_null()) + start).tolist())
         yield start, decoded(path, batch, columns, lambda j, start=start: start + j)
         start += batch.num_rows
 
@@ -158,9 +157,8 @@ class InputScan:
     rows: int
     doc_of_row: np.ndarray                 # int32 [rows]: index into doc_keys; -1 for a row set aside
     doc_keys: list[str]                    # doc_id, else the text (keep_texts) or its digest (hex)
-    doc_chars: np.ndarray                  # int64 per document: its text's length in characters
+    doc_chars: np.ndarray                  # int64 per document: its text's characters and its questions' (shard cost)
     doc_row: np.ndarray                    # int64 per document: a row holding its text (input, or documents file)
-    question_chars: np.ndarray | None = None  # int64 per document: its questions' lengths, summed (_scan_questions)
     columns: list[str] = field(default_factory=list)  # the optional columns it has: doc_id, question_id, labels
     invalid: dict[int, str] = field(default_factory=dict)  # row -> why it is set aside (skip_invalid)
 
@@ -224,16 +222,12 @@ def _indexed(path: Path, required: tuple[str, str], reject: str | None, keep_tex
     columns = [c for c in ("document", "doc_id") if c in names]
     doc_of_row = np.full(file.metadata.num_rows, -1, dtype=np.int32)  # -1: a row whose doc_id or text is null
     index: dict = {}  # document key -> its index
-    digests, chars, first_rows, null_ids, null_texts = [], [], [], [], []
+    digests, chars, first_rows, nulls = [], [], [], {}
     clashes: dict[int, None] = {}  # documents given two different texts, in first-seen order
-    for start, cols in batches(path, file, columns):
+    for start, cols in batches(path, file, columns, nulls):
         ids, texts = cols.get("doc_id"), cols.get("document")
         for j in range(len(cols[columns[0]])):
             i, text = start + j, texts[j] if texts is not None else ""
-            if ids is not None and ids[j] is None:
-                null_ids.append(i)
-            if text is None:
-                null_texts.append(i)
             if text is None or (ids is not None and ids[j] is None):
                 continue
             digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
@@ -246,14 +240,14 @@ def _indexed(path: Path, required: tuple[str, str], reject: str | None, keep_tex
                 clashes[d] = None
             doc_of_row[i] = d
     keys = [k if isinstance(k, str) else k.hex() for k in index]
-    _nulls(path, "doc_id", null_ids)
+    _nulls(path, "doc_id", nulls)
     if clashes:
         rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(list(clashes), np.int32))).tolist()
         raise KevscoreError(f"{path}: column 'doc_id' maps {few(keys[d] for d in clashes)} to "
                             f"different 'document' texts at {rows_phrase(rows)}")
     scan = InputScan(path, None, len(doc_of_row), doc_of_row, keys, np.asarray(chars, np.int64),
                      np.asarray(first_rows, np.int64))
-    _nulls(path, "document", null_texts, scan if skip_invalid else None)
+    _nulls(path, "document", nulls, scan if skip_invalid else None)
     return file, scan
 
 
@@ -264,35 +258,30 @@ LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not 
 
 
 def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -> None:
-    """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths per document."""
+    """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths added to doc_chars."""
     path, names = scan.path, file.schema_arrow.names
     _check_types(path, file, ("question", "question_id", "labels"))
     scan.columns = [c for c in ("doc_id", "question_id", "labels") if c in names]
     columns = ["question"] + [c for c in ("question_id", "labels") if c in names]
-    null_q, null_qid = [], []
+    nulls: dict[str, list[int]] = {}
     bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
     qhash = np.zeros(scan.rows if "question_id" in columns else 0, dtype=np.int64)
-    scan.question_chars = np.zeros(scan.documents, dtype=np.int64)
-    for start, cols in batches(path, file, columns):
+    for start, cols in batches(path, file, columns, nulls):
         qids, labels = cols.get("question_id"), cols.get("labels")
         docs = scan.doc_of_row[start:start + len(cols["question"])]
         for j, q in enumerate(cols["question"]):
             i = start + j
-            if q is None:
-                null_q.append(i)
-            elif docs[j] >= 0:
-                scan.question_chars[docs[j]] += len(q)
-            if qids is not None and qids[j] is None:
-                null_qid.append(i)
-            elif qids is not None:
+            if q is not None and docs[j] >= 0:
+                scan.doc_chars[docs[j]] += len(q)
+            if qids is not None and qids[j] is not None:
                 qhash[i] = hash(qids[j])
             if labels is not None:
                 for rows, (_, _, bad) in zip(bad_labels, LABEL_PROBLEMS):
                     if bad(labels[j]):
                         rows.append(i)
                         break
-    _nulls(path, "question", null_q, scan if skip_invalid else None)
-    _nulls(path, "question_id", null_qid)
+    _nulls(path, "question", nulls, scan if skip_invalid else None)
+    _nulls(path, "question_id", nulls)
     _check_duplicates(path, file, qhash)
     for rows, (what, one, _) in zip(bad_labels, LABEL_PROBLEMS):  # rows only where there is a labels column
         if rows and not skip_invalid:

@@ -3,42 +3,37 @@
 Labels, empty questions and lengths are checked; with --skip-invalid a row that fails is set aside."""
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 
 import numpy as np
 
-from kevscore.job.scan import InputScan, batches, open_parquet
+from kevscore.job.rows import Cursor
+from kevscore.job.scan import BATCH_ROWS, InputScan, batches, open_parquet
 
 
 def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequence[str], max_positions: int,
                    skip_invalid: bool = False) -> np.ndarray:
     """Tokenize every document (once) and question, keeping only lengths: each document's prefix length
-    (int32; -1 for a document no row uses). Every row passes `prompt.PromptCheck`, the checks `encode`
+    (int32; -1 for a doc_id with no document). Every row passes `prompt.PromptCheck`, the checks `encode`
     makes, named by input row; with skip_invalid a row that fails is set aside with its reason instead."""
     from kevscore.model.prompt import PromptCheck, label_token_ids, tokenize
 
     check = PromptCheck(tokenizer, scan.path.name, max_positions)
     doc_tokens = np.full(scan.documents, -1, dtype=np.int32)
-
-    def measure(texts: dict[int, str]) -> None:  # document -> its text
-        for d, ids in zip(texts, tokenize(tokenizer, [template.prefix(t) for t in texts.values()])):
-            doc_tokens[d] = len(ids)
-
-    if scan.documents_path is not None:
-        wanted = {int(r): d for d, r in enumerate(scan.doc_row) if r >= 0}
-        for start, cols in batches(scan.documents_path, open_parquet(scan.documents_path), ["document"]):
-            measure({wanted[start + j]: t for j, t in enumerate(cols["document"]) if start + j in wanted})
+    # each document's text read at its row (scan.doc_row), in its file's order, BATCH_ROWS documents at a time
+    docs = np.argsort(scan.doc_row, kind="stable")
+    docs = docs[scan.doc_row[docs] >= 0]  # not a doc_id without a document (set aside)
+    texts = Cursor(scan.documents_path or scan.path, ["document"])
+    for some in np.split(docs, range(BATCH_ROWS, len(docs), BATCH_ROWS)):
+        prefixes = [template.prefix(t) for t in texts.take(scan.doc_row[some])["document"]]
+        doc_tokens[some] = [len(ids) for ids in tokenize(tokenizer, prefixes)]
     has_labels = "labels" in scan.columns
     if not has_labels:
         label_token_ids(tokenizer, default_labels, "--labels")  # a label of no tokens stops the run before any row
-    columns = ["question"] + (["document"] if scan.documents_path is None else []) + (["labels"] if has_labels else [])
+    columns = ["question"] + (["labels"] if has_labels else [])
     for start, cols in batches(scan.path, open_parquet(scan.path), columns):
         docs = scan.doc_of_row[start:start + len(cols["question"])]
         live = [j for j in range(len(docs)) if docs[j] >= 0]
-        if scan.documents_path is None:  # each document's text, from its rows in this batch (one text a document)
-            measure({int(docs[j]): cols["document"][j] for j in live if doc_tokens[docs[j]] < 0})
         branches = tokenize(tokenizer, [template.branch(cols["question"][j]) for j in live])
         for j, ids in zip(live, branches):
             reason, _, tails = check.label_tokens(cols["labels"][j] if has_labels else default_labels)
@@ -51,17 +46,3 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
     if (error := check.error()) and not skip_invalid:
         raise error
     return doc_tokens
-
-
-def in_background(fn: Callable, *args) -> Future:
-    """fn(*args) on a daemon thread of its own: a job that fails meanwhile exits without waiting for it."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - raised again by future.result() in the job's thread
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name=f"kevscore-{fn.__name__}", daemon=True).start()
-    return future

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
+import numpy as np
 import pyarrow as pa
 
 from kevscore.engine.bank_store import BankStore
@@ -82,13 +83,14 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
 
 
 def part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table]:
-    """A window's scores in output form, and its rows that failed on their own (none: an empty table)."""
-    ok = [i for i in range(len(enc)) if i not in scores.failed]
-    kept = table if len(ok) == len(enc) else table.take(ok)
-    part = output_table(kept, [enc.labels[i] for i in ok], [scores.probs[i] for i in ok], [scores.label_mass[i] for i in ok])
-    positions = sorted(scores.failed)
-    failed = table.take(positions)
-    return part, errors_table(failed.rows, [scores.failed[i] for i in positions], failed.doc_ids, failed.question_ids)
+    """A window's scores in output form, and its rows that failed on their own (none: an empty table), split
+    off the window's output table (a failed row has no labels scored)."""
+    failed = np.asarray(sorted(scores.failed), dtype=np.int64)
+    labels = [[] if i in scores.failed else ls for i, ls in enumerate(enc.labels)]
+    part = output_table(table, labels, scores.probs, scores.label_mass)
+    ids = part.take(failed).to_pydict()
+    errors = errors_table(ids["row"], [scores.failed[i] for i in failed.tolist()], ids["doc_id"], ids["question_id"])
+    return part.filter(np.isin(np.arange(len(enc)), failed, invert=True)), errors
 
 
 def doc_ids(table, enc) -> list[list[str]]:
