@@ -119,9 +119,9 @@ def profiled_dry_pass(precompile, calls: list, most: int = 16):
     def run(dry_run, *args, **kwargs):
         profile = cProfile.Profile()
 
-        def profiled():
+        def profiled(*mark):
             try:
-                profile.runcall(dry_run)
+                profile.runcall(dry_run, *mark)
             finally:
                 calls.extend(slowest_calls(profile, most, skip=("_contextlib",)))
         return precompile(profiled, *args, **kwargs)

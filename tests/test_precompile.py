@@ -157,6 +157,36 @@ def test_queued_kernels_compile_longest_first(cache, tmp_path, monkeypatch):
                                            ["_double:128", "_double:64", "_broken:64"])
 
 
+def test_kernels_met_before_the_mark_compile_first_and_release_the_caller(cache, tmp_path, monkeypatch):
+    """What the dry pass met before it called `mark` (a warm-up: prefill's kernels) compiles first; `released` is
+    called once those have ended, before the rest start."""
+    started = tmp_path / "started"
+
+    def note(i, kernel, results):
+        with started.open("a") as f:
+            f.write(f"{kernel[0].fn.__name__}:{kernel[2][(3,)]}\n")
+        results.put((i, 0.01))
+
+    def dry_run(mark) -> None:
+        launch_miss(64)
+        mark()
+        launch_miss(64, _broken)
+        launch_miss(128)
+
+    def released() -> None:
+        with started.open("a") as f:
+            f.write("released\n")
+
+    monkeypatch.setattr(pc, "workers_for", lambda: 1)
+    monkeypatch.setattr(pc, "_compile_one", note)
+    report = pc.precompile(dry_run, ready=lambda: False, released=released)
+    assert report.compiled == 3
+    assert started.read_text().split() == ["_double:64", "released", "_double:128", "_broken:64"]
+    started.unlink()
+    assert pc.precompile(lambda mark: mark(), released=released).skipped == "no kernels to compile"
+    assert started.read_text().split() == ["released"]  # nothing to wait for
+
+
 def test_triton_hashes_its_files_on_a_thread():
     """The warm-up's thread fills Triton's once-per-process cache key, which every compile then reads."""
     from triton.runtime.cache import triton_key

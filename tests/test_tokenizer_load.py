@@ -114,6 +114,16 @@ def light(path: Path) -> LightTokenizer:
     return tok
 
 
+def real(tok):
+    """transformers' tokenizer: `tok`, or the one under a first load's light tokenizer."""
+    return tok.transformers_tokenizer() if isinstance(tok, LightTokenizer) else tok
+
+
+def snapshot_key(path: Path) -> str:
+    """The tokenizer key the snapshot of `path` was kept under."""
+    return json.loads(tokenizer_snapshot.snapshot_file(path).read_bytes().split(b"\n")[1])["key"]
+
+
 def answers(tok) -> dict:
     """What kevscore asks of a tokenizer, as prompt.py and checkpoint.py ask it."""
     return {"batch": tokenize(tok, MORE_TEXTS), "one": [tok(t, add_special_tokens=False)["input_ids"] for t in MORE_TEXTS],
@@ -135,14 +145,14 @@ def test_the_class_autotokenizer_picks_is_remembered(tmp_path: Path, demo: Path,
     calls, picks = count_auto_loads(monkeypatch), count_picks(monkeypatch)
     first = load_tokenizer(path)
     asked = [str(path)] if named.startswith("Llama") else []
-    assert type(first) is type(auto) and calls == asked and (picks == [None]) == bool(asked)
+    assert type(real(first)) is type(auto) and calls == asked and (picks == [None]) == bool(asked)
     assert json.loads(cache.read_text()) == {
         tokenizer_key(path): f"{type(auto).__module__}:{type(auto).__qualname__}"}
     monkeypatch.setattr(durable, "_REMEMBERED", {})  # a later process: the class from the cache file
     tokenizer_snapshot.snapshot_file(path).unlink(missing_ok=True)  # and no snapshot
     again = load_tokenizer(path)
     assert calls == asked and len(picks) == 1, "the class was decided again"
-    assert type(again) is type(auto)
+    assert type(real(again)) is type(auto)
     assert ids(again) == ids(auto) == ids(first)
     assert again.chat_template == auto.chat_template and again.eos_token_id == auto.eos_token_id
     monkeypatch.setattr(durable, "_REMEMBERED", {})
@@ -164,7 +174,7 @@ def test_a_first_load_tells_autotokenizers_class_without_it(tmp_path: Path, demo
     calls = count_auto_loads(monkeypatch)
     first = load_tokenizer(path)
     assert calls == [], f"AutoTokenizer was asked: does auto_class mirror transformers {transformers.__version__}?"
-    assert type(first) is type(auto) and answers(first) == answers(auto)
+    assert type(real(first)) is type(auto) and answers(first) == answers(auto)
 
 
 ODD = ["a Llama class", "a class named in config.json", "another model type", "not a class name", "an empty class name",
@@ -191,7 +201,7 @@ def test_where_auto_class_cannot_tell_autotokenizer_decides(tmp_path: Path, demo
     calls = count_auto_loads(monkeypatch)
     assert auto_class(path) is None
     first = load_tokenizer(path)
-    assert calls == [str(path)] and type(first) is type(auto) and answers(first) == answers(auto)
+    assert calls == [str(path)] and type(real(first)) is type(auto) and answers(first) == answers(auto)
 
 
 def test_changed_tokenizer_files_decide_the_class_again(tmp_path: Path, demo: Path, cache: Path, monkeypatch) -> None:
@@ -201,7 +211,7 @@ def test_changed_tokenizer_files_decide_the_class_again(tmp_path: Path, demo: Pa
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
     tok = load_tokenizer(path)
-    assert len(picks) == 2 and type(tok).__name__ == "Qwen2Tokenizer"
+    assert len(picks) == 2 and type(real(tok)).__name__ == "Qwen2Tokenizer"
     assert len(json.loads(cache.read_text())) == 2
 
 
@@ -229,14 +239,16 @@ def test_the_snapshot_answers_as_transformers(checkpoint: Path, cache: Path) -> 
     assert max(map(len, tokenize(tok, MORE_TEXTS))) > 16 and 3 not in tokenize(tok, ["x"])[0]  # no truncation, padding
 
 
-def fresh_load(path: Path) -> tuple[str, list[list[int]], list[str]]:
-    """`load_tokenizer(path)` in a new process: the tokenizer's class name, the ids of MORE_TEXTS' prompts and the
-    transformers modules it imported."""
+def fresh_load(path: Path, real: bool = False) -> tuple[str, list[list[int]], list[str]]:
+    """`load_tokenizer(path)` in a new process: the tokenizer's class name (real: of transformers' tokenizer under
+    a light one), the ids of MORE_TEXTS' prompts and the transformers modules it imported."""
     code = ("import json, sys; from pathlib import Path; from kevscore.model.checkpoint import load_tokenizer; "
             "from kevscore.model.prompt import load_template, tokenize; "
             f"tok = load_tokenizer(Path({str(path)!r})); t = load_template(None, tok); "
-            f"print(json.dumps([type(tok).__name__, tokenize(tok, [t.prefix(d) for d in {MORE_TEXTS!r}]), "
-            "[m for m in sys.modules if m.split('.')[0] == 'transformers']]))")
+            f"ids = tokenize(tok, [t.prefix(d) for d in {MORE_TEXTS!r}]); "
+            "imported = [m for m in sys.modules if m.split('.')[0] == 'transformers']; "
+            f"tok = tok.transformers_tokenizer() if {real} and hasattr(tok, 'transformers_tokenizer') else tok; "
+            "print(json.dumps([type(tok).__name__, ids, imported]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return tuple(json.loads(out.stdout))
 
@@ -259,7 +271,7 @@ def test_a_first_load_imports_no_autotokenizer(tmp_path: Path, demo: Path, cache
     """A first load (no snapshot, no remembered class) in a new process: AutoTokenizer's class and ids, and
     none of transformers' auto classes' model code (their import takes seconds, on some versions)."""
     path = demo if named == "the demo" else tokenizer_dir(tmp_path / "ckpt", demo, named, "qwen3_5")
-    name, ids, imported = fresh_load(path)
+    name, ids, imported = fresh_load(path, real=True)
     auto = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     assert name == type(auto).__name__ and ids == prompt_ids(path)
     assert "transformers.models.auto.auto_factory" not in imported
@@ -276,13 +288,14 @@ def test_a_changed_tokenizer_json_changes_the_key_and_the_ids(tmp_path: Path, de
     backend.save(str(path / "tokenizer.json"))
     assert tokenizer_key(path) != key
     first = load_tokenizer(path)
-    assert not isinstance(first, LightTokenizer), "the old snapshot answered for new files"
+    assert snapshot_key(path) == tokenizer_key(path), "the old snapshot answered for new files"
     auto = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     assert tokenize(first, TEXTS) == tokenize(light(path), TEXTS) == tokenize(auto, TEXTS) != before
 
 
 @pytest.mark.parametrize("damage", ["truncated", "a value changed", "empty", "not a snapshot", "another format"])
-def test_a_corrupt_snapshot_loads_through_transformers(checkpoint: Path, cache: Path, damage: str) -> None:
+def test_a_corrupt_snapshot_loads_through_transformers(checkpoint: Path, cache: Path, damage: str,
+                                                       monkeypatch) -> None:
     load_tokenizer(checkpoint)
     file = tokenizer_snapshot.snapshot_file(checkpoint)
     data = file.read_bytes()
@@ -294,8 +307,10 @@ def test_a_corrupt_snapshot_loads_through_transformers(checkpoint: Path, cache: 
     file.write_bytes({"truncated": data[: len(data) // 2], "a value changed": digest + b"\n" + changed,
                       "empty": b"", "not a snapshot": b"{}\n",
                       "another format": hashlib.sha256(other).hexdigest().encode() + b"\n" + other}[damage])
+    loads, load = [], checkpoint_module.transformers_tokenizer
+    monkeypatch.setattr(checkpoint_module, "transformers_tokenizer", lambda *a: loads.append(a) or load(*a))
     tok = load_tokenizer(checkpoint)
-    assert not isinstance(tok, LightTokenizer)
+    assert len(loads) == 1, "the corrupt snapshot answered"
     auto = transformers.AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
     assert answers(tok) == answers(auto)
     assert file.read_bytes() == data, "the load did not keep a new snapshot"
@@ -354,5 +369,8 @@ def test_a_snapshot_that_cannot_be_written_costs_only_the_next_load(checkpoint: 
     assert tokenizer(["a test"], add_special_tokens=False)["input_ids"]
     assert not list(tokenizer_snapshot.snapshot_file(checkpoint).parent.glob("*"))
     monkeypatch.setattr(durable, "write_atomic", write)
-    assert not isinstance(load_tokenizer(checkpoint), tokenizer_snapshot.LightTokenizer)
-    assert isinstance(load_tokenizer(checkpoint), tokenizer_snapshot.LightTokenizer)
+    loads, load = [], checkpoint_module.transformers_tokenizer
+    monkeypatch.setattr(checkpoint_module, "transformers_tokenizer", lambda *a: loads.append(a) or load(*a))
+    load_tokenizer(checkpoint)
+    assert len(loads) == 1 and tokenizer_snapshot.snapshot_file(checkpoint).is_file()
+    assert isinstance(load_tokenizer(checkpoint), tokenizer_snapshot.LightTokenizer) and len(loads) == 1

@@ -3,8 +3,9 @@
 Getting the GPU ready while a job reads its input and loads its weights: the CUDA context and the
 compilation of every GPU kernel, by a two-layer model of the job's shapes that prefills and scores a few
 tiny batches on a thread. Triton keeps what it compiles, so the job's own first launches find every
-kernel built (the same shapes give the same specializations); a warm cache makes this a few seconds of
-thread time that the load hides."""
+kernel built (the same shapes give the same specializations); the job starts once its prefill's kernels
+are, while the scoring kernels still compile. A warm cache makes this a few seconds of thread time that
+the load hides."""
 from __future__ import annotations
 
 import contextlib
@@ -38,20 +39,28 @@ def small_model(cfg: KevConfig) -> KevConfig:
 
 
 def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None = None,
-                    triton_hashed: Callable[..., bool] = lambda wait=True: True) -> dict:
+                    triton_hashed: Callable[..., bool] = lambda wait=True: True, steps: dict | None = None,
+                    release: Callable[[], None] = lambda: None) -> dict:
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` in the model's `dtype` (on a CPU:
-    the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile), and a
-    GPU whose Triton cache holds this warm-up's finished marker runs nothing: every kernel is in the cache, and
-    the job loads each at its first launch. `triton_hashed` is `hash_triton`'s, waited for before the first
-    compile or cache lookup. Returns seconds by step."""
+    the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile): `release`
+    is called once the compiles of prefill's kernels have ended (the job may start its prefill then), and when
+    every kernel compiled, nothing runs (the job's first launches load them); a GPU whose Triton cache holds this
+    warm-up's finished marker runs nothing at all. `triton_hashed` is `hash_triton`'s, waited for before the
+    first compile or cache lookup. Fills and returns `steps`: seconds by step."""
     from kevscore.kernels.precompile import Precompiled, precompile
 
-    steps = {}
+    steps = {} if steps is None else steps
     attention = None
     marker = finished_marker(small_model(cfg), device, path, dtype) if device.type == "cuda" else None
     if device.type == "cuda" and dtype != torch.float32:
         attention = threading.Thread(target=long_attention, args=(cfg, device), name="kevscore-attention", daemon=True)
         attention.start()
+
+    def released() -> None:  # the job's first prefill group runs SDPA too: not beside this thread's builds
+        if attention is not None:
+            attention.join()
+        release()
+
     try:
         if marker is not None and marker.is_file():
             steps["precompile"] = asdict(Precompiled(skipped="every kernel is in Triton's cache"))
@@ -59,13 +68,15 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         else:
             run_each_shape = shape_pass(cfg, device, path, dtype)
             with attention_stubbed(device):
+                compiled = None
                 if marker is not None:
-                    steps["precompile"] = asdict(
-                        precompile(run_each_shape, triton_hashed, lambda: triton_hashed(wait=False)))
+                    compiled = precompile(run_each_shape, triton_hashed, lambda: triton_hashed(wait=False), released)
+                    steps["precompile"] = asdict(compiled)
                 triton_hashed()
-                t0 = time.perf_counter()
-                steps["real_pass"] = run_each_shape()
-            steps["run_s"] = time.perf_counter() - t0
+                if compiled is None or compiled.skipped or compiled.compiled < compiled.kernels:
+                    t0 = time.perf_counter()  # what the workers did not compile, compiled here
+                    steps["real_pass"] = run_each_shape()
+                    steps["run_s"] = time.perf_counter() - t0
     finally:  # even when the pass fails: the job's own first SDPA never runs beside this thread's
         if attention is not None:
             attention.join()
@@ -78,10 +89,10 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
 
 def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Callable[[], dict]:
     """The warm-up's model (`small_model`) on a runner, and the pass that runs it through every shape a job meets:
-    two prefill groups and a scoring batch of each kind (`BRANCHES`), once. The pass returns its seconds by
-    phase."""
+    two prefill groups, then a scoring batch of each kind (`BRANCHES`). The pass calls `after_prefill` between
+    the two (what a job's first prefill group needs has been met then) and returns its seconds by phase."""
     from kevscore.engine.backend import build_runner, synchronize
-    from kevscore.engine.pipeline import Engine
+    from kevscore.engine.pipeline import Engine, RunStats
     from kevscore.model.checkpoint import Checkpoint, random_weights
     from kevscore.model.prompt import Encoded
 
@@ -91,17 +102,23 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
     runner = build_runner(ckpt, device, max(PREFILL_GROUPS, key=sum), None, True, dtype)  # holds either group
     engine = Engine(runner, max_rows=4, prefill_tokens=1 << 16)
 
-    def run_each_shape() -> dict:
+    def run_each_shape(after_prefill: Callable[[], None] = lambda: None) -> dict:
         prefill_s = score_s = 0.0
-        # the branches of two chunks after the first group (their kernels compile slowest: met first, done first),
-        # the others after the second; the branch kernels' specializations do not depend on the documents
+        # each group's documents with half the kinds of branch: those of two chunks (their kernels compile slowest)
+        # with the first, the others with the second; the branch kernels' specializations do not depend on the
+        # documents
+        encs = []
         for docs, branches in zip(PREFILL_GROUPS, ([b for b in BRANCHES if b[1] > 64], [b for b in BRANCHES if b[1] <= 64])):
             prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
             batches = [(d, rows, length) for d in range(len(docs)) for rows, length in branches]
             lengths = [length for _, rows, length in batches for _ in range(rows)]
             tails = [[(5, 6), ()] if length == LABELLED else [(), ()] for length in lengths]
-            enc = Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)], [[7] * n for n in lengths],
-                          [["a", "b"]] * len(lengths), [[3, 4]] * len(lengths), tails)
+            encs.append(Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)], [[7] * n for n in lengths],
+                                [["a", "b"]] * len(lengths), [[3, 4]] * len(lengths), tails))
+        for enc in encs:  # both groups' prefill first, then each group's whole run
+            engine.prefill_wave(enc, list(range(len(enc.prefixes))), RunStats())
+        after_prefill()
+        for enc in encs:
             stats = engine.run(enc, path).stats
             prefill_s, score_s = prefill_s + stats.prefill_s, score_s + stats.score_s
         synchronize(device)
@@ -178,15 +195,17 @@ def finished_marker(small: KevConfig, device: torch.device, path: str, dtype: to
 
 @dataclass(slots=True)
 class WarmUp:
-    """The warm-up thread and what it reports once joined."""
+    """The warm-up thread, and its report as it goes: seconds (None until it ends), error, and the seconds of the
+    context and of compile_kernels' steps."""
     thread: threading.Thread
-    seconds: float | None = None  # how long it ran (None: still running when the job stopped waiting)
-    error: str | None = None      # why it stopped early; the job meets the same error where it reports it
-    steps: dict = field(default_factory=dict)  # seconds of the context and of compile_kernels' steps
+    report: dict = field(default_factory=lambda: {"seconds": None, "error": None})
+    # set once the job may start: prefill's kernels compiled (the rest compile on, in their processes), or the end
+    ready: threading.Event = field(default_factory=threading.Event)
 
     def join(self, timeout: float) -> dict:
-        self.thread.join(timeout)
-        return {"seconds": self.seconds, "error": self.error, **self.steps}
+        """Wait until the job may start (at most `timeout` seconds); the report, which the thread fills on."""
+        self.ready.wait(timeout)
+        return self.report
 
 
 def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
@@ -206,12 +225,14 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
         t0 = time.perf_counter()
         try:
             torch.ones(1, device=device).sum()
-            warm.steps["context_s"] = time.perf_counter() - t0
+            warm.report["context_s"] = time.perf_counter() - t0
             if cfg is not None:
-                warm.steps.update(compile_kernels(cfg, device, path, dtype, triton_hashed))
+                compile_kernels(cfg, device, path, dtype, triton_hashed, warm.report, warm.ready.set)
         except Exception as exc:  # noqa: BLE001 - reported with the job's load, never fatal
-            warm.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        warm.seconds = time.perf_counter() - t0
+            warm.report["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        finally:
+            warm.report["seconds"] = time.perf_counter() - t0
+            warm.ready.set()
 
     warm = WarmUp(threading.Thread(target=work, name="kevscore-warm-up", daemon=True))
     warm.thread.start()

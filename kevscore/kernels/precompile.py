@@ -129,13 +129,21 @@ class _Compiles:
         self.seconds: dict[int, float | None] = {}
         self.started: float | None = None  # the first fork
         self.most = 0                      # processes at once, at most
+        self.first: int | None = None      # pending[:first]: the kernels `released` waits for (`mark`)
+        self.released: Callable[[], None] | None = None
 
     def add(self, kernel: tuple) -> None:
         self.pending.append(kernel)
         self.queued.append(len(self.pending) - 1)
-        # by source length: the longest compile first, so the compiles' wall (set by the last to end) is not a
-        # slow one begun after the quick ones
-        self.queued.sort(key=lambda j: len(getattr(self.pending[j][0], "src", "")))
+        # those met before the mark first, then by source length: the longest compile first, so the compiles'
+        # wall (set by the last to end) is not a slow one begun after the quick ones
+        self.queued.sort(key=lambda j: (self.first is None or j < self.first,
+                                        len(getattr(self.pending[j][0], "src", ""))))
+        self._fill()
+
+    def mark(self, released: Callable[[], None]) -> None:
+        """Call `released` once the compiles of every kernel met so far have ended, whatever their outcome."""
+        self.first, self.released = len(self.pending), released
         self._fill()
 
     def _fill(self) -> None:
@@ -159,6 +167,9 @@ class _Compiles:
             i, took = self.results.get()
             self.seconds[i] = took
         self.running = {i: process for i, process in self.running.items() if process.exitcode is None}
+        if self.released is not None and not any(i < self.first for i in (*self.queued, *self.running)):
+            released, self.released = self.released, None
+            released()
 
     def finish(self, timeout_s: float) -> list[float | None]:
         """Wait for every compile (queued ones forked as slots free); each one's seconds, None where it failed."""
@@ -190,19 +201,22 @@ def workers_for() -> int:
     return max(0, min(cores - (2 if cores > 2 else 1), 16))
 
 
-def precompile(dry_run: Callable[[], None], before_fork: Callable[[], None] = lambda: None,
-               ready: Callable[[], bool] = lambda: True, timeout_s: float = 120.0) -> Precompiled:
+def precompile(dry_run: Callable, before_fork: Callable[[], None] = lambda: None,
+               ready: Callable[[], bool] = lambda: True, released: Callable[[], None] | None = None,
+               timeout_s: float = 120.0) -> Precompiled:
     """Call `dry_run` (a run whose output is thrown away) with compilation recorded, each kernel it meets
     compiled in a forked process from then on, and wait for the compiles. The first fork waits until `ready()`
-    holds (or the pass ends), then calls `before_fork`: what the processes should inherit. On a surprise (an
-    autotuner to time, an error in the dry run, a compile stuck) it stops and says why in `skipped`; the caller's
-    real run then compiles what is left."""
+    holds (or the pass ends), then calls `before_fork`: what the processes should inherit. With `released`, the
+    dry run is called with `mark`, which it calls once it has met the kernels its caller needs first: they
+    compile first, and `released()` is called as soon as they have (the rest may still be compiling). On a
+    surprise (an autotuner to time, an error in the dry run, a compile stuck) it stops and says why in
+    `skipped`; the caller's real run then compiles what is left."""
     report, found, compiles = Precompiled(), {}, _Compiles(workers_for(), before_fork, ready)
     t0 = time.perf_counter()
     try:
         try:
             with _recording(found, compiles.add):  # no slots (one core): each kernel waits, and is never forked
-                dry_run()
+                dry_run() if released is None else dry_run(lambda: compiles.mark(released))
         except Exception as exc:  # noqa: BLE001 - the dry run's output is garbage anyway; the real run decides
             report.skipped = f"dry pass: {type(exc).__name__}: {exc}".splitlines()[0]
         report.dry_s, report.kernels = time.perf_counter() - t0, len(found)

@@ -140,14 +140,16 @@ def load_directory(path: Path, device: str | torch.device = "cpu", tokenizer_rea
 
 def load_tokenizer(path: Path):
     """The checkpoint's tokenizer. Its first load (per `tokenizer_key`) is transformers' (`transformers_tokenizer`)
-    and keeps a snapshot of a fast tokenizer; later loads make a `LightTokenizer` of that snapshot, which encodes
-    with `tokenizers` alone: transformers' import takes seconds (benchmarks/NOTES.md 21)."""
+    and keeps a snapshot of a fast tokenizer; from then on a `LightTokenizer` of that snapshot answers, which
+    encodes with `tokenizers` alone: over the tokenizer just loaded, and in later loads without transformers,
+    whose import takes seconds (benchmarks/NOTES.md 21). Without a snapshot: transformers' tokenizer."""
     key = tokenizer_key(path)
     if (light := tokenizer_snapshot.load(path, key, lambda: transformers_tokenizer(path, key))) is not None:
         return light
     tokenizer = transformers_tokenizer(path, key)
     tokenizer_snapshot.save(path, key, tokenizer)
-    return tokenizer
+    # a first job encodes as later ones do: transformers' own call is Python a text (seconds on a job's texts)
+    return tokenizer_snapshot.load(path, key, lambda: tokenizer) or tokenizer
 
 
 def transformers_tokenizer(path: Path, key: str):
