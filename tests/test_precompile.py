@@ -83,6 +83,27 @@ def test_another_threads_launches_compile_during_the_dry_pass(cache, monkeypatch
     assert compiled == [("key", 512)]
 
 
+def test_another_threads_launch_of_a_kernel_a_process_compiles_waits_for_it(cache, monkeypatch):
+    """A job released before the compiles end, launching a kernel a process is compiling: it waits for that
+    process and finds the kernel in Triton's cache, rather than compiling it a second time beside it."""
+    import threading
+
+    in_cache = []  # at each launch that reached Triton's own _do_compile (a stand-in: no GPU to compile for here)
+    monkeypatch.setattr(JITFunction, "_do_compile",
+                        lambda self, key, *args: in_cache.append(any(p.is_dir() for p in cache.glob("*"))))
+    job = threading.Thread(target=launch_miss, args=(128,))
+
+    def dry_run(mark) -> None:
+        mark()  # nothing the job needs first: released at once
+        launch_miss(128)
+        job.start()
+
+    report = pc.precompile(dry_run, released=lambda: None)
+    job.join(60)
+    assert report.compiled == 1 and in_cache == [True]
+    assert JITFunction._do_compile.__name__ == "<lambda>"  # the stand-in again after the compiles
+
+
 def test_a_failing_dry_pass_or_an_autotuner_to_time_ends_it_with_a_reason(cache):
     def boom():
         raise ValueError("no such shape")

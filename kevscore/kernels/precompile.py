@@ -81,10 +81,10 @@ def _recording(found: dict, met: Callable[[tuple], None]):
     from triton.runtime.jit import JITFunction
 
     def record(self, key, signature, device, constexprs, options, attrs, warmup):
-        target, name = self.device_caches[device][2], (self.module, self.fn.__qualname__, str(key))
+        target, name = self.device_caches[device][2], _name(self, key)
         if name not in found:
             found[name] = (self, signature, constexprs, options, attrs, target, time.perf_counter())
-            met(found[name])
+            met(name, found[name])
         # Triton's launcher returns without launching when there is no kernel
 
     def refuse_timing(self, *args, **kwargs):
@@ -94,6 +94,31 @@ def _recording(found: dict, met: Callable[[tuple], None]):
 
     with on_this_thread(JITFunction, "_do_compile", record), on_this_thread(Autotuner, "run", refuse_timing) as tune:
         yield
+
+
+def _name(jit, key) -> tuple[str, str, str]:
+    """A kernel specialization's name: its JIT function's module and name, and Triton's key."""
+    return jit.module, jit.fn.__qualname__, str(key)
+
+
+@contextlib.contextmanager
+def _waiting(compiles: _Compiles, timeout_s: float):
+    """Within the block, another thread's launch of a kernel that a process is compiling (or will) waits for that
+    compile, then finds the kernel in Triton's cache, rather than compiling it a second time beside it."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction._do_compile
+
+    def do_compile(self, key, *args, **kwargs):
+        if (ended := compiles.ended.get(_name(self, key))) is not None:
+            ended.wait(timeout_s)
+        return original(self, key, *args, **kwargs)
+
+    JITFunction._do_compile = do_compile
+    try:
+        yield
+    finally:
+        JITFunction._do_compile = original
 
 
 def _compile_one(i: int, kernel: tuple, results) -> None:
@@ -131,9 +156,11 @@ class _Compiles:
         self.most = 0                      # processes at once, at most
         self.first: int | None = None      # pending[:first]: the kernels `released` waits for (`mark`)
         self.released: Callable[[], None] | None = None
+        self.ended: dict[tuple, threading.Event] = {}  # by kernel name, in pending's order: set once its compile ends
 
-    def add(self, kernel: tuple) -> None:
+    def add(self, name: tuple, kernel: tuple) -> None:
         self.pending.append(kernel)
+        self.ended[name] = threading.Event()
         self.queued.append(len(self.pending) - 1)
         # those met before the mark first, then by source length: the longest compile first, so the compiles'
         # wall (set by the last to end) is not a slow one begun after the quick ones
@@ -167,6 +194,9 @@ class _Compiles:
             i, took = self.results.get()
             self.seconds[i] = took
         self.running = {i: process for i, process in self.running.items() if process.exitcode is None}
+        for i, ended in enumerate(self.ended.values()):
+            if i not in self.running and i not in self.queued:
+                ended.set()
         if self.released is not None and not any(i < self.first for i in (*self.queued, *self.running)):
             released, self.released = self.released, None
             released()
@@ -193,6 +223,8 @@ class _Compiles:
             process.kill()
             process.join()
         self.running.clear()
+        for ended in self.ended.values():  # what was left is the caller's to compile now
+            ended.set()
 
 
 def workers_for() -> int:
@@ -214,19 +246,20 @@ def precompile(dry_run: Callable, before_fork: Callable[[], None] = lambda: None
     report, found, compiles = Precompiled(), {}, _Compiles(workers_for(), before_fork, ready)
     t0 = time.perf_counter()
     try:
-        try:
-            with _recording(found, compiles.add):  # no slots (one core): each kernel waits, and is never forked
-                dry_run() if released is None else dry_run(lambda: compiles.mark(released))
-        except Exception as exc:  # noqa: BLE001 - the dry run's output is garbage anyway; the real run decides
-            report.skipped = f"dry pass: {type(exc).__name__}: {exc}".splitlines()[0]
-        report.dry_s, report.kernels = time.perf_counter() - t0, len(found)
-        if not report.skipped and not (compiles.slots and found):
-            report.skipped = "no kernels to compile" if compiles.slots else "one core: no compile processes"
-        if not report.skipped:
-            # each compiled kernel: (its name, its process's seconds, seconds into the dry pass it was met)
-            done = [(kernel[0].fn.__name__, round(took, 3), round(kernel[-1] - t0, 3))
-                    for kernel, took in zip(compiles.pending, compiles.finish(timeout_s)) if took is not None]
-            report.compiled, report.slowest = len(done), sorted(done, key=lambda c: -c[1])[:5]
+        with _waiting(compiles, timeout_s):  # other threads' launches of what the processes compile wait for them
+            try:
+                with _recording(found, compiles.add):  # no slots (one core): each kernel waits, and is never forked
+                    dry_run() if released is None else dry_run(lambda: compiles.mark(released))
+            except Exception as exc:  # noqa: BLE001 - the dry run's output is garbage anyway; the real run decides
+                report.skipped = f"dry pass: {type(exc).__name__}: {exc}".splitlines()[0]
+            report.dry_s, report.kernels = time.perf_counter() - t0, len(found)
+            if not report.skipped and not (compiles.slots and found):
+                report.skipped = "no kernels to compile" if compiles.slots else "one core: no compile processes"
+            if not report.skipped:
+                # each compiled kernel: (its name, its process's seconds, seconds into the dry pass it was met)
+                done = [(kernel[0].fn.__name__, round(took, 3), round(kernel[-1] - t0, 3))
+                        for kernel, took in zip(compiles.pending, compiles.finish(timeout_s)) if took is not None]
+                report.compiled, report.slowest = len(done), sorted(done, key=lambda c: -c[1])[:5]
     except Exception as exc:  # noqa: BLE001 - a timeout or a failed fork: the run compiles the rest
         report.skipped = f"workers: {type(exc).__name__}: {exc}".splitlines()[0]
     finally:
