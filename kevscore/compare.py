@@ -111,12 +111,6 @@ class CaseResult:
         return out
 
 
-def _bank_views(bank) -> list[torch.Tensor]:
-    """The bank's used region: every entry in use and every K/V token in use."""
-    n, t = bank.used_entries, bank.used_tokens
-    return [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :t], bank.start[:n]]
-
-
 def case_call(engine: Engine, enc: Encoded, warm: float) -> tuple[Callable[[str], None], dict[str, Scores]]:
     """A case's timed call on `engine` (`path` -> its scores into the dict returned beside it): the bank is reset
     to hold the `warm` share of the documents; each call prefills the others (into the same slots every time),
@@ -160,14 +154,14 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
         log(f"{name}: {first}, {p} path ({max(warmup, 1)} calls)")
         res.warmup_s[p] = timed(lambda p=p: [call(p) for _ in range(max(warmup, 1))], device)[1]
     res.capture_s = getattr(runner, "capture_s", 0.0) - capture0
-    snapshot = [t.clone() for t in _bank_views(runner.bank)]
+    snapshot = [t.clone() for t in runner.bank.used()]
     log(f"{name}: timing {reps} calls per path, alternating")
     for i in range(reps):
         for p in (PATHS if i % 2 == 0 else PATHS[::-1]):  # A B, B A, A B, ...
             ms, wall = timed(lambda p=p: call(p), device)
             res.latency_ms[p].append(ms)
             res.wall_s[p].append(wall)
-    res.bank_unchanged = all(torch.equal(a, b) for a, b in zip(snapshot, _bank_views(runner.bank)))
+    res.bank_unchanged = all(torch.equal(a, b) for a, b in zip(snapshot, runner.bank.used()))
     del snapshot
     res.max_abs_diff, flipped = differences(scores["gathered"].probs, scores["indexed"].probs)
     res.flips = len(flipped)
