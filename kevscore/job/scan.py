@@ -166,10 +166,6 @@ class InputScan:
     def sources(self) -> list[Path]:
         return [self.path] if self.documents_path is None else [self.path, self.documents_path]
 
-    @property
-    def documents(self) -> int:
-        return len(self.doc_keys)
-
     def set_aside(self, rows: Iterable[int], reason: str) -> None:
         for r in rows:
             self.invalid.setdefault(r, reason)  # a row keeps the first reason found
