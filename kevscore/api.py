@@ -93,8 +93,11 @@ class Scorer(AbstractContextManager):
             output = Path(tmp) / "scores.parquet"
             try:
                 self.run(self._options({**call, "input": given["questions"], "output": output, **given}), progress)
-            except KevscoreError as exc:
-                raise type(exc)(_told_as_tables(str(exc), Path(tmp))) from None
+            except KevscoreError as exc:  # a message about the tables' temporary files (`_as_input`), told of the tables
+                message = str(exc)
+                for role, name in TABLE_NAMES.items():
+                    message = message.replace(str(Path(tmp) / f"{role}.parquet"), name)
+                raise type(exc)(message) from None
             except Interrupted:  # its parts were in the temporary directory: nothing to resume from
                 raise Interrupted("interrupted; nothing was kept (score_file's parts resume a stopped job)") from None
             return pq.read_table(output)
@@ -187,10 +190,3 @@ def _as_input(data: Tabular | PathLike | None, tmp: Path, role: str) -> str | No
     path = tmp / f"{role}.parquet"
     pq.write_table(data, path)
     return str(path)
-
-
-def _told_as_tables(message: str, tmp: Path) -> str:
-    """A message about the temporary Parquet files of tables passed in (`_as_input`), told about the tables."""
-    for role, name in TABLE_NAMES.items():
-        message = message.replace(str(tmp / f"{role}.parquet"), name)
-    return message

@@ -3,9 +3,9 @@
 Both paths run on the same weights, inputs and device, in one process, timed in alternating order and
 checked for exact parity.
 
-A case is a workload (documents, rows) and a prefix temperature: the share of its documents already in
-the bank before the timed call. `warm` cases time scoring alone; in `cold` and `mixed` cases the timed
-call first prefills the documents not yet in the bank (into the same slots every time), then scores.
+A case is a workload (documents, rows) and a prefix temperature: the share of its documents the timed call
+finds in the bank. `warm` cases time scoring alone; in `cold` and `mixed` cases the timed call first
+prefills the others again (into the same slots every time), then scores.
 """
 from __future__ import annotations
 
@@ -111,23 +111,14 @@ class CaseResult:
         return out
 
 
-def _bank_views(bank) -> list[torch.Tensor]:
-    """The bank's used region: every entry in use and every K/V token in use."""
-    n, t = bank.used_entries, bank.used_tokens
-    return [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :t], bank.start[:n]]
-
-
 def case_call(engine: Engine, enc: Encoded, warm: float) -> tuple[Callable[[str], None], dict[str, Scores]]:
-    """A case's timed call on `engine` (`path` -> its scores into the dict returned beside it): the bank is reset
-    to hold the `warm` share of the documents; each call prefills the others (into the same slots every time),
-    then scores every row."""
-    bank, docs = engine.runner.bank, list(range(len(enc.prefixes)))
+    """A case's timed call on `engine` (`path` -> its scores into the dict returned beside it): the case's documents
+    are prefilled into the bank as one wave; each call prefills again all but the `warm` share of them (into the
+    same slots every time), then scores every row."""
+    docs = list(range(len(enc.prefixes)))
     n_warm = round(warm * len(docs))
-    bank.reset()
-    slot_of = {d: bank.alloc(len(enc.prefixes[d])) for d in docs}
-    bank.publish()
     stats, rows, scores = Scores.empty(0).stats, list(range(len(enc))), {p: Scores.empty(len(enc)) for p in PATHS}
-    engine.prefill_into(enc, docs[:n_warm], slot_of, stats)
+    slot_of = engine.prefill_wave(enc, docs, stats)
 
     def call(path: str) -> None:
         if n_warm < len(docs):
@@ -154,20 +145,19 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
     runner, device = engine.runner, engine.runner.device
     call, scores = case_call(engine, enc, warm)
     res = CaseResult(name, definition, len(enc), len(enc.prefixes), len(enc.prefixes) - round(warm * len(enc.prefixes)))
-    capture0 = getattr(runner, "capture_s", 0.0)
     first = "warm-up and graph capture" if device.type == "cuda" else "warm-up"
     for p in PATHS:  # first calls capture each path's graphs; warm-up is reported apart from latency
         log(f"{name}: {first}, {p} path ({max(warmup, 1)} calls)")
         res.warmup_s[p] = timed(lambda p=p: [call(p) for _ in range(max(warmup, 1))], device)[1]
-    res.capture_s = getattr(runner, "capture_s", 0.0) - capture0
-    snapshot = [t.clone() for t in _bank_views(runner.bank)]
+    res.capture_s = sum(scores[p].stats.capture_s for p in PATHS)  # the warm-up's calls are all the scores had
+    snapshot = [t.clone() for t in runner.bank.used()]
     log(f"{name}: timing {reps} calls per path, alternating")
     for i in range(reps):
         for p in (PATHS if i % 2 == 0 else PATHS[::-1]):  # A B, B A, A B, ...
             ms, wall = timed(lambda p=p: call(p), device)
             res.latency_ms[p].append(ms)
             res.wall_s[p].append(wall)
-    res.bank_unchanged = all(torch.equal(a, b) for a, b in zip(snapshot, _bank_views(runner.bank)))
+    res.bank_unchanged = all(torch.equal(a, b) for a, b in zip(snapshot, runner.bank.used()))
     del snapshot
     res.max_abs_diff, flipped = differences(scores["gathered"].probs, scores["indexed"].probs)
     res.flips = len(flipped)

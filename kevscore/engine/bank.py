@@ -8,7 +8,6 @@ The tensors are allocated once, so their addresses never change.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -86,9 +85,9 @@ class StateBank:
         return {t.name: getattr(self, t.name)[:, slot] if t.token_axis is None
                 else getattr(self, t.name).narrow(1 + t.token_axis, self._starts[slot], length) for t in self.declared}
 
-    def checksum(self) -> str:
-        """SHA-256 over the bytes of every bank tensor (copied to the host)."""
-        digest = hashlib.sha256()
-        for t in self.declared:
-            digest.update(getattr(self, t.name).detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
-        return digest.hexdigest()
+    def used(self) -> list[torch.Tensor]:
+        """Views of the wave's region: every tensor's entries in use (its pool's tokens in use, for one with a token
+        axis), then the start table's (a snapshot of them shows that scoring leaves the bank as prefill made it)."""
+        return [getattr(self, t.name)[:, :self.used_entries] if t.token_axis is None
+                else getattr(self, t.name).narrow(1 + t.token_axis, 0, self.used_tokens) for t in self.declared
+                ] + [self.start[:self.used_entries]]

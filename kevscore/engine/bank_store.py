@@ -66,7 +66,7 @@ class BankStore:
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
         self.stats = BankStats()
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
-        self._doc_ids: dict[str, list[str]] = {}     # prefix sha256 -> document ids of this run
+        self._doc_ids: dict[str, dict[str, None]] = {}  # prefix sha256 -> document ids of this run (MAX_DOC_IDS)
         self._owner_lock: BinaryIO | None = None
         bank_dir.check_bank_dir(self.root, create=True)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -204,12 +204,15 @@ class BankStore:
 
     # ------------------------------------------------------------ a run's documents
 
-    def note_documents(self, prefixes: Sequence[Sequence[int]], doc_ids: Sequence[Sequence[str]]) -> None:
-        """Remember the document ids seen with each prefix, and report when this run's documents have
-        entries made by another model (a bank pointed at a different model): those are not used."""
+    def note_documents(self, prefixes: Sequence[Sequence[int]], row_prefix: Sequence[int],
+                       doc_ids: Sequence[str] | None) -> None:
+        """Remember the document id of each row (`doc_ids`, None without them) with its prefix (`row_prefix`), and
+        report when this run's documents have entries made by another model (a bank pointed at a different model):
+        those are not used."""
         shas = [prefix_key(p) for p in prefixes]
-        for sha, ids in zip(shas, doc_ids):
-            self._doc_ids[sha] = bank_dir.merge_ids(self._doc_ids.get(sha, []), ids)
+        for p, doc_id in zip(row_prefix, doc_ids or ()):
+            if len(ids := self._doc_ids.setdefault(shas[p], {})) < bank_dir.MAX_DOC_IDS:
+                ids[doc_id] = None
         entries = self.index["entries"].values()
         wanted = set(shas) - {r["prefix_sha256"] for r in entries if r["model"] == self.model.digest}
         foreign = Counter(r["model"] for r in entries if r["model"] != self.model.digest and r["prefix_sha256"] in wanted)
@@ -233,7 +236,7 @@ class BankStore:
                 if not isinstance(result, FileNotFoundError):  # gone: another run evicted it
                     self.stats.rejected += 1
                     ids = self._doc_ids.get(prefix_key(prefixes[d]))
-                    named = f", doc ids {', '.join(ids[:3])}{', …' if len(ids) > 3 else ''}" if ids else ""
+                    named = f", doc ids {', '.join(list(ids)[:3])}{', …' if len(ids) > 3 else ''}" if ids else ""
                     self.warn(f"entry {key[:12]} ({bank_dir.entry_file(key)}{named}): {result}; recomputing it")
                 continue
             entry, tensors = result

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kevscore.engine.plan import Batch
+from kevscore.engine.plan import Batch, plan_batches
 from kevscore.model.prompt import Encoded
 
 Tokens = tuple[int, ...]
@@ -59,11 +59,12 @@ class Scoring:
         unit that is a whole row: 1)."""
         return 1
 
-    def sizes(self, units: list[int], prefix_len: dict[int, int]) -> tuple[dict, dict, dict | None]:
-        """Per unit its branch length, its document's length and its positions to score (None: one each)."""
+    def batches(self, units: list[int], prefix_len: dict[int, int], max_rows: int, max_tokens: int) -> list[Batch]:
+        """`units` in padded batches (`plan_batches`) by their branch lengths, their documents' lengths (`prefix_len`
+        of each row) and their positions to score."""
         scored = {u: self.scored(u) for u in units}
-        return ({u: len(self.tokens(u)) for u in units}, {u: prefix_len[self.row(u)] for u in units},
-                scored if any(n > 1 for n in scored.values()) else None)
+        return plan_batches(units, {u: len(self.tokens(u)) for u in units}, {u: prefix_len[self.row(u)] for u in units},
+                            max_rows, max_tokens, scored if any(n > 1 for n in scored.values()) else None)
 
 
 class LastToken(Scoring):

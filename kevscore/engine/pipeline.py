@@ -11,7 +11,7 @@ import torch
 from kevscore import faults
 from kevscore.engine.backend import queue_mark, release_cache, synchronize
 from kevscore.engine.label_scoring import Scoring, scorings
-from kevscore.engine.plan import Batch, make_batch, plan_batches, plan_waves
+from kevscore.engine.plan import Batch, plan_waves
 from kevscore.engine.runner import PAD_WASTE
 from kevscore.errors import KevscoreFailure, first_line
 from kevscore.model.prompt import Encoded
@@ -193,9 +193,8 @@ class Engine:
         try:
             with progress.phase("score"):
                 for scoring in scorings(enc, rows):
-                    lengths, docs, scored = scoring.sizes(scoring.units, prefix_len)
                     pending = None  # the batch launched before: finished while the GPU runs the next one
-                    for batch in plan_batches(scoring.units, lengths, docs, self.max_rows, self.max_tokens, scored):
+                    for batch in scoring.batches(scoring.units, prefix_len, self.max_rows, self.max_tokens):
                         launched = self._score_batch(enc, scoring, batch, slot_of, prefix_len, path, scores, progress)
                         self._finish_batch(scoring, pending, scores, progress)
                         pending = launched
@@ -241,9 +240,8 @@ class Engine:
             progress.warn(f"out of memory scoring a batch of {n} rows x {batch.length} tokens; retrying as "
                           f"{half} + {n - half} rows, later batches at most {self.max_rows} rows")
             progress.event("oom", phase="score", rows=n, length=batch.length, split=[half, n - half])
-            for part in (batch.rows[:half], batch.rows[half:]):
-                lengths, docs, scored = scoring.sizes(part, prefix_len)
-                sub = make_batch(part, lengths, docs, self.max_rows, scored)
+            for part in (batch.rows[:half], batch.rows[half:]):  # each half one batch, whatever its rows
+                sub, = scoring.batches(part, prefix_len, max(self.max_rows, len(part)), self.max_tokens)
                 launched = self._score_batch(enc, scoring, sub, slot_of, prefix_len, path, scores, progress)
                 self._finish_batch(scoring, launched, scores, progress)
             return None

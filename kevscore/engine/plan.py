@@ -49,14 +49,6 @@ class Batch:
     scored: int = 1   # positions scored per row: its last `scored` tokens (a label's continuation: several)
 
 
-def make_batch(rows: list[int], branch_len: Sequence[int], prefix_len: Sequence[int], max_rows: int,
-               scored: Sequence[int] | None = None) -> Batch:
-    """The batch of `rows`, its sizes padded to their buckets."""
-    return Batch(rows=rows, size=row_bucket(len(rows), max(max_rows, len(rows))),
-                 length=length_bucket(max(branch_len[r] for r in rows)), prefix=ladder(max(prefix_len[r] for r in rows)),
-                 scored=scored_bucket(max(scored[r] for r in rows)) if scored is not None else 1)
-
-
 def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Sequence[int],
                  max_rows: int, max_tokens: int, scored: Sequence[int] | None = None) -> list[Batch]:
     """Sort rows by branch length and cut them into batches of similar length.
@@ -72,7 +64,10 @@ def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Seq
         if not groups or len(groups[-1]) >= cap:
             groups.append([])
         groups[-1].append(r)
-    return [make_batch(g, branch_len, prefix_len, max_rows, scored) for g in groups]
+    # each group a batch, its sizes padded to their buckets (a group holds at most max_rows rows, or one)
+    return [Batch(g, row_bucket(len(g), max_rows), length_bucket(max(branch_len[r] for r in g)),
+                  ladder(max(prefix_len[r] for r in g)), 1 if scored is None else scored_bucket(max(scored[r] for r in g)))
+            for g in groups]
 
 
 def plan_waves(doc_tokens: Sequence[int], entries: int, tokens: int, waste: float | None = None) -> list[list[int]]:

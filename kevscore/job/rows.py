@@ -78,4 +78,4 @@ class RowReader:
         doc_rows, of_row = np.unique(scan.doc_row[scan.doc_of_row[rows]], return_inverse=True)
         texts = self.docs.take(doc_rows)["document"]
         return InputTable([texts[i] for i in of_row], cols["question"], cols.get("doc_id"), cols.get("question_id"),
-                          cols.get("labels"), scan.sources, rows.tolist())
+                          cols.get("labels"), [f for f in (scan.path, scan.documents_path) if f], rows.tolist())

@@ -162,14 +162,6 @@ class InputScan:
     columns: list[str] = field(default_factory=list)  # the optional columns it has: doc_id, question_id, labels
     invalid: dict[int, str] = field(default_factory=dict)  # row -> why it is set aside (skip_invalid)
 
-    @property
-    def sources(self) -> list[Path]:
-        return [self.path] if self.documents_path is None else [self.path, self.documents_path]
-
-    @property
-    def documents(self) -> int:
-        return len(self.doc_keys)
-
     def set_aside(self, rows: Iterable[int], reason: str) -> None:
         for r in rows:
             self.invalid.setdefault(r, reason)  # a row keeps the first reason found

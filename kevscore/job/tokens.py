@@ -19,7 +19,7 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
     from kevscore.model.prompt import PromptCheck, label_token_ids, tokenize
 
     check = PromptCheck(tokenizer, scan.path.name, max_positions)
-    doc_tokens = np.full(scan.documents, -1, dtype=np.int32)
+    doc_tokens = np.full(len(scan.doc_keys), -1, dtype=np.int32)
     # each document's text read at its row (scan.doc_row), in its file's order, BATCH_ROWS documents at a time
     docs = np.argsort(scan.doc_row, kind="stable")
     docs = docs[scan.doc_row[docs] >= 0]  # not a doc_id without a document (set aside)

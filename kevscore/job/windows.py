@@ -70,7 +70,7 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
             upcoming = reading.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
             progress.event("window", window=w, rows=len(enc), documents=len(enc.prefixes))
             if engine.store is not None:
-                engine.store.note_documents(enc.prefixes, doc_ids(table, enc))
+                engine.store.note_documents(enc.prefixes, enc.row_prefix, table.doc_ids)
             scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
             engine.run_waves(enc, opts.state_read, scores, progress)
             progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
@@ -91,11 +91,3 @@ def part_tables(table, enc, scores: Scores) -> tuple[pa.Table, pa.Table]:
     ids = part.take(failed).to_pydict()
     errors = errors_table(ids["row"], [scores.failed[i] for i in failed.tolist()], ids["doc_id"], ids["question_id"])
     return part.filter(np.isin(np.arange(len(enc)), failed, invert=True)), errors
-
-
-def doc_ids(table, enc) -> list[list[str]]:
-    """Each distinct prefix's document ids in the window (none without a doc_id column)."""
-    ids: list[dict[str, None]] = [{} for _ in enc.prefixes]
-    for r, p in enumerate(enc.row_prefix if table.doc_ids else ()):
-        ids[p][table.doc_ids[r]] = None
-    return [list(d) for d in ids]

@@ -103,15 +103,14 @@ class LightTokenizer:
                 object.__setattr__(self, "_real", self._load())
         return self._real
 
-    def _ids(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False, is_pretokenized=False)]
-
     def __call__(self, text=None, *args, add_special_tokens: bool = True, **kwargs):
         batch = isinstance(text, list) and text and all(isinstance(t, str) for t in text)
         if self._real is not None or args or add_special_tokens or set(kwargs) - {"verbose"} or not (
                 batch or isinstance(text, str)):
             return self.transformers_tokenizer()(text, *args, add_special_tokens=add_special_tokens, **kwargs)
-        ids = self._ids(text if batch else [text])  # verbose: transformers only warns of long texts
+        # verbose: transformers only warns of long texts
+        ids = [e.ids for e in self._backend.encode_batch(text if batch else [text], add_special_tokens=False,
+                                                         is_pretokenized=False)]
         return {"input_ids": ids if batch else ids[0]}
 
     def apply_chat_template(self, conversation, *args, **kwargs):
