@@ -631,8 +631,10 @@ def print_table(r: dict) -> None:
         pre = (j.get("warm_up") or {}).get("precompile") or {}
         if pre.get("workers"):  # the warm-up's dry pass and its workers (kevscore.kernels.precompile)
             slow = ", ".join(f"{k} {took:.1f} s (met at {met:.1f})" for k, took, met in pre.get("slowest", []))
-            print(f"{name} job, warm-up: dry pass {pre['dry_s']:.2f} s, {pre['workers']} workers {pre['compile_s']:.2f} s;"
-                  f" slowest compiles {slow}")
+            released = pre.get("released_s")
+            first = f"; prefill's {pre['first']} compiled at {released:.2f} s" if released is not None else ""
+            print(f"{name} job, warm-up: dry pass {pre['dry_s']:.2f} s, {pre['workers']} workers {pre['compile_s']:.2f} s"
+                  f"{first}; slowest compiles {slow}")
     for name, j in jobs.items():
         k = j.get("first_group_kernels")
         if k:

@@ -3,6 +3,8 @@ an sm90 target without a GPU, so the dry pass's record, the forked workers and T
 only the launch that a GPU run would make is simulated (the call Triton's launcher makes on a miss)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -139,8 +141,6 @@ def test_before_fork_runs_once_before_the_first_compile_process(cache):
 def test_a_kernel_compiles_while_the_dry_pass_goes_on(cache):
     """The process for a kernel is forked when the pass meets it: its result reaches Triton's cache before
     the pass ends."""
-    import time
-
     seen = []
 
     def dry_run() -> None:
@@ -200,8 +200,9 @@ def test_kernels_met_before_the_mark_compile_first_and_release_the_caller(cache,
 
     monkeypatch.setattr(pc, "workers_for", lambda: 1)
     monkeypatch.setattr(pc, "_compile_one", note)
+    t0 = time.perf_counter()
     report = pc.precompile(dry_run, ready=lambda: False, released=released)
-    assert report.compiled == 3
+    assert report.compiled == 3 and report.first == 1 and 0 < report.released_s < time.perf_counter() - t0
     assert started.read_text().split() == ["_double:64", "released", "_double:128", "_broken:64"]
     started.unlink()
     assert pc.precompile(lambda mark: mark(), released=released).skipped == "no kernels to compile"

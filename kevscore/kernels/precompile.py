@@ -32,6 +32,8 @@ class Precompiled:
     dry_s: float = 0.0      # the dry pass
     compile_s: float = 0.0  # from the first fork to the last compile's end (it overlaps the dry pass)
     skipped: str | None = None  # why there was no parallel compilation
+    first: int = 0          # kernels met before the dry pass's mark, and when their compiles had all ended (seconds
+    released_s: float | None = None  # from the pass's start; None: no mark, or not all of them ended)
     # the slowest compiles: (kernel, seconds its process took, seconds into the dry pass it was met)
     slowest: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
@@ -156,6 +158,7 @@ class _Compiles:
         self.most = 0                      # processes at once, at most
         self.first: int | None = None      # pending[:first]: the kernels `released` waits for (`mark`)
         self.released: Callable[[], None] | None = None
+        self.released_at: float | None = None
         self.ended: dict[tuple, threading.Event] = {}  # by kernel name, in pending's order: set once its compile ends
 
     def add(self, name: tuple, kernel: tuple) -> None:
@@ -198,7 +201,7 @@ class _Compiles:
             if i not in self.running and i not in self.queued:
                 ended.set()
         if self.released is not None and not any(i < self.first for i in (*self.queued, *self.running)):
-            released, self.released = self.released, None
+            released, self.released, self.released_at = self.released, None, time.perf_counter()
             released()
 
     def finish(self, timeout_s: float) -> list[float | None]:
@@ -264,6 +267,7 @@ def precompile(dry_run: Callable, before_fork: Callable[[], None] = lambda: None
         report.skipped = f"workers: {type(exc).__name__}: {exc}".splitlines()[0]
     finally:
         compiles.stop()
-    report.workers = compiles.most
+    report.workers, report.first = compiles.most, compiles.first or 0
+    report.released_s = compiles.released_at - t0 if compiles.released_at else None
     report.compile_s = time.perf_counter() - compiles.started if compiles.started else 0.0
     return report
