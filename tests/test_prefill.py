@@ -143,6 +143,24 @@ def test_warm_up_model_runs_a_job_of_the_same_layer_shapes(demo):
     assert prepare_device(torch.device("cpu"), demo.config, "indexed") is None  # nothing to warm on a CPU
 
 
+def test_warm_up_pass_meets_both_prefill_groups_before_its_mark(demo, monkeypatch):
+    """The pass calls `after_prefill` (precompile's mark: the job starts once what was met before it compiled) only
+    once both prefill groups have run, and scores no row before it."""
+    from kevscore.engine.pipeline import Engine
+    from kevscore.engine.warmup import PREFILL_GROUPS, shape_pass
+
+    events = []
+    prefill_wave, score_rows = Engine.prefill_wave, Engine.score_rows
+    monkeypatch.setattr(Engine, "prefill_wave", lambda self, enc, *a, **k: (
+        events.append(("prefill", tuple(map(len, enc.prefixes)))), prefill_wave(self, enc, *a, **k))[1])
+    monkeypatch.setattr(Engine, "score_rows", lambda self, *a, **k: (
+        events.append(("score",)), score_rows(self, *a, **k))[1])
+    shape_pass(demo.config, torch.device("cpu"), "indexed", None)(lambda: events.append(("mark",)))
+    mark = events.index(("mark",))
+    assert events[:mark] == [("prefill", tuple(group)) for group in PREFILL_GROUPS]
+    assert ("score",) in events[mark:]
+
+
 def test_prefill_writes_the_states_transformers_keeps(tiny):
     """Each document's bank entry after a packed prefill (CPU, fp32) holds what transformers' own cache holds
     after the document: recurrent and conv states per DeltaNet layer, K/V per attention layer."""
