@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 from kevscore import faults
@@ -27,14 +26,10 @@ def entry_file(key: str) -> str:
 
 
 def entry_record(entry: EntryFile, last_used: float) -> dict:
-    """An entry file's index record; its document ids are merged in when the index is committed (`merge_ids`)."""
+    """An entry file's index record; its document ids are merged in when the index is committed."""
     return {"file": entry_file(entry.meta["key"]), "model": entry.meta["model"],
             "prefix_sha256": entry.meta["prefix_sha256"], "tokens": entry.tokens, "bytes": entry.component_bytes(),
             "file_bytes": entry.size, "created": float(entry.meta["created"]), "last_used": last_used, "doc_ids": []}
-
-
-def merge_ids(old: Sequence[str], new: Sequence[str]) -> list[str]:
-    return list(dict.fromkeys([*old, *new]))[:MAX_DOC_IDS]
 
 
 def check_bank_dir(root: Path, create: bool) -> None:

@@ -197,8 +197,9 @@ class BankStore:
                 if not self._path(key).exists():
                     continue  # evicted by another run meanwhile
                 old = entries.get(key, {})
-                doc_ids = bank_dir.merge_ids(old.get("doc_ids", []), self._doc_ids.get(rec["prefix_sha256"], []))
-                entries[key] = dict(rec, last_used=max(rec["last_used"], old.get("last_used", 0.0)), doc_ids=doc_ids)
+                ids = dict.fromkeys([*old.get("doc_ids", []), *self._doc_ids.get(rec["prefix_sha256"], [])])
+                entries[key] = dict(rec, last_used=max(rec["last_used"], old.get("last_used", 0.0)),
+                                    doc_ids=list(ids)[:bank_dir.MAX_DOC_IDS])
             self._publish(index, "bank-index-write")
         self._touched.clear()
 

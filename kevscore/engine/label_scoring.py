@@ -62,9 +62,8 @@ class Scoring:
     def batches(self, units: list[int], prefix_len: dict[int, int], max_rows: int, max_tokens: int) -> list[Batch]:
         """`units` in padded batches (`plan_batches`) by their branch lengths, their documents' lengths (`prefix_len`
         of each row) and their positions to score."""
-        scored = {u: self.scored(u) for u in units}
         return plan_batches(units, {u: len(self.tokens(u)) for u in units}, {u: prefix_len[self.row(u)] for u in units},
-                            max_rows, max_tokens, scored if any(n > 1 for n in scored.values()) else None)
+                            max_rows, max_tokens, {u: self.scored(u) for u in units})
 
 
 class LastToken(Scoring):

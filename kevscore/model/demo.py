@@ -27,21 +27,6 @@ DEMO_CONFIG = KevConfig(vocab_size=1280, hidden_size=128, intermediate_size=256,
                         linear_value_head_dim=64, max_position_embeddings=4096)  # the rest: KevConfig's defaults
 
 
-def trained_weights() -> Path:
-    """The shipped trained weights (kevscore/model/demo_model/model.safetensors), checked against the SHA-256
-    that the training run recorded beside them (training.json)."""
-    path = TRAINED_DIR / "model.safetensors"
-    try:
-        want = json.loads((TRAINED_DIR / "training.json").read_text())["model_sha256"]
-        have = file_sha256(path)
-    except (OSError, ValueError, KeyError) as exc:
-        raise KevscoreError(f"{TRAINED_DIR}: the demo model's trained weights are missing or unreadable "
-                            f"({exc}); reinstall kevscore") from exc
-    if have != want:
-        raise KevscoreError(f"{path}: SHA-256 {have[:12]}… is not the trained weights' {want[:12]}…; reinstall kevscore")
-    return path
-
-
 def write_demo_files(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
     """Write config.json and the shipped tokenizer files of the demo model into `dest` (another `cfg` than
     the demo's: a model of the same tokenizer, for training experiments)."""
@@ -55,9 +40,20 @@ def write_demo_files(dest: Path, cfg: KevConfig = DEMO_CONFIG) -> None:
 
 
 def build_demo_checkpoint(dest: Path) -> None:
-    """Write the demo checkpoint into `dest`: config.json, the tokenizer files and the shipped trained weights."""
+    """Write the demo checkpoint into `dest`: config.json, the tokenizer files and the shipped trained weights
+    (kevscore/model/demo_model/model.safetensors), checked against the SHA-256 that the training run recorded
+    beside them (training.json)."""
     write_demo_files(dest)
-    shutil.copyfile(trained_weights(), dest / "model.safetensors")
+    path = TRAINED_DIR / "model.safetensors"
+    try:
+        want = json.loads((TRAINED_DIR / "training.json").read_text())["model_sha256"]
+        have = file_sha256(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise KevscoreError(f"{TRAINED_DIR}: the demo model's trained weights are missing or unreadable "
+                            f"({exc}); reinstall kevscore") from exc
+    if have != want:
+        raise KevscoreError(f"{path}: SHA-256 {have[:12]}… is not the trained weights' {want[:12]}…; reinstall kevscore")
+    shutil.copyfile(path, dest / "model.safetensors")
 
 
 def _complete(path: Path) -> bool:

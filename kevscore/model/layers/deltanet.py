@@ -64,7 +64,6 @@ class DeltaNet(nn.Module):
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
         self.in_proj.copy_(torch.cat([w[f"{prefix}{n}.weight"] for n in names]))
         self.conv_weight.copy_(w[f"{prefix}conv1d.weight"].squeeze(1))
-        self.A_log.copy_(w[f"{prefix}A_log"])
-        self.dt_bias.copy_(w[f"{prefix}dt_bias"])
-        self.norm_weight.copy_(w[f"{prefix}norm.weight"])
-        self.out_proj.copy_(w[f"{prefix}out_proj.weight"])
+        for param, name in ((self.A_log, "A_log"), (self.dt_bias, "dt_bias"), (self.norm_weight, "norm.weight"),
+                            (self.out_proj, "out_proj.weight")):  # as the checkpoint holds them
+            param.copy_(w[prefix + name])
