@@ -283,15 +283,8 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
 
 def open_parts(job: Job, progress: Reporter, member: bool = False) -> PartStore:
     """The output's parts directory (kevscore.job.parts): opened, or joined by a rank other than 0 (`member`)."""
-    opts, output = job.opts, job.output
-    parts = PartStore(output, job.identity, job.windows.rows, opts.restart, progress.warn, member)
-    try:
-        if not member and not opts.overwrite and output.exists() and not parts.finished():
-            check_output_path(output, job.inputs.files, False)  # --restart of another job over an existing output
-    except BaseException:
-        parts.abandon()
-        raise
-    return parts
+    refuse = None if member or job.opts.overwrite else job.inputs.files  # an output there, unless it is this job's
+    return PartStore(job.output, job.identity, job.windows.rows, job.opts.restart, progress.warn, member, refuse)
 
 
 def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
