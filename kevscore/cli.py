@@ -22,7 +22,7 @@ from kevscore.display import console, escape
 from kevscore.engine.bank_inspect import inspect_bank
 from kevscore.errors import KevscoreError, reported
 from kevscore.job import scan
-from kevscore.job.distributed import launch, run_distributed, world_from_env
+from kevscore.job.distributed import run_distributed, world_from_env
 from kevscore.job.formats import file_format
 from kevscore.job.labels import parse_labels
 from kevscore.job.options import RunOptions
@@ -223,8 +223,10 @@ def run(
 def _launch(gpus: int) -> None:
     """Re-run this command under torch's launcher with `gpus` processes; each one, a rank (`world_from_env`),
     scores its share whatever its --gpus says."""
+    from torch.distributed.run import main as torchrun
+
     try:
-        launch(sys.argv[1:], gpus)
+        torchrun(["--standalone", "--nproc-per-node", str(gpus), "-m", "kevscore", *sys.argv[1:]])
     except Exception as exc:  # torch's ChildFailedError: the ranks printed their errors above
         _fail(f"{gpus} processes launched, at least one failed ({type(exc).__name__}); see the rank errors above")
 

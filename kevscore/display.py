@@ -353,14 +353,13 @@ def compare_table(r: dict) -> Table:
         name = c["name"] + (f"\n+{c['prefilled_in_call']} prefilled" if c["prefilled_in_call"] else "")
         ratio = f"{s['indexed_over_gathered']:.3f}" + ("\n[yellow]noise[/]" if s.get("spread_overlap") else "")
         table.add_row(escape(name), f"{c['rows']:,}", lat["gathered"], lat["indexed"], ratio, _parity(c))
-    if any(c.get("hf_ms") for c in r["cases"]):
-        table.caption += "; transformers naive: " + ", ".join(
-            f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
-            for c in r["cases"] if c.get("hf_ms"))
-    if any(c.get("fp32_ms") for c in r["cases"]):
-        table.caption += "; fp32: " + ", ".join(
-            f"{c['name']} {c['summary']['fp32_median_ms']:.1f} ms, {len(c['fp32_flipped']):,} of {c['rows']:,} "
-            f"predictions flipped, max |dp| {c['fp32_max_abs_diff']:.3g}" for c in r["cases"] if c.get("fp32_ms"))
+    hf = [f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
+          for c in r["cases"] if c.get("hf_ms")]
+    fp32 = [f"{c['name']} {c['summary']['fp32_median_ms']:.1f} ms, {len(c['fp32_flipped']):,} of {c['rows']:,} "
+            f"predictions flipped, max |dp| {c['fp32_max_abs_diff']:.3g}" for c in r["cases"] if c.get("fp32_ms")]
+    for baseline, cases in (("transformers naive", hf), ("fp32", fp32)):  # a baseline's cases, when it ran
+        if cases:
+            table.caption += f"; {baseline}: " + ", ".join(cases)
     return table
 
 

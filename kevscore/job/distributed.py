@@ -146,10 +146,3 @@ def _start(opts: RunOptions, inputs, ranks: Ranks) -> Job:
     if opts.device != "cpu" and torch.cuda.is_available():
         torch.cuda.set_device(ranks.local % torch.cuda.device_count())
     return start_job(opts, inputs, output_path(opts), LoadedModel(), ranks.world)
-
-
-def launch(argv: list[str], nproc: int) -> None:
-    """`kevscore run --gpus N …`: the same command under torch's launcher, one process per GPU."""
-    from torch.distributed.run import main as torchrun
-
-    torchrun(["--standalone", "--nproc-per-node", str(nproc), "-m", "kevscore", *argv])

@@ -34,31 +34,28 @@ def file_format(path: Path | str) -> str:
     return FORMATS.get(suffix, "parquet")
 
 
-def write_tables(file: BinaryIO, tables: Iterable[pa.Table], fmt: str = "parquet",
-                 metadata: dict[bytes, bytes] | None = None, hook: str | None = None) -> None:
-    """Write a stream of tables of one schema to an open binary file: Parquet (with `metadata` when given), CSV
-    (list columns as JSON arrays) or JSON Lines (one object per row); `hook` is a fault point after each table."""
-    writer = None
-    with ExitStack() as stack:  # the writer, once made, is closed however the write ends
-        for table in tables:
-            if fmt == "jsonl":
-                lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
-                file.write(lines.encode("utf-8"))
-            else:
-                table = lists_as_json(table) if fmt == "csv" else table
-                if writer is None:
-                    schema = table.schema if metadata is None else table.schema.with_metadata(metadata)
-                    writer = stack.enter_context(pq.ParquetWriter(file, schema) if fmt == "parquet"
-                                                 else pacsv.CSVWriter(file, table.schema))
-                writer.write_table(table)
-            if hook:
-                faults.point(hook)
-
-
 def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dict[bytes, bytes] | None = None,
                  hook: str | None = None) -> Filler:
-    """A `write_new` filler: `write_tables` of `tables` in `fmt`."""
-    return lambda f: write_tables(f, tables, fmt, metadata, hook)
+    """A filler (kevscore.durable) writing a stream of tables of one schema into an open binary file: Parquet
+    (with `metadata` when given), CSV (list columns as JSON arrays) or JSON Lines (one object per row); `hook`
+    is a fault point after each table."""
+    def fill(file: BinaryIO) -> None:
+        writer = None
+        with ExitStack() as stack:  # the writer, once made, is closed however the write ends
+            for table in tables:
+                if fmt == "jsonl":
+                    lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
+                    file.write(lines.encode("utf-8"))
+                else:
+                    table = lists_as_json(table) if fmt == "csv" else table
+                    if writer is None:
+                        schema = table.schema if metadata is None else table.schema.with_metadata(metadata)
+                        writer = stack.enter_context(pq.ParquetWriter(file, schema) if fmt == "parquet"
+                                                     else pacsv.CSVWriter(file, table.schema))
+                    writer.write_table(table)
+                if hook:
+                    faults.point(hook)
+    return fill
 
 
 def lists_as_json(table: pa.Table) -> pa.Table:
@@ -81,8 +78,7 @@ class Source:
     file a job streams: the file itself, or a staged copy (another format, renamed columns, --limit)."""
     given: str          # what the user passed, for messages
     files: list[Path]   # the files it names, sorted
-    path: Path          # the Parquet file to stream
-    staged: bool = False
+    path: Path          # the Parquet file to stream: one of `files`, or a copy staged from them
     rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
 
 
@@ -124,13 +120,13 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
     rename = {k: v for k, v in (rename or {}).items() if k != v}
     if "://" in given:
         fs, paths = remote_files(given)
-        return Source(given, [], _stage(given, paths, fs, rename, limit, stage_dir), True, rename)
+        return Source(given, [], _stage(given, paths, fs, rename, limit, stage_dir), rename)
     files = input_files(given)
     if len(files) == 1 and file_format(files[0]) == "parquet" and not rename and limit is None:
-        return Source(given, files, files[0], False, rename)
+        return Source(given, files, files[0], rename)
     if not files[0].is_file():
         raise KevscoreError(f"{files[0]}: no such file")
-    return Source(given, files, _stage(given, [str(f) for f in files], None, rename, limit, stage_dir), True, rename)
+    return Source(given, files, _stage(given, [str(f) for f in files], None, rename, limit, stage_dir), rename)
 
 
 def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dict[str, str], limit: int | None,
@@ -142,7 +138,7 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
     try:
         tables = _tables(_reader(paths, fmt, rename, fs), limit)
         with open(staged, "xb") as f:
-            write_tables(f, _as_kevscore(tables, rename), "parquet", {})
+            table_filler(_as_kevscore(tables, rename), "parquet", {})(f)
     except (pa.ArrowException, OSError, ValueError) as e:
         what = {"parquet": "Parquet", "csv": "CSV", "jsonl": "JSON Lines"}[fmt]
         raise KevscoreError(f"{given}: not readable as {what} ({first_line(e)})") from e

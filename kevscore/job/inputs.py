@@ -31,7 +31,7 @@ class Inputs:
     def message(self, text: str) -> str:
         """An error message about staged copies and renamed columns, told about the input as given."""
         for source in (self.questions, self.documents):
-            if source is not None and source.staged:
+            if source is not None and source.path not in source.files:  # a staged copy
                 text = text.replace(str(source.path), source.given)
         for theirs, ours in self.questions.rename.items():
             text = text.replace(f"column {ours!r}", f"column {theirs!r}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +32,7 @@ from kevscore.durable import (file_sha256, lock_file, read_json_object, replace_
 from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
 from kevscore.job.data import OUTPUT_SCHEMA
 from kevscore.job.formats import file_format, table_filler
+from kevscore.job.inputs import check_output_path
 from kevscore.job.provenance import JOB_KEY, PROVENANCE_KEY, differences, job_digest, provenance
 from kevscore.job.rows import Cursor
 
@@ -87,10 +88,12 @@ class PartStore:
     join it as members, each writing the parts of its own windows; rank 0 merges them all."""
 
     def __init__(self, output: Path, identity: dict, windows: np.ndarray, restart: bool = False,
-                 warn: Callable[[str], None] | None = None, member: bool = False):
+                 warn: Callable[[str], None] | None = None, member: bool = False, refuse: Sequence[Path] | None = None):
         """`windows`: each window's planned row count. Raises KevscoreError when OUT.parts holds completed
-        parts of another job (unless restart: they are discarded). `member`: join the store another rank
-        of this job has opened (no lock, no clean-up, no manifest writes)."""
+        parts of another job (unless restart: they are discarded), and, given `refuse` (the run's inputs),
+        when a file at OUT is not this job's merge (--restart of another job over an existing output).
+        `member`: join the store another rank of this job has opened (no lock, no clean-up, no manifest
+        writes)."""
         self.output, self.dir = Path(output), parts_dir(Path(output))
         self.identity = identity
         self.planned = windows
@@ -114,6 +117,8 @@ class PartStore:
                                   f"(its parts are in {self.dir})")
         try:
             self._open(restart)
+            if refuse is not None and self.output.exists() and not self.finished():
+                check_output_path(self.output, refuse, False)
         except BaseException:
             self.abandon()  # a directory it created holds no part yet: it is removed, leaving no trace
             raise

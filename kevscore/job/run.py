@@ -171,11 +171,7 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
                       opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1)
-    finished = None
-    if output is not None:
-        ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
-        finished = None if opts.overwrite or ours or not output.is_file() else output_job(output)
-        check_outputs(opts, inputs.files, output, opts.overwrite or ours or finished is not None)
+    finished = check_outputs(opts, inputs.files, output) if output is not None else None
     laps.lap("scan")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -283,15 +279,8 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
 
 def open_parts(job: Job, progress: Reporter, member: bool = False) -> PartStore:
     """The output's parts directory (kevscore.job.parts): opened, or joined by a rank other than 0 (`member`)."""
-    opts, output = job.opts, job.output
-    parts = PartStore(output, job.identity, job.windows.rows, opts.restart, progress.warn, member)
-    try:
-        if not member and not opts.overwrite and output.exists() and not parts.finished():
-            check_output_path(output, job.inputs.files, False)  # --restart of another job over an existing output
-    except BaseException:
-        parts.abandon()
-        raise
-    return parts
+    refuse = None if member or job.opts.overwrite else job.inputs.files  # an output there, unless it is this job's
+    return PartStore(job.output, job.identity, job.windows.rows, job.opts.restart, progress.warn, member, refuse)
 
 
 def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
@@ -338,14 +327,19 @@ def merge_job(job: Job, parts: PartStore, result: RunResult, progress: Reporter)
     progress.event("merged", output=str(job.output), rows=result.stats.rows)
 
 
-def check_outputs(opts: RunOptions, sources: list[Path], output: Path, overwrite: bool) -> None:
+def check_outputs(opts: RunOptions, sources: list[Path], output: Path) -> str | None:
     """The output, its errors file and its parts directory must not be (or hold) anything this run reads:
-    the input files, the template, files of the model or bank directory."""
+    the input files, the template, files of the model or bank directory. An existing output is refused unless
+    --overwrite, or it is this job's merge left with its parts, or it records a job: that job's digest is
+    returned (`finished_job` tells whether it is this job)."""
+    ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
+    finished = None if opts.overwrite or ours or not output.is_file() else output_job(output)
     inputs = sources + ([Path(opts.template)] if opts.template else [])
     within = [d for d in (None if opts.model in MODEL_NAMES else Path(opts.model), opts.bank) if d is not None]
     for path in [output, errors_path(output)] if opts.skip_invalid else [output]:
-        check_output_path(path, inputs, overwrite, within)
+        check_output_path(path, inputs, opts.overwrite or ours or finished is not None, within)
     check_parts_dir(output, inputs)
+    return finished
 
 
 def finished_job(job: Job, wall_s: float) -> RunResult:

@@ -100,11 +100,10 @@ def _check_types(path: Path, file: pq.ParquetFile, names: Sequence[str]) -> None
 def _nulls(path: Path, column: str, nulls: dict[str, list[int]], scan: InputScan | None = None) -> None:
     """Rows whose `column` is null (`nulls`: the null rows of each column read, `batches`) stop the run, unless
     `scan` is given (--skip-invalid): it sets them aside."""
-    rows = nulls.get(column, [])
-    if rows and scan is None:
-        raise KevscoreError(f"{path}: column {column!r} has nulls at {rows_phrase(rows)}")
     if scan is not None:
-        scan.set_aside(rows, f"column {column!r} is null")
+        scan.set_aside(nulls.get(column, []), f"column {column!r} is null")
+    elif rows := nulls.get(column):
+        raise KevscoreError(f"{path}: column {column!r} has nulls at {rows_phrase(rows)}")
 
 
 def record_batches(path: Path, file: pq.ParquetFile, **chosen) -> Iterator[pa.RecordBatch]:
