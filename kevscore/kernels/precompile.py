@@ -32,8 +32,8 @@ class Precompiled:
     dry_s: float = 0.0      # the dry pass
     compile_s: float = 0.0  # from the first fork to the last compile's end (it overlaps the dry pass)
     skipped: str | None = None  # why there was no parallel compilation
-    first: int = 0          # kernels met before the dry pass's mark, and when their compiles had all ended (seconds
-    released_s: float | None = None  # from the pass's start; None: no mark, or not all of them ended)
+    first: int = 0          # kernels met before the dry pass's mark (what the caller is released on)
+    released_s: float | None = None  # seconds from the pass's start until their compiles had ended (None: never)
     # the slowest compiles: (kernel, seconds its process took, seconds into the dry pass it was met)
     slowest: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
@@ -76,9 +76,9 @@ def _dispatcher(key: tuple[int, str], original: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def _recording(found: dict, met: Callable[[tuple], None]):
-    """This thread's Triton launches record their compilation in `found` (and call `met` with each new one)
-    instead of compiling, and launch nothing; other threads' launches run as usual."""
+def _recording(found: dict, met: Callable[[tuple, tuple], None]):
+    """This thread's Triton launches record their compilation in `found` (and call `met` with each new one's name
+    and record) instead of compiling, and launch nothing; other threads' launches run as usual."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
