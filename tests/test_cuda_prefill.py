@@ -149,6 +149,26 @@ def test_a_cold_start_compiles_every_kernel_in_the_workers(tmp_path):
     assert report["own_compiles"] == 0, report
 
 
+def test_a_first_job_waits_for_its_warm_up_to_end(tmp_path):
+    """`kevscore run` on the demo task in a fresh process with an empty Triton cache: the small job may end while
+    the warm-up still compiles or runs its pass; the process waits for it and exits cleanly (a daemon thread
+    stopped inside torch's C++ at the interpreter's exit aborts the process), and the warm-up's finished marker
+    is in the cache."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cache = tmp_path / "triton"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache))
+    out = subprocess.run([sys.executable, "-m", "kevscore", "run", str(root / "examples" / "demo-task.parquet"),
+                          "--device", "cuda", "-o", str(tmp_path / "scores.parquet"), "--quiet"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "terminate" not in out.stderr, (out.returncode, out.stderr[-2000:])
+    assert list(cache.glob("kevscore-warm-up-*")), "the warm-up did not run to its end"
+
+
 def test_gpu_prefill_close_to_transformers_states(tiny):
     """The GPU's packed bf16 prefill against transformers' own fp32 cache after each document (CPU)."""
     enc = synthetic([1, 5, 70, 300], [4])

@@ -166,7 +166,7 @@ def hash_triton() -> Callable[..., bool]:
         from triton.runtime.cache import triton_key
     except ImportError:  # another Triton layout: the first compile hashes, as it would anyway
         return lambda wait=True: True
-    thread = threading.Thread(target=triton_key, name="kevscore-triton-key", daemon=True)
+    thread = threading.Thread(target=triton_key, name="kevscore-triton-key")  # not a daemon: see prepare_device
     thread.start()
 
     def hashed(wait: bool = True) -> bool:
@@ -234,6 +234,9 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
             warm.report["seconds"] = time.perf_counter() - t0
             warm.ready.set()
 
-    warm = WarmUp(threading.Thread(target=work, name="kevscore-warm-up", daemon=True))
+    # not a daemon: the interpreter's exit waits for it. It stops a daemon thread where it stands, and one inside
+    # torch's C++ (a real pass after a small job's end) aborts the process: "terminate called without an active
+    # exception", after a complete job
+    warm = WarmUp(threading.Thread(target=work, name="kevscore-warm-up"))
     warm.thread.start()
     return warm
