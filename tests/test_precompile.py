@@ -209,6 +209,23 @@ def test_kernels_met_before_the_mark_compile_first_and_release_the_caller(cache,
     assert started.read_text().split() == ["released"]  # nothing to wait for
 
 
+def test_the_caller_is_released_only_once_the_dry_pass_has_ended(cache, monkeypatch):
+    """The kernel met before the mark has compiled long before the dry pass ends, but the caller is released
+    only after it: the pass's own torch ops run on the GPU, beside which a job's graph captures would fail."""
+    events = []
+
+    def dry_run(mark) -> None:
+        launch_miss(64)
+        mark()
+        time.sleep(0.5)  # the compile of the kernel met before the mark ends meanwhile
+        launch_miss(128)
+        events.append("pass ended")
+
+    monkeypatch.setattr(pc, "_compile_one", lambda i, kernel, results: results.put((i, 0.01)))
+    report = pc.precompile(dry_run, released=lambda: events.append("released"))
+    assert events == ["pass ended", "released"] and report.compiled == 2
+
+
 def test_triton_hashes_its_files_on_a_thread():
     """The warm-up's thread fills Triton's once-per-process cache key, which every compile then reads."""
     from triton.runtime.cache import triton_key

@@ -161,6 +161,35 @@ def test_warm_up_pass_meets_both_prefill_groups_before_its_mark(demo, monkeypatc
     assert ("score",) in events[mark:]
 
 
+@pytest.mark.parametrize("job_started", [False, True])
+def test_what_the_workers_left_compiles_before_the_release_only(demo, monkeypatch, tmp_path, job_started):
+    """Kernels the compile processes left are compiled by the warm-up's real pass while the job waits; once the
+    job has been released, by its own first launches instead (a pass beside its GPU work would break its graph
+    captures), and no finished marker claims them."""
+    import contextlib
+
+    from kevscore.engine import warmup
+    from kevscore.kernels import precompile
+
+    passes = []
+    monkeypatch.setattr(warmup, "finished_marker", lambda *args: tmp_path / "marker")
+    monkeypatch.setattr(warmup, "shape_pass", lambda *args: lambda: passes.append("pass") or {})
+    monkeypatch.setattr(warmup, "attention_stubbed", lambda device: contextlib.nullcontext())
+
+    def two_of_three(dry_run, before_fork, ready, released):
+        if job_started:
+            released()
+        return precompile.Precompiled(kernels=3, compiled=2)
+
+    monkeypatch.setattr(precompile, "precompile", two_of_three)
+    starts = []
+    steps = warmup.compile_kernels(demo.config, torch.device("cuda"), "indexed", torch.float32,
+                                   release=lambda: starts.append("job"))
+    assert starts == (["job"] if job_started else [])
+    assert ("real_pass" in steps, passes, (tmp_path / "marker").exists()) == (
+        (False, [], False) if job_started else (True, ["pass"], True))
+
+
 def test_prefill_writes_the_states_transformers_keeps(tiny):
     """Each document's bank entry after a packed prefill (CPU, fp32) holds what transformers' own cache holds
     after the document: recurrent and conv states per DeltaNet layer, K/V per attention layer."""

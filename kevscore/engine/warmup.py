@@ -44,9 +44,11 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
     """Run every kernel of a job on `path` once, at the layer shapes of `cfg` in the model's `dtype` (on a CPU:
     the torch ops). On a GPU the kernels are first compiled side by side (kevscore.kernels.precompile): `release`
     is called once the compiles of prefill's kernels have ended (the job may start its prefill then), and when
-    every kernel compiled, nothing runs (the job's first launches load them); a GPU whose Triton cache holds this
-    warm-up's finished marker runs nothing at all. `triton_hashed` is `hash_triton`'s, waited for before the
-    first compile or cache lookup. Fills and returns `steps`: seconds by step."""
+    every kernel compiled, nothing runs (the job's first launches load them); what the processes left, a pass
+    here compiles before the release, or after it the job's own first launches. A GPU whose Triton cache holds
+    this warm-up's finished marker (written once every kernel is there) runs nothing at all. `triton_hashed` is
+    `hash_triton`'s, waited for before the first compile or cache lookup. Fills and returns `steps`: seconds by
+    step."""
     from kevscore.kernels.precompile import Precompiled, precompile
 
     steps = {} if steps is None else steps
@@ -56,16 +58,20 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         attention = threading.Thread(target=long_attention, args=(cfg, device), name="kevscore-attention", daemon=True)
         attention.start()
 
+    job_started = finished = False
+
     def released() -> None:  # the job's first prefill group runs SDPA too: not beside this thread's builds
+        nonlocal job_started
         if attention is not None:
             attention.join()
+        job_started = True
         release()
 
     try:
         if marker is not None and marker.is_file():
             steps["precompile"] = asdict(Precompiled(skipped="every kernel is in Triton's cache"))
-            triton_hashed()
-            first_calls(cfg, device, dtype or torch.bfloat16)
+            first_calls(cfg, device, dtype or torch.bfloat16, triton_hashed)
+            finished = True
         else:
             run_each_shape = shape_pass(cfg, device, path, dtype)
             with attention_stubbed(device):
@@ -74,29 +80,35 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
                     compiled = precompile(run_each_shape, triton_hashed, lambda: triton_hashed(wait=False), released)
                     steps["precompile"] = asdict(compiled)
                 triton_hashed()
-                if compiled is None or compiled.skipped or compiled.compiled < compiled.kernels:
-                    t0 = time.perf_counter()  # what the workers did not compile, compiled here
+                finished = compiled is not None and not compiled.skipped and compiled.compiled == compiled.kernels
+                # what the workers did not compile, compiled here; once the job has started, by the job's own first
+                # launches instead: a pass here would run beside its GPU work (and break its graph captures)
+                if not finished and not job_started:
+                    t0 = time.perf_counter()
                     steps["real_pass"] = run_each_shape()
                     steps["run_s"] = time.perf_counter() - t0
+                    finished = True
     finally:  # even when the pass fails: the job's own first SDPA never runs beside this thread's
         if attention is not None:
             attention.join()
-    if marker is not None:
+    if marker is not None and finished:
         with contextlib.suppress(OSError):
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
     return steps
 
 
-def first_calls(cfg: KevConfig, device: torch.device, dtype: torch.dtype) -> None:
+def first_calls(cfg: KevConfig, device: torch.device, dtype: torch.dtype, triton_hashed: Callable[[], bool]) -> None:
     """A warm start's process-wide first calls, which would otherwise hold the job's first prefill group while
-    the GPU idles (~0.4 s): Triton's first kernel launch (its backend's imports, the ptxas hash, the launcher),
-    here one cached RMSNorm at the pass's own 128-token specialization, and the first cuBLAS GEMM (its handle)."""
+    the GPU idles (~0.4 s): the first cuBLAS GEMM (its handle) while Triton's hash is computed, then Triton's
+    first kernel launch (its backend's imports, the ptxas hash, the launcher), one cached RMSNorm at the pass's
+    own 128-token specialization."""
     from kevscore.kernels import fla_ops
 
     x = torch.zeros(1, sum(PREFILL_GROUPS[1]), cfg.hidden_size, dtype=dtype, device=device)
-    fla_ops.rms_norm(x, torch.ones(cfg.hidden_size, device=device), cfg.rms_norm_eps)
     torch.nn.functional.linear(x, x[0, :16])
+    triton_hashed()
+    fla_ops.rms_norm(x, torch.ones(cfg.hidden_size, device=device), cfg.rms_norm_eps)
 
 
 def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Callable[[], dict]:

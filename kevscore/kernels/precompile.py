@@ -158,6 +158,7 @@ class _Compiles:
         self.most = 0                      # processes at once, at most
         self.first: int | None = None      # pending[:first]: the kernels `released` waits for (`mark`)
         self.released: Callable[[], None] | None = None
+        self.pass_ended = False            # `released` waits for the dry pass too: its torch ops run on the GPU
         self.released_at: float | None = None
         self.ended: dict[tuple, threading.Event] = {}  # by kernel name, in pending's order: set once its compile ends
 
@@ -172,8 +173,13 @@ class _Compiles:
         self._fill()
 
     def mark(self, released: Callable[[], None]) -> None:
-        """Call `released` once the compiles of every kernel met so far have ended, whatever their outcome."""
+        """Call `released` once the compiles of every kernel met so far have ended, whatever their outcome, and
+        the dry pass has ended without an error (`end_pass`)."""
         self.first, self.released = len(self.pending), released
+        self._fill()
+
+    def end_pass(self) -> None:
+        self.pass_ended = True
         self._fill()
 
     def _fill(self) -> None:
@@ -200,7 +206,7 @@ class _Compiles:
         for i, ended in enumerate(self.ended.values()):
             if i not in self.running and i not in self.queued:
                 ended.set()
-        if self.released is not None and not any(i < self.first for i in (*self.queued, *self.running)):
+        if self.released is not None and self.pass_ended and not any(i < self.first for i in (*self.queued, *self.running)):
             released, self.released, self.released_at = self.released, None, time.perf_counter()
             released()
 
@@ -243,7 +249,8 @@ def precompile(dry_run: Callable, before_fork: Callable[[], None] = lambda: None
     compiled in a forked process from then on, and wait for the compiles. The first fork waits until `ready()`
     holds (or the pass ends), then calls `before_fork`: what the processes should inherit. With `released`, the
     dry run is called with `mark`, which it calls once it has met the kernels its caller needs first: they
-    compile first, and `released()` is called as soon as they have (the rest may still be compiling). On a
+    compile first, and `released()` is called as soon as they have and the dry run has ended (its torch ops run
+    on the GPU, and its caller's graph captures must not run beside them; the rest may still be compiling). On a
     surprise (an autotuner to time, an error in the dry run, a compile stuck) it stops and says why in
     `skipped`; the caller's real run then compiles what is left."""
     report, found, compiles = Precompiled(), {}, _Compiles(workers_for(), before_fork, ready)
@@ -253,6 +260,7 @@ def precompile(dry_run: Callable, before_fork: Callable[[], None] = lambda: None
             try:
                 with _recording(found, compiles.add):  # no slots (one core): each kernel waits, and is never forked
                     dry_run() if released is None else dry_run(lambda: compiles.mark(released))
+                compiles.end_pass()
             except Exception as exc:  # noqa: BLE001 - the dry run's output is garbage anyway; the real run decides
                 report.skipped = f"dry pass: {type(exc).__name__}: {exc}".splitlines()[0]
             report.dry_s, report.kernels = time.perf_counter() - t0, len(found)
