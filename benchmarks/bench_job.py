@@ -323,19 +323,20 @@ def run_start(args, start: str, data: Path, folder: Path, cache: Path) -> dict:
     return out
 
 
-def sample_rows(data: Path, docs: int, model: str):
+def sample_rows(data: Path, docs: int, model: str, device: str = "cuda"):
     """The rows of the input's first `docs` documents, encoded as the job encodes them: (Encoded, checkpoint)."""
-    import pyarrow.parquet as pq
+    import numpy as np
 
-    from kevscore.job.data import read_input
+    from kevscore.job.rows import RowReader
+    from kevscore.job.scan import scan_input
     from kevscore.model.checkpoint import load_checkpoint
     from kevscore.model.prompt import encode, load_template
 
-    doc_ids = pq.read_table(data, columns=["doc_id"]).column("doc_id").to_pylist()
-    keep = sorted(set(doc_ids), key=doc_ids.index)[:docs]
-    rows = [i for i, d in enumerate(doc_ids) if d in set(keep)]
-    ckpt = load_checkpoint(model, "cuda")
-    table = read_input(data).take(rows)
+    scan = scan_input(data, None)
+    first = np.unique(scan.doc_of_row, return_index=True)[1]  # each document's first row
+    keep = np.unique(scan.doc_of_row)[np.argsort(first)][:docs]  # the first `docs` documents in input order
+    ckpt = load_checkpoint(model, device)
+    table = RowReader(scan).read(np.flatnonzero(np.isin(scan.doc_of_row, keep)))
     enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],
                  ckpt.config.max_position_embeddings)
     return enc, ckpt

@@ -250,6 +250,21 @@ def test_job_benchmark_runs_a_job_on_the_cpu(tmp_path):
     assert "warm" in res.stdout and "rows/s" in res.stdout
 
 
+def test_the_baselines_and_budgets_sample_the_first_documents_rows(tmp_path):
+    """bench_job's sample for the baselines and the scoring budgets: every row of the input's first documents, in
+    input order, encoded as a job encodes them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "in.parquet"
+    doc_ids = ["b", "a", "b", "c", "a", "c"]
+    pq.write_table(pa.table({"doc_id": doc_ids, "document": [f"text of {d}" for d in doc_ids],
+                             "question": [f"question {i}?" for i in range(6)]}), data)
+    enc, ckpt = benchmark("bench_job").sample_rows(data, 2, "demo", "cpu")
+    assert len(enc) == 4 and len(enc.prefixes) == 2  # the rows of b and a, not c
+    assert ckpt.tokenizer.decode(enc.prefixes[enc.row_prefix[0]]).count("text of b")
+
+
 def test_the_first_groups_trace_summary_counts_busy_time_once():
     """Kernels on two streams overlap: busy time is their union, the span first start to last end."""
     job = benchmark("bench_job")
