@@ -13,8 +13,7 @@ import torch
 
 from kevscore.model.checkpoint import Checkpoint
 
-KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-           "causal_conv1d_fn", "causal_conv1d_update")
+KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
 
 
 def _device_dispatch(wrapped):
