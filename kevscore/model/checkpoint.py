@@ -86,10 +86,8 @@ def model_directory(spec: str, download: bool = True) -> Path:
 
 def hub_cache() -> Path:
     """Hugging Face's hub cache, as huggingface_hub finds it (HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME), read now."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
-    return Path(home).expanduser() / "hub"
+    return Path(os.environ.get("HF_HUB_CACHE") or Path(home) / "hub").expanduser()
 
 
 def hub_directory(spec: str, download: bool = True) -> Path:
