@@ -56,7 +56,7 @@ class Checkpoint:
         return next((int(t) for t in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if t is not None), 0)
 
 
-def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0,
+def load_checkpoint(spec: str, device: str | torch.device = "cpu",
                     tokenizer_ready: TokenizerReady = NOTHING_TO_DO) -> Checkpoint:
     """`demo`, a benchmark shape name (`kev-0.8b`, `kev-4b`) or a checkpoint directory. The tokenizer loads
     first: `tokenizer_ready(tokenizer, config)` is called before the weights load (a job tokenizes its input
@@ -64,7 +64,7 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
     if spec in SHAPES:
         tok, cfg = load_tokenizer(model_directory("demo")), SHAPES[spec]
         tokenizer_ready(tok, cfg)
-        return Checkpoint(spec, cfg, random_weights(cfg, seed, torch.bfloat16, device), tok)
+        return Checkpoint(spec, cfg, random_weights(cfg, 0, torch.bfloat16, device), tok)
     directory = model_directory(spec)
     return load_directory(directory, device, tokenizer_ready, None if directory == Path(spec) else spec)
 
