@@ -255,8 +255,7 @@ def _workloads(opts: CompareOptions, ckpt, cases: list[str], small: bool) -> dic
     if not opts.data:
         labels = label_token_ids(ckpt.tokenizer, ["Yes", "No"], "compare")
         specs = case_specs(small)
-        return {c: (synthetic(specs[c], ckpt.config.vocab_size, labels), specs[c].warm, asdict(specs[c]))
-                for c in cases}
+        return {c: (synthetic(specs[c], ckpt.config.vocab_size, labels), specs[c].warm, asdict(specs[c])) for c in cases}
 
     enc = encode(read_input(Path(opts.data), Path(opts.documents) if opts.documents else None), ckpt.tokenizer,
                  load_template(None, ckpt.tokenizer), ["Yes", "No"], ckpt.config.max_position_embeddings)

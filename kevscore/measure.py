@@ -13,25 +13,22 @@ from pathlib import Path
 
 import torch
 
+from kevscore.engine.backend import queue_mark, synchronize
+
 PACKAGES = ("torch", "triton", "transformers", "fla-core", "flash-linear-attention", "pyarrow")
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
     """(latency ms, wall s) of one call: CUDA-event time on a GPU (the wall clock on a CPU), and the wall
     time from before the call to the end of its GPU work."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        fn()
-        wall = time.perf_counter() - t0
-        return wall * 1000, wall
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(device)
+    synchronize(device)
     t0 = time.perf_counter()
-    start.record()
+    start = queue_mark(device)
     fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end), time.perf_counter() - t0
+    end = queue_mark(device)
+    synchronize(device)
+    wall = time.perf_counter() - t0
+    return (wall * 1000 if start is None else start.elapsed_time(end)), wall
 
 
 def events_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.device | str = "cuda") -> list[float]:
@@ -45,8 +42,7 @@ def events_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.de
 def source_digests() -> dict[str, str]:
     """SHA-256 of kevscore's source files, by path relative to the package (no machine paths)."""
     root = Path(__file__).parent
-    return {str(p.relative_to(root.parent)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*.py"))}
+    return {str(p.relative_to(root.parent)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*.py"))}
 
 
 def _driver_version() -> str | None:

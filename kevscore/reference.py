@@ -13,8 +13,7 @@ import torch
 
 from kevscore.model.checkpoint import Checkpoint
 
-KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-           "causal_conv1d_fn", "causal_conv1d_update")
+KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
 
 
 def _device_dispatch(wrapped):
@@ -44,8 +43,7 @@ def reference_model(ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype = 
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     force_torch_kernels()
-    config = Qwen3_5TextConfig(**ckpt.config.to_hf())
-    config._attn_implementation = "sdpa"
+    config = Qwen3_5TextConfig(**ckpt.config.to_hf(), attn_implementation="sdpa")
     with torch.device(device):
         model = Qwen3_5ForCausalLM(config).to(dtype)
     model.load_state_dict({k: v.to(device, dtype) for k, v in ckpt.weights.items()}, strict=True)

@@ -87,7 +87,7 @@ def test_last_layer_runs_only_at_the_scored_positions(tiny, monkeypatch):
     """The last layer's output projection and MLP see one position per row (its last) and never a prefill's
     tokens, and the scores equal those of running every position through the last layer and selecting
     afterwards."""
-    from kevscore.model.kev import KevModel
+    from kevscore.model.kev import Block
 
     enc = synthetic([30, 64], [5, 17, 40])
     engine = cpu_engine(tiny, docs=enc.prefixes)
@@ -97,13 +97,13 @@ def test_last_layer_runs_only_at_the_scored_positions(tiny, monkeypatch):
     assert shapes and all(len(s) == 2 for s in shapes)  # [rows, hidden]: no token axis left, no prefill
     assert sum(s[0] for s in shapes) >= len(enc)
 
-    full_run = KevModel._run
+    full_forward = Block.forward
 
-    def select_after(self, ids, ctx, keep=None):
-        x, residual = full_run(self, ids, ctx)
+    def select_after(self, x, residual, ctx, cos, sin, keep=None):
+        x, residual = full_forward(self, x, residual, ctx, cos, sin)
         return (x, residual) if keep is None else (x[keep], residual[keep])
 
-    monkeypatch.setattr(KevModel, "_run", select_after)
+    monkeypatch.setattr(Block, "forward", select_after)
     full = cpu_engine(tiny, docs=enc.prefixes).run(enc, "indexed").probs
     assert max(abs(a - b) for ra, rb in zip(kept, full) for a, b in zip(ra, rb)) < 1e-5
 

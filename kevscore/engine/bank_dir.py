@@ -79,10 +79,8 @@ def index_or_why(root: Path) -> tuple[dict | None, str | None]:
             raise KevscoreError(f"{root / INDEX}: kevscore bank format version {data.get('version')}; this kevscore "
                                 f"reads version {VERSION} only. Use another --bank directory (or delete this one)")
         entries, models = data.get("entries"), data.get("models")
-        if not isinstance(entries, dict) or not isinstance(models, dict):
-            raise TypeError("no entries/models tables")
-        if not all(isinstance(about, dict) for about in models.values()):
-            raise TypeError("malformed models table")
+        if not (isinstance(entries, dict) and isinstance(models, dict) and all(type(m) is dict for m in models.values())):
+            raise TypeError("malformed entries/models tables")
         for key, rec in entries.items():
             if not (isinstance(rec, dict) and all(isinstance(rec.get(n), kind) for n, kind in RECORD_FIELDS.items())
                     and all(type(v) is int for v in rec["bytes"].values())

@@ -61,17 +61,16 @@ def weights_digest(ckpt) -> str:
     if ckpt.path is not None:
         files = sorted(Path(ckpt.path).glob("*.safetensors"))
         return hashlib.sha256("".join(f"{f.name}:{cached_sha256(f)};" for f in files).encode()).hexdigest()
-    names = sorted(ckpt.weights)
+    weights = sorted(ckpt.weights.items())
     samples = []  # each tensor's bytes, sampled: brought to the host in one copy (one wait for a GPU)
-    for name in names:
-        flat = ckpt.weights[name].detach().reshape(-1)
+    for _, t in weights:
+        flat = t.detach().reshape(-1)
         if flat.numel() > 1 << 20:  # 65537 evenly spaced elements, the last one included
             flat = torch.cat([flat[::max(1, flat.numel() // 65536)], flat[-1:]])
         samples.append(flat.contiguous().view(torch.uint8))
     host = torch.cat(samples).cpu().split([s.numel() for s in samples]) if samples else ()
     digest = hashlib.sha256()
-    for name, sample in zip(names, host):
-        t = ckpt.weights[name]
+    for (name, t), sample in zip(weights, host):
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         digest.update(sample.numpy().tobytes())
     return "mem:" + digest.hexdigest()
@@ -90,10 +89,7 @@ class EntryFile:
     tensors: dict[str, tuple[str, list[int], int, int]]
     size: int
     crc: dict[str, int]  # per tensor, the CRC-32 of its bytes
-
-    @property
-    def tokens(self) -> int:
-        return int(self.meta["tokens"])
+    tokens: int          # the prefix's, as the metadata records it
 
     def component_bytes(self) -> dict[str, int]:
         return {COMPONENTS[n]: end - begin for n, (_, _, begin, end) in self.tensors.items() if n in COMPONENTS}
@@ -152,7 +148,7 @@ def _parse_header(head: bytes, size: int) -> EntryFile:
         if not _consistent({name: spec[1] for name, spec in tensors.items()}, tokens) or tensors["ids"][0] != "I64":
             shapes = ", ".join(f"{name} {tensors[name][1]}" for name in TENSORS)
             raise EntryError(f"inconsistent shapes for {tokens} tokens: {shapes}")
-        return EntryFile(meta, tensors, size, crc)
+        return EntryFile(meta, tensors, size, crc, tokens)
     except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         raise EntryError(f"malformed header ({type(exc).__name__}: {str(exc)[:80]})") from None
 

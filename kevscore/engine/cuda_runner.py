@@ -36,18 +36,15 @@ class CapturedBatch:
 
 
 class GraphRunner(EagerRunner):
-    def __init__(self, model: KevModel, bank: StateBank, pad: int, eager: bool = False):
+    def __init__(self, model: KevModel, bank: StateBank, pad: int):
         super().__init__(model, bank, pad)
         assert not model.ops.GATHERS_KV, "a graph's key holds no document length to gather K/V by"
-        self.eager = eager
         self.graphs: dict[tuple, CapturedBatch] = {}
         # where the eager runs and captures go, and the memory pool the graphs share
         self.stream, self.pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
         self.capture_s = 0.0  # host seconds of the eager runs (first launches) and captures, reported apart
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
-        if self.eager:
-            return super().score(batch, branches, slots, prefix_lens, path)
         key = (batch.size, batch.length, batch.scored, path)
         if (entry := self.graphs.get(key)) is None:  # this batch's scores come from the eager run before the capture
             self.graphs[key], out = self.capture(batch, branches, slots, prefix_lens, path)
@@ -111,7 +108,8 @@ def process_settings(dtype: torch.dtype) -> None:
 
 
 def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[int], capacity: int | None,
-                      eager: bool, dtype: torch.dtype = torch.bfloat16) -> GraphRunner:
+                      eager: bool, dtype: torch.dtype = torch.bfloat16) -> EagerRunner:
+    """The model and a bank sized from free memory, run through CUDA graphs (`eager`: the eager runner)."""
     from kevscore.kernels import fla_ops
 
     process_settings(dtype)
@@ -119,7 +117,7 @@ def build_cuda_runner(ckpt: Checkpoint, device: torch.device, doc_tokens: list[i
     free, _ = torch.cuda.mem_get_info(device)
     layout = BankLayout.plan(ckpt.config, dtype, doc_tokens, int(free * BANK_SHARE), capacity)
     bank = StateBank(ckpt.config, layout, device, dtype)
-    runner = GraphRunner(model, bank, ckpt.pad_id, eager)
+    runner = (EagerRunner if eager else GraphRunner)(model, bank, ckpt.pad_id)
     # prefill groups of documents attention pads by at most PAD_WASTE (engine.pipeline): fp32 has no flash attention
     runner.similar_lengths = dtype == torch.float32
     free, _ = torch.cuda.mem_get_info(device)

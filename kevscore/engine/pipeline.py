@@ -107,8 +107,7 @@ class Engine:
         if self.stop is not None:
             self.stop.check()
 
-    def prefill_wave(self, enc: Encoded, wave: list[int], stats: RunStats,
-                     progress: Reporter = QUIET) -> dict[int, int]:
+    def prefill_wave(self, enc: Encoded, wave: list[int], stats: RunStats, progress: Reporter = QUIET) -> dict[int, int]:
         """Reset the bank and prefill the wave's documents; returns each document's bank slot. With a
         store, entries it has are loaded into their slots instead, and the prefilled ones saved."""
         bank = self.runner.bank

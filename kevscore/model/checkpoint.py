@@ -56,7 +56,7 @@ class Checkpoint:
         return next((int(t) for t in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id) if t is not None), 0)
 
 
-def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0,
+def load_checkpoint(spec: str, device: str | torch.device = "cpu",
                     tokenizer_ready: TokenizerReady = NOTHING_TO_DO) -> Checkpoint:
     """`demo`, a benchmark shape name (`kev-0.8b`, `kev-4b`) or a checkpoint directory. The tokenizer loads
     first: `tokenizer_ready(tokenizer, config)` is called before the weights load (a job tokenizes its input
@@ -64,7 +64,7 @@ def load_checkpoint(spec: str, device: str | torch.device = "cpu", seed: int = 0
     if spec in SHAPES:
         tok, cfg = load_tokenizer(model_directory("demo")), SHAPES[spec]
         tokenizer_ready(tok, cfg)
-        return Checkpoint(spec, cfg, random_weights(cfg, seed, torch.bfloat16, device), tok)
+        return Checkpoint(spec, cfg, random_weights(cfg, 0, torch.bfloat16, device), tok)
     directory = model_directory(spec)
     return load_directory(directory, device, tokenizer_ready, None if directory == Path(spec) else spec)
 
@@ -86,10 +86,8 @@ def model_directory(spec: str, download: bool = True) -> Path:
 
 def hub_cache() -> Path:
     """Hugging Face's hub cache, as huggingface_hub finds it (HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME), read now."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
-    return Path(home).expanduser() / "hub"
+    return Path(os.environ.get("HF_HUB_CACHE") or Path(home) / "hub").expanduser()
 
 
 def hub_directory(spec: str, download: bool = True) -> Path:

@@ -115,24 +115,19 @@ class KevModel(nn.Module):
                 setattr(block.mixer, f"bank_{t.name}", getattr(bank, t.name)[seen[t.name]])
                 seen[t.name] += 1
 
-    def _run(self, ids: torch.Tensor, ctx: Context, keep=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(last sub-layer output, residual stream before it): their sum is the final hidden state. keep: an
-        index into the leading dims of ids; the last layer computes its output at those positions only. A
-        prefill's last layer writes its bank entry and returns (None, None)."""
+    def _body(self, ids: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, ...]:
+        """Every layer but the last: (the last layer's input, the residual stream before it, cos, sin)."""
         x, residual = self.embed[ids], None
         cos, sin = self.rotary.cos_sin(ctx.positions)
-        *body, last = self.layers
-        for block in body:
+        for block in self.layers[:-1]:
             x, residual = block(x, residual, ctx, cos, sin)
-        if isinstance(ctx, PrefillContext):
-            last.write_bank(x, residual, ctx, cos, sin)
-            return None, None
-        return last(x, residual, ctx, cos, sin, keep)
+        return x, residual, cos, sin
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, ctx: PrefillContext) -> None:
-        """Run packed documents ids [1, N] and write their bank entries."""
-        self._run(ids, ctx)
+        """Run packed documents ids [1, N] and write their bank entries (the last layer writes only these)."""
+        x, residual, cos, sin = self._body(ids, ctx)
+        self.layers[-1].write_bank(x, residual, ctx, cos, sin)
 
     @torch.no_grad()
     def branch(self, ids: torch.Tensor, ctx: BranchContext, last: torch.Tensor) -> torch.Tensor:
@@ -140,5 +135,6 @@ class KevModel(nn.Module):
         ([R] -> [R, hidden]), or at its `last` positions ([R, K] -> [R * K, hidden], row by row)."""
         last = last.reshape(ids.shape[0], -1)  # [R, K], K = 1 for [R]: views, no copy
         rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(last).reshape(-1)
-        x, residual = self._run(ids, ctx, keep=(rows, last.reshape(-1)))  # the last layer computes only these
+        x, residual, cos, sin = self._body(ids, ctx)
+        x, residual = self.layers[-1](x, residual, ctx, cos, sin, keep=(rows, last.reshape(-1)))  # only these
         return self.ops.add_rms_norm(x, residual, self.final_scale, self.cfg.rms_norm_eps)[0]
