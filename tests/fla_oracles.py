@@ -105,13 +105,11 @@ def swapped(*names: str) -> Iterator[None]:
             setattr(fla_ops, f, fn)
 
 
-def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """FLA's kernel: `fla_ops.rms_norm`, or with `residual` `fla_ops.add_rms_norm`."""
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float):
+    """FLA's kernel: `fla_ops.rms_norm`."""
     from fla.modules.layernorm import rms_norm as fla_rms_norm
 
-    if residual is None:
-        return fla_rms_norm(x, scale, None, eps=eps)
-    return fla_rms_norm(x, scale, None, residual=residual, eps=eps, prenorm=True)
+    return fla_rms_norm(x, scale, None, eps=eps)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -99,9 +99,9 @@ def test_last_layer_runs_only_at_the_scored_positions(tiny, monkeypatch):
 
     full_forward = Block.forward
 
-    def select_after(self, x, residual, ctx, cos, sin, keep=None):
-        x, residual = full_forward(self, x, residual, ctx, cos, sin)
-        return (x, residual) if keep is None else (x[keep], residual[keep])
+    def select_after(self, hidden, ctx, cos, sin, keep=None):
+        hidden = full_forward(self, hidden, ctx, cos, sin)
+        return hidden if keep is None else hidden[keep]
 
     monkeypatch.setattr(Block, "forward", select_after)
     full = cpu_engine(tiny, docs=enc.prefixes).run(enc, "indexed").probs
@@ -126,7 +126,7 @@ def test_a_prefills_last_layer_writes_the_same_entries_alone(tiny, last_kind, mo
         return engine.runner.bank
 
     alone = bank()
-    monkeypatch.setattr(Block, "write_bank", lambda self, x, residual, ctx, cos, sin: self(x, residual, ctx, cos, sin))
+    monkeypatch.setattr(Block, "write_bank", lambda self, hidden, ctx, cos, sin: self(hidden, ctx, cos, sin))
     whole = bank()
     for name in ("state", "conv", "kv"):
         a, b = getattr(alone, name), getattr(whole, name)

@@ -13,9 +13,8 @@ five-kernel torch rotary (slices, negation, two concatenations) of each tensor.
 `gated_rms_norm_heads` is DeltaNet's output norm reading its gate in place from the projection output.
 `sigmoid_gate` is the attention prefill's output gate, reading the gate in place from the q|gate projection
 output and each token's attention output wherever the attention left it (a padded batch: the unpadding gather).
-`rms_norm_rows` is FLA's `rms_norm` arithmetic (fp32 sum of squares over the row, one rounding; with a
-residual, the sum x + residual rounded to its dtype as the new residual) with nothing that depends on the
-token count at compile time: FLA's kernel takes `cdiv(tokens, 2048)` as a constexpr and autotune key, so
+`rms_norm_rows` is FLA's `rms_norm` arithmetic (fp32 sum of squares over the row, one rounding) with nothing
+that depends on the token count at compile time: FLA's kernel takes `cdiv(tokens, 2048)` as a constexpr and autotune key, so
 each new group or batch size compiled (and tuned) it again.
 Launch defaults: `benchmarks/bench_kernels.py` on the H200 (benchmarks/NOTES.md 8).
 Torch references: `torch_ops.swiglu`, `torch_ops.rms_norm` + `torch_ops.rotary`, `torch_ops.gated_rms_norm`,
@@ -55,36 +54,28 @@ def swiglu_rows(gate_up: torch.Tensor, block_rows: int = 2, block_cols: int = 10
 
 
 @triton.jit
-def _rms_norm_kernel(x, res, w, y, res_out, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr):
+def _rms_norm_kernel(x, w, y, n_rows, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     o_r = tl.program_id(0) * BR + tl.arange(0, BR)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m = (o_r < n_rows)[:, None] & m_d[None, :]
     p = o_r[:, None].to(tl.int64) * D + o_d[None, :]
     b_x = tl.load(x + p, mask=m, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        b_x += tl.load(res + p, mask=m, other=0.0).to(tl.float32)
-        tl.store(res_out + p, b_x.to(res_out.dtype.element_ty), mask=m)
     b_rstd = 1 / tl.sqrt(tl.sum(b_x * b_x, 1) / D + eps)
     b_y = b_x * b_rstd[:, None] * tl.load(w + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
     tl.store(y + p, b_y.to(y.dtype.element_ty), mask=m)
 
 
-def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                  block_rows: int = 4, num_warps: int = 8):
-    """RMSNorm of the rows of x [..., D] (contiguous) times `weight` [D] (fp32): y in x's dtype; with
-    `residual` (same shape and dtype), (norm(x + residual), x + residual), as FLA's `prenorm=True` returns."""
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, block_rows: int = 4,
+                  num_warps: int = 8) -> torch.Tensor:
+    """RMSNorm of the rows of x [..., D] (contiguous) times `weight` [D] (fp32), in x's dtype."""
     d = x.shape[-1]
-    assert x.is_contiguous() and weight.is_contiguous() and (residual is None or residual.is_contiguous())
+    assert x.is_contiguous() and weight.is_contiguous()
     n = x.numel() // d
     y = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else y
-    grid = (triton.cdiv(n, block_rows),)
-    _rms_norm_kernel[grid](x, residual if residual is not None else x, weight, y, res_out, n, eps, D=d,
-                           BD=triton.next_power_of_2(d), BR=block_rows, HAS_RESIDUAL=residual is not None,
-                           num_warps=num_warps)
-    return y if residual is None else (y, res_out)
+    _rms_norm_kernel[(triton.cdiv(n, block_rows),)](x, weight, y, n, eps, D=d, BD=triton.next_power_of_2(d),
+                                                    BR=block_rows, num_warps=num_warps)
+    return y
 
 
 def token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:

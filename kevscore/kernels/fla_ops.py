@@ -54,9 +54,11 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_rows(x.contiguous(), scale, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float):
-    """(rms_norm(x + residual), x + residual), as FLA's `rms_norm(..., prenorm=True)` gives them."""
-    return rms_norm_rows(x.contiguous(), scale, eps, residual.contiguous())
+def proj_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The projection added into the residual stream in place by cuBLAS's epilogue (beta = 1: the fp32 sum
+    rounded once), so no projection output is written for the next norm to read beside the stream."""
+    residual.view(-1, residual.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), weight.t())
+    return residual
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ def bank_tensors(cfg: KevConfig) -> list[tuple[BankTensor, int]]:
 
 
 class Block(nn.Module):
-    """Pre-norm block over a residual stream; each norm also adds the previous sub-layer's output."""
+    """Pre-norm block over a residual stream, which each sub-layer's output projection adds into."""
 
     def __init__(self, cfg: KevConfig, kind: str, ops: Ops):
         super().__init__()
@@ -36,27 +36,22 @@ class Block(nn.Module):
         self.post_scale = frozen_param(cfg.hidden_size)
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: Context, cos, sin, keep=None):
-        """(sub-layer output, residual stream before it is added). keep: an index into the leading dims; the
-        mixer's output projection, the MLP and the returned tensors cover only those positions."""
-        h, residual = self._input_norm(x, residual)
-        h = self.mixer(h, ctx, keep=keep) if self.kind == LINEAR else self.mixer(h, ctx, cos, sin, keep=keep)
+    def forward(self, hidden: torch.Tensor, ctx: Context, cos, sin, keep=None) -> torch.Tensor:
+        """The residual stream after the block (the backend may update `hidden` in place). keep: an index into
+        the leading dims; the mixer's output projection, the MLP and the returned stream cover only those
+        positions."""
+        h = self.ops.rms_norm(hidden, self.input_scale, self.eps)
         if keep is not None:
-            residual = residual[keep]
-        h, residual = self.ops.add_rms_norm(h, residual, self.post_scale, self.eps)
-        return self.mlp(h), residual
+            hidden = hidden[keep]
+        extra = () if self.kind == LINEAR else (cos, sin)
+        hidden = self.mixer(h, hidden, ctx, *extra, keep=keep)
+        return self.mlp(self.ops.rms_norm(hidden, self.post_scale, self.eps), hidden)
 
 
-    def write_bank(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: PrefillContext, cos, sin) -> None:
+    def write_bank(self, hidden: torch.Tensor, ctx: PrefillContext, cos, sin) -> None:
         """The last layer of a prefill: its mixer's bank entry only; nothing reads its output."""
-        h, _ = self._input_norm(x, residual)
+        h = self.ops.rms_norm(hidden, self.input_scale, self.eps)
         self.mixer.write_bank(h, ctx, *(() if self.kind == LINEAR else (cos, sin)))
-
-    def _input_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the mixer's input, the residual stream): the previous block's output added first, if any."""
-        if residual is None:
-            return self.ops.rms_norm(x, self.input_scale, self.eps), x
-        return self.ops.add_rms_norm(x, residual, self.input_scale, self.eps)
 
 
 class KevModel(nn.Module):
@@ -116,18 +111,18 @@ class KevModel(nn.Module):
                 seen[t.name] += 1
 
     def _body(self, ids: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, ...]:
-        """Every layer but the last: (the last layer's input, the residual stream before it, cos, sin)."""
-        x, residual = self.embed[ids], None
+        """Every layer but the last: (the residual stream into the last layer, cos, sin)."""
+        hidden = self.embed[ids]
         cos, sin = self.rotary.cos_sin(ctx.positions)
         for block in self.layers[:-1]:
-            x, residual = block(x, residual, ctx, cos, sin)
-        return x, residual, cos, sin
+            hidden = block(hidden, ctx, cos, sin)
+        return hidden, cos, sin
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, ctx: PrefillContext) -> None:
         """Run packed documents ids [1, N] and write their bank entries (the last layer writes only these)."""
-        x, residual, cos, sin = self._body(ids, ctx)
-        self.layers[-1].write_bank(x, residual, ctx, cos, sin)
+        hidden, cos, sin = self._body(ids, ctx)
+        self.layers[-1].write_bank(hidden, ctx, cos, sin)
 
     @torch.no_grad()
     def branch(self, ids: torch.Tensor, ctx: BranchContext, last: torch.Tensor) -> torch.Tensor:
@@ -135,6 +130,6 @@ class KevModel(nn.Module):
         ([R] -> [R, hidden]), or at its `last` positions ([R, K] -> [R * K, hidden], row by row)."""
         last = last.reshape(ids.shape[0], -1)  # [R, K], K = 1 for [R]: views, no copy
         rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(last).reshape(-1)
-        x, residual, cos, sin = self._body(ids, ctx)
-        x, residual = self.layers[-1](x, residual, ctx, cos, sin, keep=(rows, last.reshape(-1)))  # only these
-        return self.ops.add_rms_norm(x, residual, self.final_scale, self.cfg.rms_norm_eps)[0]
+        hidden, cos, sin = self._body(ids, ctx)
+        hidden = self.layers[-1](hidden, ctx, cos, sin, keep=(rows, last.reshape(-1)))  # only these positions
+        return self.ops.rms_norm(hidden, self.final_scale, self.cfg.rms_norm_eps)

@@ -40,13 +40,10 @@ for rows, t, hv, dv in ((3, 5, 4, 32), (1, 19, 2, 48)):
 
 for shape, d in (((3, 5), 40), ((7,), 100), ((1, 1), 8)):
     gen = torch.Generator().manual_seed(d)
-    x, res = torch.randn(*shape, d, generator=gen) * 2, torch.randn(*shape, d, generator=gen)
+    x = torch.randn(*shape, d, generator=gen) * 2
     scale = 1 + torch.randn(d, generator=gen) * 0.1
     out = rms_norm_rows(x, scale, 1e-6, block_rows=2)
     worst = max(worst, (out - torch_ops.rms_norm(x, scale, 1e-6)).abs().max().item())
-    (out, summed), (ref, ref_sum) = rms_norm_rows(x, scale, 1e-6, res), torch_ops.add_rms_norm(x, res, scale, 1e-6)
-    assert torch.equal(summed, ref_sum)
-    worst = max(worst, (out - ref).abs().max().item())
 
 for docs, longest, h, d in ((3, 7, 2, 24), (1, 5, 3, 16)):  # attention prefill's output gate
     gen = torch.Generator().manual_seed(docs)

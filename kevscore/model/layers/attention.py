@@ -24,9 +24,10 @@ class Attention(nn.Module):
         self.o_proj = frozen_param(cfg.hidden_size, self.nh * self.d)
         self.bank_kv: torch.Tensor | None = None  # [2, tokens, Hkv, D], this layer's view of the bank's K/V pool
 
-    def forward(self, x: torch.Tensor, ctx: Context, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, ctx: Context, cos: torch.Tensor, sin: torch.Tensor,
                 keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """keep: an index into the leading dims; only those positions' outputs are projected and returned."""
+        """The residual stream plus the layer's output. keep: an index into the leading dims (`residual` holds
+        only those positions); only those positions' outputs are projected."""
         shape = x.shape[:-1]
         qg, k, v = F.linear(x, self.qkv_proj).split(self.splits, -1)
         q, gate = qg.reshape(*shape, self.nh, 2 * self.d).chunk(2, -1)
@@ -39,7 +40,7 @@ class Attention(nn.Module):
         else:
             o = self.ops.attn_branch(q, k, v, gate, self.bank_kv, ctx)
         o = o.reshape(*shape, -1)
-        return F.linear(o if keep is None else o[keep], self.o_proj)
+        return self.ops.proj_add(o if keep is None else o[keep], self.o_proj, residual)
 
     def write_bank(self, x: torch.Tensor, ctx: PrefillContext, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Prefill's last layer: the documents' K/V and nothing more (its output would feed nothing), so only

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kevscore.model.layers.ops import Ops
@@ -99,5 +98,6 @@ class MLP(nn.Module):
         self.gate_up = frozen_param(2 * inner, hidden)
         self.down = frozen_param(hidden, inner)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.ops.swiglu_proj(x, self.gate_up), self.down)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The residual stream plus the MLP's output."""
+        return self.ops.proj_add(self.ops.swiglu_proj(x, self.gate_up), self.down, residual)

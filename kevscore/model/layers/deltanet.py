@@ -30,8 +30,10 @@ class DeltaNet(nn.Module):
         self.bank_state: torch.Tensor | None = None  # [E, HV, K, V] fp32, this layer's view of the bank (BANK)
         self.bank_conv: torch.Tensor | None = None   # [E, conv_dim, k - 1]
 
-    def forward(self, x: torch.Tensor, ctx: Context, keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """keep: an index into the leading dims; only those positions' outputs are normed, projected, returned."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, ctx: Context,
+                keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """The residual stream plus the layer's output. keep: an index into the leading dims (`residual` holds
+        only those positions); only those positions' outputs are normed and projected."""
         mixed, z, b, a = F.linear(x, self.in_proj).split(self.splits, -1)
         gate = (a, self.A_log, self.dt_bias)  # the ops compute the decay -exp(A_log) * softplus(a + dt_bias)
         # the fronts: the conv, the q/k/v split and beta = sigmoid(b), in one kernel on the GPU
@@ -45,7 +47,7 @@ class DeltaNet(nn.Module):
         if keep is not None:
             o, z = o[keep], z[keep]
         o = self.ops.gated_rms_norm(o, z, self.norm_weight, self.eps)
-        return F.linear(o.flatten(-2), self.out_proj)
+        return self.ops.proj_add(o.flatten(-2), self.out_proj, residual)
 
     def write_bank(self, x: torch.Tensor, ctx: PrefillContext) -> None:
         """Prefill's last layer: the documents' states and nothing more (its output would feed nothing)."""

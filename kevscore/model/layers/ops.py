@@ -23,8 +23,9 @@ class Ops(Protocol):
     def rms_norm(self, x: Tensor, scale: Tensor, eps: float) -> Tensor:
         """Qwen3.5's zero-centred RMSNorm with `scale` = 1 + weight (fp32)."""
 
-    def add_rms_norm(self, x: Tensor, residual: Tensor, scale: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        """(rms_norm(x + residual), x + residual)."""
+    def proj_add(self, x: Tensor, weight: Tensor, residual: Tensor) -> Tensor:
+        """residual + x weight^T: the residual stream after a sub-layer's output projection (a backend may write
+        it into `residual`, which its caller reads no more)."""
 
     def gated_rms_norm(self, x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
         """DeltaNet's output norm: weight * norm(x) * silu(gate)."""
