@@ -90,7 +90,7 @@ def input_files(given: str) -> list[Path]:
     elif path.is_dir():
         found, none = list(path.rglob("*.parquet")), "a directory with no .parquet file"
     else:
-        return [path]
+        found, none = [path], "no such file"
     if not (files := sorted(f for f in found if f.is_file())):
         raise KevscoreError(f"{given}: {none}")
     return files
@@ -124,8 +124,6 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
     files = input_files(given)
     if len(files) == 1 and file_format(files[0]) == "parquet" and not rename and limit is None:
         return Source(given, files, files[0], rename)
-    if not files[0].is_file():
-        raise KevscoreError(f"{files[0]}: no such file")
     return Source(given, files, _stage(given, [str(f) for f in files], None, rename, limit, stage_dir), rename)
 
 

@@ -50,9 +50,7 @@ def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
         try:
             yield inputs
         except KevscoreError as exc:
-            if (message := inputs.message(str(exc))) == str(exc):
-                raise
-            raise type(exc)(message) from exc
+            raise type(exc)(inputs.message(str(exc))) from exc
 
 
 def output_path(opts: RunOptions) -> Path:
@@ -68,7 +66,7 @@ def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, wit
     """Refuse an output that is an input (a file of `inputs`, or anything inside a directory of `within`:
     the model's, the bank's), that is not a regular file, that exists (unless overwrite) or has no directory."""
     for source in inputs:
-        if _same_file(output, source):
+        if output.exists() and source.exists() and os.path.samefile(output, source):
             raise KevscoreError(f"{output}: the output is the input file {source}; choose another --output")
     for directory in map(Path, within):
         if directory.is_dir() and output.resolve().is_relative_to(directory.resolve()):
@@ -83,10 +81,6 @@ def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, wit
                             "choose another --output")
     if output.exists() and not overwrite:
         raise KevscoreError(f"{output}: already exists; pass --overwrite to replace it")
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
 
 
 def to_stdout(path: Path) -> None:
