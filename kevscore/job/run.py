@@ -155,7 +155,7 @@ class Job:
     warm_up: dict | None = None   # the GPU warm-up thread's report (job_runner)
     fingerprint: Fingerprint | None = None  # the model's (kevscore.engine.bank_store): the identity's and the bank's
     identity: dict | None = None  # what the results depend on (job_identity)
-    first_window: tuple[int, Future] | None = None  # (window, its read_window) begun while the runner was built
+    first_window: Future | None = None  # window 0's read_window, begun while the runner was built (a new job's)
 
 
 def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path | None = None, ranks: int = 1) -> Job:
@@ -205,8 +205,8 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedMode
     compute its identity."""
     job = prepare(opts, inputs, loaded, output, ranks)
     if ranks == 1 and job.finished is None and len(job.windows) and not parts_dir(output).exists():  # a new job
-        w = int(job.windows.of_rank(0)[0])  # its first window, read and tokenized while the runner is built
-        job.first_window = w, in_background(read_window, RowReader(job.scan), job.windows, job.encode, w)
+        # its first window (window 0: it has no part yet), read and tokenized while the runner is built
+        job.first_window = in_background(read_window, RowReader(job.scan), job.windows, job.encode, 0)
     # a checkpoint's first job hashes its weights' files (gigabytes): beside the runner's build and the warm-up
     weights = in_background(weights_digest, job.ckpt)
     runner = job_runner(job, loaded)
