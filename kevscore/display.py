@@ -348,8 +348,7 @@ def compare_table(r: dict) -> Table:
         table.add_column(name, justify="left" if words else "right", no_wrap=not words, overflow="fold")
     for c in r["cases"]:
         s = c["summary"]
-        lat = {p: f"{_ms(s[p]['median_ms'])}\n{_ms(s[p]['p10_ms'])}-{_ms(s[p]['p90_ms'])}"
-               for p in ("gathered", "indexed")}
+        lat = {p: f"{_ms(s[p]['median_ms'])}\n{_ms(s[p]['p10_ms'])}-{_ms(s[p]['p90_ms'])}" for p in ("gathered", "indexed")}
         name = c["name"] + (f"\n+{c['prefilled_in_call']} prefilled" if c["prefilled_in_call"] else "")
         ratio = f"{s['indexed_over_gathered']:.3f}" + ("\n[yellow]noise[/]" if s.get("spread_overlap") else "")
         table.add_row(escape(name), f"{c['rows']:,}", lat["gathered"], lat["indexed"], ratio, _parity(c))

@@ -22,8 +22,7 @@ def read_input(path: Path, documents: Path | None = None) -> InputTable:
     return RowReader(scan).read(np.arange(scan.rows, dtype=np.int64))
 
 
-def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[float]],
-                 label_mass: list[float]) -> pa.Table:
+def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[float]], label_mass: list[float]) -> pa.Table:
     """The output's table of `rows` and their scores (`pa.table` refuses columns of unequal lengths)."""
     for i, (ls, ps) in enumerate(zip(labels, probs)):
         if len(ls) != len(ps):

@@ -70,8 +70,7 @@ def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, wit
             raise KevscoreError(f"{output}: the output is the input file {source}; choose another --output")
     for directory in map(Path, within):
         if directory.is_dir() and output.resolve().is_relative_to(directory.resolve()):
-            raise KevscoreError(f"{output}: the output is inside {directory}, which this run reads; "
-                                "choose another --output")
+            raise KevscoreError(f"{output}: the output is inside {directory}, which this run reads; choose another --output")
     if not output.parent.is_dir():
         raise KevscoreError(f"{output}: directory {output.parent} does not exist")
     if output.is_dir():

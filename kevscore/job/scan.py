@@ -167,8 +167,7 @@ class InputScan:
             self.doc_of_row[r] = -1
 
 
-def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False,
-               keep_texts: bool = False) -> InputScan:
+def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False, keep_texts: bool = False) -> InputScan:
     """Validate the input (one file, or questions plus a documents file) and index its rows by document.
     `keep_texts`: without doc_id, key documents by their text (as kevscore.job.shard does), not a digest."""
     path = Path(path)
