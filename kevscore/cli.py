@@ -23,7 +23,7 @@ from kevscore.engine.bank_inspect import inspect_bank
 from kevscore.errors import KevscoreError, reported
 from kevscore.job import scan
 from kevscore.job.distributed import run_distributed, world_from_env
-from kevscore.job.formats import file_format
+from kevscore.job.files import file_format
 from kevscore.job.labels import parse_labels
 from kevscore.job.options import RunOptions
 from kevscore.job.provenance import output_provenance

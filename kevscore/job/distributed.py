@@ -22,7 +22,7 @@ from typing import TypeVar
 from kevscore.engine.backend import job_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
-from kevscore.job.inputs import opened_inputs, output_path
+from kevscore.job.files import opened_inputs, output_path
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.parts import PartStore
 from kevscore.job.run import Job, LoadedModel, finished_job, merge_job, open_parts, score_job, start_job

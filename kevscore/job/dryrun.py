@@ -10,7 +10,7 @@ import numpy as np
 
 from kevscore.engine.pipeline import Engine
 from kevscore.engine.plan import plan_waves
-from kevscore.job.inputs import opened_inputs
+from kevscore.job.files import opened_inputs
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.rows import RowReader
 from kevscore.job.run import Job, LoadedModel, job_runner, prepare

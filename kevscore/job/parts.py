@@ -29,8 +29,7 @@ import pyarrow.parquet as pq
 from kevscore import durable, faults
 from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
 from kevscore.job.data import OUTPUT_SCHEMA
-from kevscore.job.formats import file_format, table_filler
-from kevscore.job.inputs import check_output_path
+from kevscore.job.files import check_output_path, file_format, table_filler
 from kevscore.job.provenance import JOB_KEY, PROVENANCE_KEY, differences, job_digest, provenance
 from kevscore.job.rows import Cursor
 
@@ -224,7 +223,7 @@ class PartStore:
         """Merge the parts into the output in input order (and the errors file when `set_aside` is given:
         the rows the scan set aside); then remove the parts. Returns the output's row count. `finish`
         turns the merged chunks into the output's (columns added, rows observed); the output's format
-        follows its extension (kevscore.job.formats)."""
+        follows its extension (kevscore.job.files)."""
         self.done = self._completed(remove_others=False)  # the other ranks' parts too
         # every window's rows that failed on their own, by row
         failed = pa.concat_tables([ERRORS_SCHEMA.empty_table(), *(pq.read_table(self._file("errors", w))

@@ -15,8 +15,7 @@ import pyarrow.parquet as pq
 from kevscore.durable import file_sha256
 from kevscore.engine.plan import Windows
 from kevscore.errors import KevscoreError, first_line
-from kevscore.job.formats import Source, file_format
-from kevscore.job.inputs import Inputs
+from kevscore.job.files import Inputs, Source, file_format
 from kevscore.job.options import RunOptions, carries
 
 JOB_KEY = b"kevscore.job"

@@ -40,8 +40,7 @@ from kevscore.engine.warmup import WarmUp, prepare_device
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
 from kevscore.job.data import OUTPUT_SCHEMA
-from kevscore.job.formats import STDOUT, Carry, file_format
-from kevscore.job.inputs import Inputs, check_output_path, opened_inputs, output_path, to_stdout
+from kevscore.job.files import STDOUT, Carry, Inputs, check_output_path, file_format, opened_inputs, output_path, to_stdout
 from kevscore.job.labels import LabelTally, low_mass_warning
 from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, carries, check_options
 from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, errors_table, merged_output, parts_dir
