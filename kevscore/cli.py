@@ -291,8 +291,6 @@ def info(
     model and its fingerprint, the device, dtype, state-read mode, labels and options."""
     with _failing():
         record = output_provenance(output)
-    if record is None:
-        _fail(f"{output}: records no provenance (not written by kevscore run, or not as Parquet)", 2)
     _show(record, as_json, lambda out: out.print(display.provenance_table(record)))
 
 
