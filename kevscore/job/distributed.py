@@ -118,7 +118,7 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.E
     job = ranks.step(lambda: _start(opts, inputs, ranks), inputs.message)
     status.rows = int(job.windows.rows[job.windows.of_rank(ranks.rank)].sum())
     if job.finished is not None:  # the output exists: this very job's (nothing to do), or refused
-        ranks.step(lambda: finished_job(job, 0.0), inputs.message)
+        ranks.step(lambda: finished_job(job), inputs.message)
         status.reused = True
         return ranks.gather(status)
     parts: PartStore | None = ranks.step(lambda: open_parts(job, progress) if ranks.rank == 0 else None, inputs.message)

@@ -92,6 +92,7 @@ class LoadedModel:
 def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedModel | None = None) -> RunResult:
     """Score the input into the output (`-o -`: JSON Lines on stdout, written at the end); with `loaded`,
     on the model it holds (loading it there the first time)."""
+    progress = progress or Reporter()
     with job_threads(device := resolve_device(opts.device), opts.batch_invariant):
         started = time.perf_counter()
         check_options(opts)
@@ -100,8 +101,18 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
         output = None if stdout else output_path(opts)
         file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end
         with opened_inputs(opts) as inputs:
-            result = _run_job(opts, inputs, output or inputs.stage / "stdout.jsonl", progress or Reporter(), started,
-                              loaded or LoadedModel())
+            job = start_job(opts, inputs, output or inputs.stage / "stdout.jsonl", loaded or LoadedModel())
+            result = finished_job(job) if job.finished is not None else score_and_merge(job, progress)
+            if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
+                result.warnings.append(warning)
+                progress.warn(warning)
+            if opts.skip_invalid:
+                result.errors = errors_path(job.output)
+                result.set_aside = pq.read_metadata(result.errors).num_rows
+            result.wall_s = time.perf_counter() - started
+            result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+            if device.type == "cuda":
+                result.peak_gpu = int(torch.cuda.max_memory_allocated(device))
             if stdout:
                 to_stdout(result.output)
                 result.output = Path(STDOUT)
@@ -240,11 +251,9 @@ def reusable(layout: BankLayout, ckpt: Checkpoint, doc_tokens: list[int], capaci
     return layout.entries >= len(doc_tokens) and layout.tokens >= sum(doc_tokens)
 
 
-def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter, started: float,
-             loaded: LoadedModel) -> RunResult:
-    job = start_job(opts, inputs, output, loaded)
-    if job.finished is not None:
-        return finished_job(job, time.perf_counter() - started)
+def score_and_merge(job: Job, progress: Reporter) -> RunResult:
+    """Score the windows without a part (those an earlier run completed are resumed) and merge the parts into
+    the output, then remove them; an interrupt says what was kept."""
     parts = open_parts(job, progress)
     try:
         if parts.finished():
@@ -263,16 +272,6 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
         raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(job.windows)} windows ({done:,} rows) are "
                           f"kept in {parts.dir}; rerun the same command to resume") from None
     parts.remove()
-    if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
-        result.warnings.append(warning)
-        progress.warn(warning)
-    if opts.skip_invalid:
-        result.errors = errors_path(output)
-        result.set_aside = pq.read_metadata(result.errors).num_rows
-    result.wall_s = time.perf_counter() - started
-    result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    if job.device.type == "cuda":
-        result.peak_gpu = int(torch.cuda.max_memory_allocated(job.device))
     return result
 
 
@@ -341,16 +340,14 @@ def check_outputs(opts: RunOptions, sources: list[Path], output: Path) -> str | 
     return finished
 
 
-def finished_job(job: Job, wall_s: float) -> RunResult:
+def finished_job(job: Job) -> RunResult:
     """The job's output exists, merged by a job: this very job (nothing to do), or another one (refused)."""
     output = job.output
-    errors = errors_path(output) if job.opts.skip_invalid else None
-    if job.finished != job_digest(job.identity) or (errors is not None and not errors.is_file()):
+    if job.finished != job_digest(job.identity) or (job.opts.skip_invalid and not errors_path(output).is_file()):
         raise KevscoreError(f"{output}: already exists (the output of another job); pass --overwrite to replace it")
     rows, windows = pq.read_metadata(output).num_rows, len(job.windows)
     return RunResult(output, RunStats(rows=rows), int(job.windows.docs.sum()), str(job.device), job.ckpt.name, 0.0,
-                     errors=errors, set_aside=pq.read_metadata(errors).num_rows if errors is not None else 0,
-                     windows=windows, resumed=windows, resumed_rows=rows, wall_s=wall_s, already_complete=True)
+                     windows=windows, resumed=windows, resumed_rows=rows, already_complete=True)
 
 
 def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:
