@@ -197,7 +197,7 @@ def run(
         if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
             plan = Scorer.from_options(opts).dry_run(opts)
             if log_json:
-                return typer.echo(json.dumps({"event": "plan", **plan.fields()}))
+                return typer.echo(json.dumps({"event": "plan", **display.rounded(plan)}))
             return display.table_console().print(display.plan_table(plan))
     if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
