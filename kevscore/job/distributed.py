@@ -90,7 +90,7 @@ def world_from_env() -> tuple[int, int, int] | None:
     return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> DistributedResult:
+def run_distributed(opts: RunOptions) -> DistributedResult:
     """This process's share of a torchrun job; returns the whole job's result on every rank."""
     import torch.distributed as dist
 
@@ -100,7 +100,7 @@ def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> Distr
     try:
         with contextlib.ExitStack() as stack:
             ranks.step(lambda: stack.enter_context(job_threads(resolve_device(opts.device), opts.batch_invariant)))
-            statuses = _run(opts, progress or Reporter(), ranks, stack)
+            statuses = _run(opts, Reporter(), ranks, stack)
         result = DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
         if (summary := os.environ.get("KEVSCORE_SUMMARY_JSON")) and ranks.rank == 0:  # for benchmarks: the job's figures
             Path(summary).write_text(json.dumps(asdict(result), default=str))
