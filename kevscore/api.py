@@ -43,7 +43,6 @@ SCORER_OPTIONS = ("model", "device", "dtype", "labels", "template", "state_read"
                   "bank_max_gb", "bank_capacity", "eager", "batch_invariant")
 # a call's arguments that are RunOptions' fields of the same name (score, score_file, plan)
 CALL_OPTIONS = ("carry", "limit", "window", "skip_invalid", "overwrite", "restart")
-TABLE_NAMES = {"questions": "<questions>", "documents": "<documents>"}  # how messages name tables passed in
 
 
 class Scorer(AbstractContextManager):
@@ -68,9 +67,8 @@ class Scorer(AbstractContextManager):
             model, template, bank = str(model), _path(template), _path(bank)
             given = locals()
             self.options = RunOptions(input=Path(), **{name: given[name] for name in SCORER_OPTIONS})
-            where = resolve_device(device)
+            resolve_dtype(dtype, resolve_device(device))  # a device or dtype it lacks: refused before the bank is made
             check_options(self.options)
-            resolve_dtype(dtype, where)
         self.loaded = LoadedModel()
         self.last_result: RunResult | None = None  # the last call's numbers: rows, prefills, times, bank use
 
@@ -93,10 +91,10 @@ class Scorer(AbstractContextManager):
             output = Path(tmp) / "scores.parquet"
             try:
                 self.run(self._options({**call, "input": given["questions"], "output": output, **given}), progress)
-            except KevscoreError as exc:  # a message about the tables' temporary files (`_as_input`), told of the tables
+            except KevscoreError as exc:  # a message about the tables' temporary files (`_as_input`): <questions>, ...
                 message = str(exc)
-                for role, name in TABLE_NAMES.items():
-                    message = message.replace(str(Path(tmp) / f"{role}.parquet"), name)
+                for role in ("questions", "documents"):
+                    message = message.replace(str(Path(tmp) / f"{role}.parquet"), f"<{role}>")
                 raise type(exc)(message) from None
             except Interrupted:  # its parts were in the temporary directory: nothing to resume from
                 raise Interrupted("interrupted; nothing was kept (score_file's parts resume a stopped job)") from None
@@ -173,10 +171,11 @@ def _rename(columns: Mapping[str, str]) -> dict[str, str]:
 
 
 def _as_input(data: Tabular | PathLike | None, tmp: Path, role: str) -> str | None:
-    """A path as it is; a table (pyarrow, or pandas when installed) written into `tmp` as `role`.parquet."""
+    """A path as it is; a table (pyarrow, or pandas when installed) written into `tmp` as `role`.parquet, which
+    messages call <role>."""
     if data is None or isinstance(data, (str, os.PathLike)):
         return None if data is None else str(data)
-    name = TABLE_NAMES[role]
+    name = f"<{role}>"
     pandas = sys.modules.get("pandas")  # a DataFrame means pandas is imported already
     try:
         if pandas is not None and isinstance(data, pandas.DataFrame):

@@ -23,7 +23,7 @@ from kevscore.engine.bank_inspect import inspect_bank
 from kevscore.errors import KevscoreError, reported
 from kevscore.job import scan
 from kevscore.job.distributed import run_distributed, world_from_env
-from kevscore.job.formats import file_format
+from kevscore.job.files import file_format
 from kevscore.job.labels import parse_labels
 from kevscore.job.options import RunOptions
 from kevscore.job.provenance import output_provenance
@@ -197,7 +197,7 @@ def run(
         if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
             plan = Scorer.from_options(opts).dry_run(opts)
             if log_json:
-                return typer.echo(json.dumps({"event": "plan", **plan.fields()}))
+                return typer.echo(json.dumps({"event": "plan", **display.rounded(plan)}))
             return display.table_console().print(display.plan_table(plan))
     if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
@@ -291,8 +291,6 @@ def info(
     model and its fingerprint, the device, dtype, state-read mode, labels and options."""
     with _failing():
         record = output_provenance(output)
-    if record is None:
-        _fail(f"{output}: records no provenance (not written by kevscore run, or not as Parquet)", 2)
     _show(record, as_json, lambda out: out.print(display.provenance_table(record)))
 
 

@@ -150,12 +150,16 @@ def _per_s(n: int, seconds: float) -> float:
     return n / seconds if seconds > 0 else float("nan")
 
 
+def rounded(figures) -> dict:
+    """A dataclass's fields, floats to three decimals (--log-json's `plan` and `done` lines)."""
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(figures).items()}
+
+
 def summary_fields(result) -> dict:
     """The run's numbers (the summary table and --log-json's `done` line)."""
     s = result.stats
     scored = s.rows - result.resumed_rows
-    figures = {k: round(v, 3) if isinstance(v, float) else v for k, v in dataclasses.asdict(s).items()}
-    return {"output": str(result.output), "model": result.model, "device": result.device, **figures,
+    return {"output": str(result.output), "model": result.model, "device": result.device, **rounded(s),
             "rows_scored": scored, "rows_resumed": result.resumed_rows, "documents": result.documents,
             "windows": result.windows, "windows_resumed": result.resumed, "load_s": round(result.load_s, 3),
             "wall_s": round(result.wall_s, 3), "rows_per_s": round(scored / s.score_s, 2) if s.score_s > 0 else None,
@@ -348,8 +352,7 @@ def compare_table(r: dict) -> Table:
         table.add_column(name, justify="left" if words else "right", no_wrap=not words, overflow="fold")
     for c in r["cases"]:
         s = c["summary"]
-        lat = {p: f"{_ms(s[p]['median_ms'])}\n{_ms(s[p]['p10_ms'])}-{_ms(s[p]['p90_ms'])}"
-               for p in ("gathered", "indexed")}
+        lat = {p: f"{_ms(s[p]['median_ms'])}\n{_ms(s[p]['p10_ms'])}-{_ms(s[p]['p90_ms'])}" for p in ("gathered", "indexed")}
         name = c["name"] + (f"\n+{c['prefilled_in_call']} prefilled" if c["prefilled_in_call"] else "")
         ratio = f"{s['indexed_over_gathered']:.3f}" + ("\n[yellow]noise[/]" if s.get("spread_overlap") else "")
         table.add_row(escape(name), f"{c['rows']:,}", lat["gathered"], lat["indexed"], ratio, _parity(c))

@@ -13,8 +13,7 @@ from kevscore import faults
 from kevscore.durable import write_atomic
 from kevscore.errors import KevscoreError, KevscoreFailure
 from kevscore.job.data import OUTPUT_SCHEMA, output_table, read_input
-from kevscore.job.formats import table_filler
-from kevscore.job.inputs import check_output_path, output_path
+from kevscore.job.files import check_output_path, output_path, table_filler
 from kevscore.job.options import RunOptions
 from kevscore.job.scan import InputTable
 
@@ -375,7 +374,7 @@ def test_output_table_rejects_mismatched_lengths(bad: str) -> None:
 
 
 def write(out: Path, hook: str | None = None) -> None:
-    """One output table written the way parts are (durable.write_atomic of formats.table_filler)."""
+    """One output table written the way parts are (durable.write_atomic of files.table_filler)."""
     table = output_table(empty_rows(1), [["a", "b"]], [[0.3, 0.7]], [0.9])
     write_atomic(out, table_filler([table], hook=hook), out.parent)
 

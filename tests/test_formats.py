@@ -221,7 +221,7 @@ def test_several_gpus_write_parquet_only(tmp_path: Path) -> None:
 
 
 def test_stdout_reader_that_stops_early_is_not_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kevscore.job.inputs import to_stdout
+    from kevscore.job.files import to_stdout
 
     (tmp_path / "big.jsonl").write_bytes(b"{}\n" * 200_000)  # more than a pipe holds
     read, write = os.pipe()

@@ -19,11 +19,10 @@ def read_input(path: Path, documents: Path | None = None) -> InputTable:
     """Read the one-file form, or the questions file plus a documents file joined on doc_id: the whole
     input in memory (`kevscore.job.scan` validates it; a job reads it a window at a time instead)."""
     scan = scan_input(path, documents)
-    return RowReader(scan).read(np.arange(scan.rows, dtype=np.int64))
+    return RowReader(scan).read(np.arange(len(scan.doc_of_row), dtype=np.int64))
 
 
-def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[float]],
-                 label_mass: list[float]) -> pa.Table:
+def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[float]], label_mass: list[float]) -> pa.Table:
     """The output's table of `rows` and their scores (`pa.table` refuses columns of unequal lengths)."""
     for i, (ls, ps) in enumerate(zip(labels, probs)):
         if len(ls) != len(ps):

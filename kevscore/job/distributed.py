@@ -22,7 +22,7 @@ from typing import TypeVar
 from kevscore.engine.backend import job_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
-from kevscore.job.inputs import opened_inputs, output_path
+from kevscore.job.files import opened_inputs, output_path
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.parts import PartStore
 from kevscore.job.run import Job, LoadedModel, finished_job, merge_job, open_parts, score_job, start_job
@@ -90,7 +90,7 @@ def world_from_env() -> tuple[int, int, int] | None:
     return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> DistributedResult:
+def run_distributed(opts: RunOptions) -> DistributedResult:
     """This process's share of a torchrun job; returns the whole job's result on every rank."""
     import torch.distributed as dist
 
@@ -100,7 +100,7 @@ def run_distributed(opts: RunOptions, progress: Reporter | None = None) -> Distr
     try:
         with contextlib.ExitStack() as stack:
             ranks.step(lambda: stack.enter_context(job_threads(resolve_device(opts.device), opts.batch_invariant)))
-            statuses = _run(opts, progress or Reporter(), ranks, stack)
+            statuses = _run(opts, Reporter(), ranks, stack)
         result = DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
         if (summary := os.environ.get("KEVSCORE_SUMMARY_JSON")) and ranks.rank == 0:  # for benchmarks: the job's figures
             Path(summary).write_text(json.dumps(asdict(result), default=str))
@@ -118,7 +118,7 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.E
     job = ranks.step(lambda: _start(opts, inputs, ranks), inputs.message)
     status.rows = int(job.windows.rows[job.windows.of_rank(ranks.rank)].sum())
     if job.finished is not None:  # the output exists: this very job's (nothing to do), or refused
-        ranks.step(lambda: finished_job(job, 0.0), inputs.message)
+        ranks.step(lambda: finished_job(job), inputs.message)
         status.reused = True
         return ranks.gather(status)
     parts: PartStore | None = ranks.step(lambda: open_parts(job, progress) if ranks.rank == 0 else None, inputs.message)

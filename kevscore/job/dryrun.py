@@ -4,13 +4,13 @@ The plan counts documents, rows, windows, waves and tokens; the time is estimate
 job's own documents on this machine."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from kevscore.engine.pipeline import Engine
 from kevscore.engine.plan import plan_waves
-from kevscore.job.inputs import opened_inputs
+from kevscore.job.files import opened_inputs
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.rows import RowReader
 from kevscore.job.run import Job, LoadedModel, job_runner, prepare
@@ -37,9 +37,6 @@ class Plan:
     prefill_tokens_per_s: float | None = None
     score_rows_per_s: float | None = None
     estimate_s: float | None = None  # load + prefill + scoring at the measured rates
-
-    def fields(self) -> dict:
-        return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:

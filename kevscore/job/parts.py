@@ -26,13 +26,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore import faults
-from kevscore.durable import (file_sha256, lock_file, read_json_object, replace_into, temp_path, write_atomic, write_json,
-                              write_new)
+from kevscore import durable, faults
 from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
 from kevscore.job.data import OUTPUT_SCHEMA
-from kevscore.job.formats import file_format, table_filler
-from kevscore.job.inputs import check_output_path
+from kevscore.job.files import check_output_path, file_format, table_filler
 from kevscore.job.provenance import JOB_KEY, PROVENANCE_KEY, differences, job_digest, provenance
 from kevscore.job.rows import Cursor
 
@@ -76,9 +73,9 @@ def merged_output(output: Path, merged: dict | None = None) -> bool:
     """True when the file at OUT is the merge that OUT.parts's manifest records (`merged`: its record, when
     read already), renamed into place: a run killed after renaming its output and before removing its parts
     (the rerun only cleans up)."""
-    merged = merged or (read_json_object(parts_dir(output) / MANIFEST) or {}).get("merged") or {}
+    merged = merged or (durable.read_json_object(parts_dir(output) / MANIFEST) or {}).get("merged") or {}
     name = (merged.get("tmp") or {}).get("output")
-    return bool(name) and output.is_file() and file_sha256(output) == (merged.get("sha256") or {}).get(name)
+    return bool(name) and output.is_file() and durable.file_sha256(output) == (merged.get("sha256") or {}).get(name)
 
 
 class PartStore:
@@ -102,7 +99,7 @@ class PartStore:
         self.member, self._lock = member, None
         self.created = not member and not self.dir.exists()
         if member:
-            self.manifest = read_json_object(self.dir / MANIFEST) or {}
+            self.manifest = durable.read_json_object(self.dir / MANIFEST) or {}
             if self.manifest.get("identity") != identity:
                 raise KevscoreFailure(f"{self.dir}: rank 0 did not open it for this job")
             self.done = self._completed(remove_others=False)
@@ -111,7 +108,7 @@ class PartStore:
             self.dir.mkdir(exist_ok=True)
         except OSError as e:
             raise os_failure(f"{self.dir}: cannot create the parts directory", e) from e
-        self._lock = lock_file(self.dir / LOCK, wait=False)
+        self._lock = durable.lock_file(self.dir / LOCK, wait=False)
         if self._lock is None:
             raise KevscoreFailure(f"{self.output}: another kevscore run is writing this output now "
                                   f"(its parts are in {self.dir})")
@@ -128,7 +125,7 @@ class PartStore:
     def _open(self, restart: bool) -> None:
         for p in self.dir.glob(".*.tmp"):
             p.unlink(missing_ok=True)  # writes of a run that was killed
-        manifest = read_json_object(self.dir / MANIFEST)
+        manifest = durable.read_json_object(self.dir / MANIFEST)
         resume = manifest is not None and not restart and (
             manifest.get("format"), manifest.get("version"), manifest.get("identity")) == (FORMAT, VERSION, self.identity)
         if manifest is not None and not resume:
@@ -148,7 +145,7 @@ class PartStore:
         self.done = self._completed(remove_others=True)
 
     def _write_manifest(self) -> None:
-        write_json(self.dir / MANIFEST, self.manifest, "manifest-write", indent=1)
+        durable.write_json(self.dir / MANIFEST, self.manifest, "manifest-write", indent=1)
 
     def _completed(self, remove_others: bool) -> dict[int, int]:
         """Window -> rows of each complete part of this job; other part files are removed (or ignored)."""
@@ -194,10 +191,10 @@ class PartStore:
     def write(self, w: int, table: pa.Table, errors: pa.Table | None = None) -> None:
         """Window w's scores (rows ascending) and the rows that failed on their own, atomically."""
         if errors is not None and errors.num_rows:
-            write_atomic(self._file("errors", w), table_filler([errors]), self.dir)
+            durable.write_atomic(self._file("errors", w), table_filler([errors]), self.dir)
         table = table.replace_schema_metadata({JOB_KEY: self.job.encode()})
         groups = [pa.Table.from_batches([b], table.schema) for b in table.to_batches(max_chunksize=PART_ROW_GROUP)]
-        write_atomic(self._file("part", w), table_filler(groups or [table], hook="part-write"), self.dir)
+        durable.write_atomic(self._file("part", w), table_filler(groups or [table], hook="part-write"), self.dir)
         faults.point("part-done")
         self.done[w] = table.num_rows
         if not self.member:  # rank 0's manifest; the parts on disk are what counts
@@ -218,15 +215,15 @@ class PartStore:
         merge's recorded `sha256`, only those still there with those contents."""
         for name, target in (("errors", errors_path(self.output)), ("output", self.output)):
             tmp = self.dir / names.get(name, "")
-            if name in names and (sha256 is None or tmp.exists() and file_sha256(tmp) == sha256[tmp.name]):
-                replace_into(tmp, target)
+            if name in names and (sha256 is None or tmp.exists() and durable.file_sha256(tmp) == sha256[tmp.name]):
+                durable.replace_into(tmp, target)
 
     def merge(self, of_row: np.ndarray, set_aside: pa.Table | None,
               finish: Callable[[Iterator[pa.Table]], Iterator[pa.Table]]) -> int:
         """Merge the parts into the output in input order (and the errors file when `set_aside` is given:
         the rows the scan set aside); then remove the parts. Returns the output's row count. `finish`
         turns the merged chunks into the output's (columns added, rows observed); the output's format
-        follows its extension (kevscore.job.formats)."""
+        follows its extension (kevscore.job.files)."""
         self.done = self._completed(remove_others=False)  # the other ranks' parts too
         # every window's rows that failed on their own, by row
         failed = pa.concat_tables([ERRORS_SCHEMA.empty_table(), *(pq.read_table(self._file("errors", w))
@@ -236,17 +233,17 @@ class PartStore:
         expected = int((of_row >= 0).sum())
         if sum(self.done.values()) != expected:
             raise KevscoreFailure(f"{self.dir}: the parts hold {sum(self.done.values())} rows, the plan {expected}")
-        names = {"output": temp_path(self.output).name}
+        names = {"output": durable.temp_path(self.output).name}
         if set_aside is not None:
-            names["errors"] = temp_path(errors_path(self.output)).name
+            names["errors"] = durable.temp_path(errors_path(self.output)).name
             errors = pa.concat_tables([set_aside.cast(ERRORS_SCHEMA), failed]).sort_by("row")
-            write_new(self.dir / names["errors"], table_filler([errors]), errors_path(self.output))
+            durable.write_new(self.dir / names["errors"], table_filler([errors]), errors_path(self.output))
         # in a Parquet output's metadata: the job, so a rerun finds it complete, and how it was made
         job = {JOB_KEY: self.job.encode(), PROVENANCE_KEY: json.dumps(provenance(self.identity)).encode()}
         fill = table_filler(finish(self._merged(of_row)), file_format(self.output), job, "merge")
-        write_new(self.dir / names["output"], fill, self.output)
+        durable.write_new(self.dir / names["output"], fill, self.output)
         self.manifest["merged"] = {"tmp": names, "rows": expected,
-                                   "sha256": {n: file_sha256(self.dir / n) for n in names.values()}}
+                                   "sha256": {n: durable.file_sha256(self.dir / n) for n in names.values()}}
         self._write_manifest()
         self._put_in_place(names)
         faults.point("merged")

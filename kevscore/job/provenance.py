@@ -15,8 +15,7 @@ import pyarrow.parquet as pq
 from kevscore.durable import file_sha256
 from kevscore.engine.plan import Windows
 from kevscore.errors import KevscoreError, first_line
-from kevscore.job.formats import Source, file_format
-from kevscore.job.inputs import Inputs
+from kevscore.job.files import Inputs, Source, file_format
 from kevscore.job.options import RunOptions, carries
 
 JOB_KEY = b"kevscore.job"
@@ -49,13 +48,14 @@ def provenance(identity: dict) -> dict:
     return {"kevscore": __version__, "dtype": identity["options"]["dtype"], "job": job_digest(identity), **identity}
 
 
-def output_provenance(output: Path) -> dict | None:
-    """The provenance a kevscore Parquet output records (None: a Parquet file without it)."""
+def output_provenance(output: Path) -> dict:
+    """The provenance a kevscore Parquet output records (a KevscoreError for any other file)."""
     if (fmt := file_format(output)) != "parquet":
         raise KevscoreError(f"{output}: a {fmt} file; only Parquet outputs record how they were made")
     try:
-        meta = pq.read_schema(output).metadata or {}
-        return json.loads(meta[PROVENANCE_KEY]) if PROVENANCE_KEY in meta else None
+        return json.loads((pq.read_schema(output).metadata or {})[PROVENANCE_KEY])
+    except KeyError:
+        raise KevscoreError(f"{output}: records no provenance (not written by kevscore run, or not as Parquet)") from None
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise KevscoreError(f"{output}: not a readable Parquet file ({first_line(exc)})") from exc
 

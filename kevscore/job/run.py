@@ -40,8 +40,7 @@ from kevscore.engine.warmup import WarmUp, prepare_device
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
 from kevscore.job.data import OUTPUT_SCHEMA
-from kevscore.job.formats import STDOUT, Carry, file_format
-from kevscore.job.inputs import Inputs, check_output_path, opened_inputs, output_path, to_stdout
+from kevscore.job.files import STDOUT, Carry, Inputs, check_output_path, file_format, opened_inputs, output_path, to_stdout
 from kevscore.job.labels import LabelTally, low_mass_warning
 from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, carries, check_options
 from kevscore.job.parts import ERRORS_SCHEMA, PartStore, check_parts_dir, errors_path, errors_table, merged_output, parts_dir
@@ -93,6 +92,7 @@ class LoadedModel:
 def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedModel | None = None) -> RunResult:
     """Score the input into the output (`-o -`: JSON Lines on stdout, written at the end); with `loaded`,
     on the model it holds (loading it there the first time)."""
+    progress = progress or Reporter()
     with job_threads(device := resolve_device(opts.device), opts.batch_invariant):
         started = time.perf_counter()
         check_options(opts)
@@ -101,8 +101,18 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
         output = None if stdout else output_path(opts)
         file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end
         with opened_inputs(opts) as inputs:
-            result = _run_job(opts, inputs, output or inputs.stage / "stdout.jsonl", progress or Reporter(), started,
-                              loaded or LoadedModel())
+            job = start_job(opts, inputs, output or inputs.stage / "stdout.jsonl", loaded or LoadedModel())
+            result = finished_job(job) if job.finished is not None else score_and_merge(job, progress)
+            if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
+                result.warnings.append(warning)
+                progress.warn(warning)
+            if opts.skip_invalid:
+                result.errors = errors_path(job.output)
+                result.set_aside = pq.read_metadata(result.errors).num_rows
+            result.wall_s = time.perf_counter() - started
+            result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+            if device.type == "cuda":
+                result.peak_gpu = int(torch.cuda.max_memory_allocated(device))
             if stdout:
                 to_stdout(result.output)
                 result.output = Path(STDOUT)
@@ -155,7 +165,7 @@ class Job:
     warm_up: dict | None = None   # the GPU warm-up thread's report (job_runner)
     fingerprint: Fingerprint | None = None  # the model's (kevscore.engine.bank_store): the identity's and the bank's
     identity: dict | None = None  # what the results depend on (job_identity)
-    first_window: tuple[int, Future] | None = None  # (window, its read_window) begun while the runner was built
+    first_window: Future | None = None  # window 0's read_window, begun while the runner was built (a new job's)
 
 
 def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path | None = None, ranks: int = 1) -> Job:
@@ -205,8 +215,8 @@ def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedMode
     compute its identity."""
     job = prepare(opts, inputs, loaded, output, ranks)
     if ranks == 1 and job.finished is None and len(job.windows) and not parts_dir(output).exists():  # a new job
-        w = int(job.windows.of_rank(0)[0])  # its first window, read and tokenized while the runner is built
-        job.first_window = w, in_background(read_window, RowReader(job.scan), job.windows, job.encode, w)
+        # its first window (window 0: it has no part yet), read and tokenized while the runner is built
+        job.first_window = in_background(read_window, RowReader(job.scan), job.windows, job.encode, 0)
     # a checkpoint's first job hashes its weights' files (gigabytes): beside the runner's build and the warm-up
     weights = in_background(weights_digest, job.ckpt)
     runner = job_runner(job, loaded)
@@ -241,11 +251,9 @@ def reusable(layout: BankLayout, ckpt: Checkpoint, doc_tokens: list[int], capaci
     return layout.entries >= len(doc_tokens) and layout.tokens >= sum(doc_tokens)
 
 
-def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter, started: float,
-             loaded: LoadedModel) -> RunResult:
-    job = start_job(opts, inputs, output, loaded)
-    if job.finished is not None:
-        return finished_job(job, time.perf_counter() - started)
+def score_and_merge(job: Job, progress: Reporter) -> RunResult:
+    """Score the windows without a part (those an earlier run completed are resumed) and merge the parts into
+    the output, then remove them; an interrupt says what was kept."""
     parts = open_parts(job, progress)
     try:
         if parts.finished():
@@ -264,16 +272,6 @@ def _run_job(opts: RunOptions, inputs: Inputs, output: Path, progress: Reporter,
         raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(job.windows)} windows ({done:,} rows) are "
                           f"kept in {parts.dir}; rerun the same command to resume") from None
     parts.remove()
-    if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
-        result.warnings.append(warning)
-        progress.warn(warning)
-    if opts.skip_invalid:
-        result.errors = errors_path(output)
-        result.set_aside = pq.read_metadata(result.errors).num_rows
-    result.wall_s = time.perf_counter() - started
-    result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    if job.device.type == "cuda":
-        result.peak_gpu = int(torch.cuda.max_memory_allocated(job.device))
     return result
 
 
@@ -342,16 +340,14 @@ def check_outputs(opts: RunOptions, sources: list[Path], output: Path) -> str | 
     return finished
 
 
-def finished_job(job: Job, wall_s: float) -> RunResult:
+def finished_job(job: Job) -> RunResult:
     """The job's output exists, merged by a job: this very job (nothing to do), or another one (refused)."""
     output = job.output
-    errors = errors_path(output) if job.opts.skip_invalid else None
-    if job.finished != job_digest(job.identity) or (errors is not None and not errors.is_file()):
+    if job.finished != job_digest(job.identity) or (job.opts.skip_invalid and not errors_path(output).is_file()):
         raise KevscoreError(f"{output}: already exists (the output of another job); pass --overwrite to replace it")
     rows, windows = pq.read_metadata(output).num_rows, len(job.windows)
     return RunResult(output, RunStats(rows=rows), int(job.windows.docs.sum()), str(job.device), job.ckpt.name, 0.0,
-                     errors=errors, set_aside=pq.read_metadata(errors).num_rows if errors is not None else 0,
-                     windows=windows, resumed=windows, resumed_rows=rows, wall_s=wall_s, already_complete=True)
+                     windows=windows, resumed=windows, resumed_rows=rows, already_complete=True)
 
 
 def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:

@@ -153,8 +153,7 @@ class InputScan:
     per row: each row's document, each document's key, source row and lengths, and the rows set aside."""
     path: Path
     documents_path: Path | None
-    rows: int
-    doc_of_row: np.ndarray                 # int32 [rows]: index into doc_keys; -1 for a row set aside
+    doc_of_row: np.ndarray                 # int32 [input rows]: index into doc_keys; -1 for a row set aside
     doc_keys: list[str]                    # doc_id, else the text (keep_texts) or its digest (hex)
     doc_chars: np.ndarray                  # int64 per document: its text's characters and its questions' (shard cost)
     doc_row: np.ndarray                    # int64 per document: a row holding its text (input, or documents file)
@@ -167,8 +166,7 @@ class InputScan:
             self.doc_of_row[r] = -1
 
 
-def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False,
-               keep_texts: bool = False) -> InputScan:
+def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False, keep_texts: bool = False) -> InputScan:
     """Validate the input (one file, or questions plus a documents file) and index its rows by document.
     `keep_texts`: without doc_id, key documents by their text (as kevscore.job.shard does), not a digest."""
     path = Path(path)
@@ -236,8 +234,7 @@ def _indexed(path: Path, required: tuple[str, str], reject: str | None, keep_tex
         rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(list(clashes), np.int32))).tolist()
         raise KevscoreError(f"{path}: column 'doc_id' maps {few(keys[d] for d in clashes)} to "
                             f"different 'document' texts at {rows_phrase(rows)}")
-    scan = InputScan(path, None, len(doc_of_row), doc_of_row, keys, np.asarray(chars, np.int64),
-                     np.asarray(first_rows, np.int64))
+    scan = InputScan(path, None, doc_of_row, keys, np.asarray(chars, np.int64), np.asarray(first_rows, np.int64))
     _nulls(path, "document", nulls, scan if skip_invalid else None)
     return file, scan
 
@@ -256,7 +253,7 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
     columns = ["question"] + [c for c in ("question_id", "labels") if c in names]
     nulls: dict[str, list[int]] = {}
     bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
-    qhash = np.zeros(scan.rows if "question_id" in columns else 0, dtype=np.int64)
+    qhash = np.zeros(len(scan.doc_of_row) if "question_id" in columns else 0, dtype=np.int64)
     for start, cols in batches(path, file, columns, nulls):
         qids, labels = cols.get("question_id"), cols.get("labels")
         docs = scan.doc_of_row[start:start + len(cols["question"])]

@@ -12,9 +12,8 @@ import heapq
 
 
 def assign_documents(costs: dict[str, int], world: int) -> dict[str, int]:
-    """Document key -> rank, balancing the summed cost per rank (greedy, largest first)."""
-    if world < 1:
-        raise ValueError(f"world size {world}: must be at least 1")
+    """Document key -> rank, balancing the summed cost per rank (greedy, largest first); `world` at least 1
+    (job.run.shard_documents checks the rank it asks for is in the world)."""
     loads = [(0, rank) for rank in range(world)]
     out: dict[str, int] = {}
     for key in sorted(costs, key=lambda k: (-costs[k], k)):

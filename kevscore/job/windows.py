@@ -36,11 +36,11 @@ def read_window(reader: RowReader, windows: Windows, encode: Callable, w: int):
 
 
 def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: Engine, parts: PartStore, encode: Callable,
-                  stats: RunStats, progress: Reporter, rank: int = 0, first: tuple[int, Future] | None = None) -> None:
+                  stats: RunStats, progress: Reporter, rank: int = 0, first: Future | None = None) -> None:
     """Score every window of `rank` without a completed part. The next window is read and tokenized on one
     worker thread while this one is scored, and the last window's part is written on another (at most two
     windows' inputs and one window's output in memory); a failure on either thread ends the run with its error.
-    `first`: a window already being read (`read_window`), used if it is the first to score."""
+    `first`: window 0 already being read (`read_window`), used if it is the first to score."""
     mine = windows.of_rank(rank)
     todo = [w for w in mine if w not in parts.done]
     resumed_rows = sum(parts.done[w] for w in mine if w in parts.done)
@@ -62,7 +62,7 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
     writing = ThreadPoolExecutor(1, thread_name_prefix="kevscore-write")
     last_write = writing.submit(lambda: None)  # the part before the first window's: none
     try:
-        upcoming = first[1] if first is not None and todo[:1] == [first[0]] else None  # read while the runner was built
+        upcoming = first if todo[:1] == [0] else None  # window 0 read while the runner was built, or none
         for k, w in enumerate(todo):
             t0 = time.perf_counter()
             table, enc = (upcoming if upcoming is not None else reading.submit(load, w)).result()

@@ -1,11 +1,18 @@
-"""File formats: Parquet, CSV and JSON Lines by extension; the output written in its file's format."""
+"""A job's files: its input and documents opened as Parquet files to stream, its output's path and format.
+
+Parquet, CSV and JSON Lines by extension: an input that is not one Parquet file (another format, several files, a
+URI, renamed columns, --limit) is staged into one in a temporary directory; the output is written in its file's
+format (`-o -`: JSON Lines on stdout), with the input's other columns carried into it."""
 from __future__ import annotations
 
 import glob
 import json
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -20,6 +27,7 @@ import pyarrow.parquet as pq
 from kevscore import faults
 from kevscore.durable import Filler
 from kevscore.errors import KevscoreError, first_line
+from kevscore.job.options import RunOptions
 from kevscore.job.rows import Cursor
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
@@ -32,39 +40,6 @@ def file_format(path: Path | str) -> str:
     if suffix == ".json":
         raise KevscoreError(f"{path}: .json is not a format kevscore reads or writes; use .jsonl (JSON Lines)")
     return FORMATS.get(suffix, "parquet")
-
-
-def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dict[bytes, bytes] | None = None,
-                 hook: str | None = None) -> Filler:
-    """A filler (kevscore.durable) writing a stream of tables of one schema into an open binary file: Parquet
-    (with `metadata` when given), CSV (list columns as JSON arrays) or JSON Lines (one object per row); `hook`
-    is a fault point after each table."""
-    def fill(file: BinaryIO) -> None:
-        writer = None
-        with ExitStack() as stack:  # the writer, once made, is closed however the write ends
-            for table in tables:
-                if fmt == "jsonl":
-                    lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
-                    file.write(lines.encode("utf-8"))
-                else:
-                    table = lists_as_json(table) if fmt == "csv" else table
-                    if writer is None:
-                        schema = table.schema if metadata is None else table.schema.with_metadata(metadata)
-                        writer = stack.enter_context(pq.ParquetWriter(file, schema) if fmt == "parquet"
-                                                     else pacsv.CSVWriter(file, table.schema))
-                    writer.write_table(table)
-                if hook:
-                    faults.point(hook)
-    return fill
-
-
-def lists_as_json(table: pa.Table) -> pa.Table:
-    """List columns turned into JSON array strings (what CSV can hold)."""
-    for i, f in enumerate(table.schema):
-        if pa.types.is_list(f.type) or pa.types.is_large_list(f.type):
-            text = [None if v is None else json.dumps(v, ensure_ascii=False) for v in table.column(i).to_pylist()]
-            table = table.set_column(i, pa.field(f.name, pa.string()), pa.array(text, pa.string()))
-    return table
 
 
 # ---------------------------------------------------------------- reading
@@ -90,7 +65,7 @@ def input_files(given: str) -> list[Path]:
     elif path.is_dir():
         found, none = list(path.rglob("*.parquet")), "a directory with no .parquet file"
     else:
-        return [path]
+        found, none = [path], "no such file"
     if not (files := sorted(f for f in found if f.is_file())):
         raise KevscoreError(f"{given}: {none}")
     return files
@@ -124,8 +99,6 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
     files = input_files(given)
     if len(files) == 1 and file_format(files[0]) == "parquet" and not rename and limit is None:
         return Source(given, files, files[0], rename)
-    if not files[0].is_file():
-        raise KevscoreError(f"{files[0]}: no such file")
     return Source(given, files, _stage(given, [str(f) for f in files], None, rename, limit, stage_dir), rename)
 
 
@@ -193,6 +166,116 @@ def _label_list(text: str | None, row: int) -> list[str] | None:
     if labels is not None and not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)):
         raise ValueError(f"column 'labels' at row {row}: {text[:40]!r} is not a JSON array of strings")
     return labels
+
+
+@dataclass(slots=True)
+class Inputs:
+    """The input and documents as given, and the Parquet files a job streams (`open_source`)."""
+    questions: Source
+    documents: Source | None
+    stage: Path                   # a temporary directory for staged copies (and `-o -`'s output)
+
+    @property
+    def files(self) -> list[Path]:
+        return [f for s in (self.questions, self.documents) if s is not None for f in s.files]
+
+    def message(self, text: str) -> str:
+        """An error message about staged copies and renamed columns, told about the input as given."""
+        for source in (self.questions, self.documents):
+            if source is not None and source.path not in source.files:  # a staged copy
+                text = text.replace(str(source.path), source.given)
+        for theirs, ours in self.questions.rename.items():
+            text = text.replace(f"column {ours!r}", f"column {theirs!r}")
+        return text
+
+
+@contextmanager
+def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
+    """The input and documents as Parquet files to stream, staged in a temporary directory when they are
+    not (`open_source`); errors about them name the input as given."""
+    with tempfile.TemporaryDirectory(prefix="kevscore-") as tmp:
+        stage = Path(tmp)
+        questions = open_source(opts.input, stage / "input", opts.rename, opts.limit)
+        documents = open_source(opts.documents, stage / "documents", opts.rename) if opts.documents else None
+        inputs = Inputs(questions, documents, stage)
+        try:
+            yield inputs
+        except KevscoreError as exc:
+            raise type(exc)(inputs.message(str(exc))) from exc
+
+
+# ---------------------------------------------------------------- writing
+
+def output_path(opts: RunOptions) -> Path:
+    """The output file: -o, else <input stem>.scores.parquet beside the input."""
+    if opts.output is not None:
+        return Path(opts.output)
+    if any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
+        raise KevscoreError(f"{opts.input}: a glob or URI input needs -o/--output")
+    return Path(opts.input).with_name(f"{Path(opts.input).stem}.scores.parquet")
+
+
+def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, within: Sequence[Path] = ()) -> None:
+    """Refuse an output that is an input (a file of `inputs`, or anything inside a directory of `within`:
+    the model's, the bank's), that is not a regular file, that exists (unless overwrite) or has no directory."""
+    for source in inputs:
+        if output.exists() and source.exists() and os.path.samefile(output, source):
+            raise KevscoreError(f"{output}: the output is the input file {source}; choose another --output")
+    for directory in map(Path, within):
+        if directory.is_dir() and output.resolve().is_relative_to(directory.resolve()):
+            raise KevscoreError(f"{output}: the output is inside {directory}, which this run reads; choose another --output")
+    if not output.parent.is_dir():
+        raise KevscoreError(f"{output}: directory {output.parent} does not exist")
+    if output.is_dir():
+        raise KevscoreError(f"{output}: is a directory; choose a file name for --output")
+    if output.exists() and not output.is_file():
+        raise KevscoreError(f"{output}: exists and is not a regular file (a device, pipe or socket); "
+                            "choose another --output")
+    if output.exists() and not overwrite:
+        raise KevscoreError(f"{output}: already exists; pass --overwrite to replace it")
+
+
+def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dict[bytes, bytes] | None = None,
+                 hook: str | None = None) -> Filler:
+    """A filler (kevscore.durable) writing a stream of tables of one schema into an open binary file: Parquet
+    (with `metadata` when given), CSV (list columns as JSON arrays) or JSON Lines (one object per row); `hook`
+    is a fault point after each table."""
+    def fill(file: BinaryIO) -> None:
+        writer = None
+        with ExitStack() as stack:  # the writer, once made, is closed however the write ends
+            for table in tables:
+                if fmt == "jsonl":
+                    lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
+                    file.write(lines.encode("utf-8"))
+                else:
+                    table = lists_as_json(table) if fmt == "csv" else table
+                    if writer is None:
+                        schema = table.schema if metadata is None else table.schema.with_metadata(metadata)
+                        writer = stack.enter_context(pq.ParquetWriter(file, schema) if fmt == "parquet"
+                                                     else pacsv.CSVWriter(file, table.schema))
+                    writer.write_table(table)
+                if hook:
+                    faults.point(hook)
+    return fill
+
+
+def lists_as_json(table: pa.Table) -> pa.Table:
+    """List columns turned into JSON array strings (what CSV can hold)."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_list(f.type) or pa.types.is_large_list(f.type):
+            text = [None if v is None else json.dumps(v, ensure_ascii=False) for v in table.column(i).to_pylist()]
+            table = table.set_column(i, pa.field(f.name, pa.string()), pa.array(text, pa.string()))
+    return table
+
+
+def to_stdout(path: Path) -> None:
+    """Copy a file to stdout; a reader that stops early (`| head`) has all it wanted."""
+    try:
+        with open(path, "rb") as f:
+            shutil.copyfileobj(f, sys.stdout.buffer)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
 
 
 class Carry:
