@@ -98,7 +98,7 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
     return steps
 
 
-def first_calls(cfg: KevConfig, device: torch.device, dtype: torch.dtype, triton_hashed: Callable[[], bool]) -> None:
+def first_calls(cfg: KevConfig, device: torch.device, dtype: torch.dtype, triton_hashed: Callable[..., bool]) -> None:
     """A warm start's process-wide first calls, which would otherwise hold the job's first prefill group while
     the GPU idles (~0.4 s): the first cuBLAS GEMM (its handle) while Triton's hash is computed, then Triton's
     first kernel launch (its backend's imports, the ptxas hash, the launcher), one cached RMSNorm at the pass's
@@ -258,9 +258,9 @@ def prepare_device(device: torch.device, cfg: KevConfig | None, path: str,
             warm.report["seconds"] = time.perf_counter() - t0
             warm.ready.set()
 
-    # not a daemon: the interpreter's exit waits for it. It stops a daemon thread where it stands, and one inside
-    # torch's C++ (a real pass after a small job's end) aborts the process: "terminate called without an active
-    # exception", after a complete job
+    # not a daemon: the interpreter's exit waits for it (a small job may end first). It stops a daemon thread where
+    # it stands, and one inside torch's C++ (freeing the warm-up model, say) aborts the process: "terminate called
+    # without an active exception", after a complete job
     warm = WarmUp(threading.Thread(target=work, name="kevscore-warm-up"))
     warm.thread.start()
     return warm
