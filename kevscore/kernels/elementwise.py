@@ -14,8 +14,8 @@ five-kernel torch rotary (slices, negation, two concatenations) of each tensor.
 `sigmoid_gate` is the attention prefill's output gate, reading the gate in place from the q|gate projection
 output and each token's attention output wherever the attention left it (a padded batch: the unpadding gather).
 `rms_norm_rows` is FLA's `rms_norm` arithmetic (fp32 sum of squares over the row, one rounding) with nothing
-that depends on the token count at compile time: FLA's kernel takes `cdiv(tokens, 2048)` as a constexpr and autotune key, so
-each new group or batch size compiled (and tuned) it again.
+that depends on the token count at compile time: FLA's kernel takes `cdiv(tokens, 2048)` as a constexpr and
+autotune key, so each new group or batch size compiled (and tuned) it again.
 Launch defaults: `benchmarks/bench_kernels.py` on the H200 (benchmarks/NOTES.md 8).
 Torch references: `torch_ops.swiglu`, `torch_ops.rms_norm` + `torch_ops.rotary`, `torch_ops.gated_rms_norm`,
 `x * torch.sigmoid(gate)`.
