@@ -28,6 +28,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -37,7 +38,7 @@ from kevscore.durable import bytes_filler, fsync_dir, lock_file, temp_path, writ
 from kevscore.engine import bank_dir, bank_entry
 from kevscore.engine.backend import synchronize
 from kevscore.engine.bank_entry import EntryError, Fingerprint
-from kevscore.errors import KevscoreFailure
+from kevscore.errors import KevscoreError, KevscoreFailure
 from kevscore.model.prompt import prefix_key
 
 MARKER_FIELDS = {"format": bank_entry.FORMAT, "version": bank_entry.VERSION}  # the marker file's, the index's
@@ -56,8 +57,9 @@ class BankStats:
     warnings: list[str] = field(default_factory=list)
 
 
-class BankStore:
-    """An open bank directory for one model; call close() at the end of the run."""
+class BankStore(AbstractContextManager):
+    """An open bank directory for one model, closed when its `with` block ends; a directory it cannot open is a
+    one-line KevscoreError."""
 
     def __init__(self, root: Path, model: Fingerprint, max_bytes: int | None = None,
                  warn: Callable[[str], None] | None = None, workers: int | None = None):
@@ -68,9 +70,9 @@ class BankStore:
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
         self._doc_ids: dict[str, dict[str, None]] = {}  # prefix sha256 -> document ids of this run (MAX_DOC_IDS)
         self._owner_lock: BinaryIO | None = None
-        bank_dir.check_bank_dir(self.root, create=True)
-        self.root.mkdir(parents=True, exist_ok=True)
         try:
+            bank_dir.check_bank_dir(self.root, create=True)
+            self.root.mkdir(parents=True, exist_ok=True)
             with bank_dir.bank_lock(self.root, True, "open"):
                 bank_dir.check_bank_dir(self.root, create=True)  # again, under the lock
                 (self.root / bank_dir.ENTRIES).mkdir(exist_ok=True)
@@ -82,8 +84,10 @@ class BankStore:
                 if not (self.root / bank_dir.MARKER).exists():
                     write_json(self.root / bank_dir.MARKER, MARKER_FIELDS, tmp_dir=self.tmp)
                 self._publish(self._load_index(reconcile=True), "bank-index-write-open")
-        except BaseException:
+        except BaseException as exc:
             self._release()
+            if isinstance(exc, OSError):
+                raise KevscoreError(f"{self.root}: cannot open the bank ({exc.strerror or exc})") from exc
             raise
 
     # ------------------------------------------------------------ housekeeping
@@ -108,8 +112,9 @@ class BankStore:
                 owned.unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
 
-    def close(self) -> None:
-        """Commit the last uses of loaded entries, remove this process's temporary directory."""
+    def __exit__(self, *exc) -> None:
+        """The end of its `with` block: the last uses of loaded entries committed, this process's temporary directory
+        removed."""
         try:
             if self._touched and self._owner_lock is not None:
                 self._commit_or_warn([])
