@@ -203,7 +203,7 @@ def main() -> None:
                 reference, [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :used]]))
 
             def read_only() -> None:
-                for _ in store._pipelined(lambda f: read_entry(f, pin=device.type == "cuda"), files):
+                for _ in store._pipelined(lambda f: read_entry(f, pin=device.type == "cuda"), [(f,) for f in files]):
                     pass
 
             host = [timed(read_only, device) for _ in range(args.reps)]

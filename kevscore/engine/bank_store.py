@@ -237,7 +237,7 @@ class BankStore(AbstractContextManager):
         wanted = [(d, key) for d, key in self._keys(prefixes, docs) if self._path(key).exists()]
         loaded: set[int] = set()
         for (d, key), result in zip(wanted, self._pipelined(
-                lambda item: self._read_checked(item[1], bank, prefixes[item[0]], slot_of[item[0]]), wanted)):
+                lambda d, key: self._read_checked(key, bank, prefixes[d], slot_of[d]), wanted)):
             if isinstance(result, Exception):
                 if not isinstance(result, FileNotFoundError):  # gone: another run evicted it
                     self.stats.rejected += 1
@@ -263,8 +263,8 @@ class BankStore(AbstractContextManager):
         """(document, entry key) of `docs`, but those with an empty prefix (nothing to store, prefill is free)."""
         return [(d, bank_entry.entry_key(self.model.digest, prefix_key(prefixes[d]))) for d in docs if prefixes[d]]
 
-    def _pipelined(self, fn, items: list) -> Iterator:
-        """fn over items on worker threads, results in order, at most 2 x workers in flight (bounded
+    def _pipelined(self, fn, items: list[tuple]) -> Iterator:
+        """fn(*item) for each item on worker threads, results in order, at most 2 x workers in flight (bounded
         host memory); an exception is yielded as the item's result."""
         def result(future: Future):
             try:
@@ -274,10 +274,10 @@ class BankStore(AbstractContextManager):
 
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             todo = iter(items)
-            pending = deque(pool.submit(fn, item) for item in itertools.islice(todo, 2 * self.workers))
+            pending = deque(pool.submit(fn, *item) for item in itertools.islice(todo, 2 * self.workers))
             while pending:
                 yield result(pending.popleft())
-                pending.extend(pool.submit(fn, item) for item in itertools.islice(todo, 1))  # one in, one out
+                pending.extend(pool.submit(fn, *item) for item in itertools.islice(todo, 1))  # one in, one out
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
         """An entry read back and checked (`read_entry`: its key, checked against the file name asked for, stands for
@@ -295,11 +295,9 @@ class BankStore(AbstractContextManager):
         t0 = time.perf_counter()
         items = self._keys(prefixes, docs)
 
-        def write(item):
-            d, key = item
-            prefix = prefixes[d]
-            host = {name: t.to("cpu", copy=True).contiguous() for name, t in bank.entry(slot_of[d], len(prefix)).items()}
-            data = bank_entry.entry_bytes(key, self.model.digest, prefix, host)
+        def write(d: int, key: str):
+            host = {n: t.to("cpu", copy=True).contiguous() for n, t in bank.entry(slot_of[d], len(prefixes[d])).items()}
+            data = bank_entry.entry_bytes(key, self.model.digest, prefixes[d], host)
             tmp = temp_path(self._path(key), self.tmp)
             write_new(tmp, bytes_filler(data, "bank-entry-write"), self._path(key))
             return key, tmp, bank_dir.entry_record(bank_entry.read_header(tmp), time.time())
