@@ -38,7 +38,7 @@ from kevscore.durable import bytes_filler, fsync_dir, lock_file, temp_path, writ
 from kevscore.engine import bank_dir, bank_entry
 from kevscore.engine.backend import synchronize
 from kevscore.engine.bank_entry import EntryError, Fingerprint
-from kevscore.errors import KevscoreError, KevscoreFailure
+from kevscore.errors import KevscoreError, KevscoreFailure, listed
 from kevscore.model.prompt import prefix_key
 
 MARKER_FIELDS = {"format": bank_entry.FORMAT, "version": bank_entry.VERSION}  # the marker file's, the index's
@@ -100,7 +100,7 @@ class BankStore(AbstractContextManager):
     def _clean_tmp(self) -> None:
         """Remove the temporary files of processes that no longer run (their owner lock is free or gone)."""
         base = self.root / bank_dir.TMP
-        for owner in {p.name.removesuffix(".lock") for p in base.iterdir()} if base.is_dir() else ():
+        for owner in {p.name.removesuffix(".lock") for p in base.iterdir()}:
             lock, owned = base / f"{owner}.lock", base / owner
             if lock.exists():
                 if (held := lock_file(lock, wait=False)) is None:
@@ -147,8 +147,7 @@ class BankStore(AbstractContextManager):
         if gone := [r["file"] for k, r in index["entries"].items() if k not in files]:
             self.warn(f"{len(gone)} indexed entries have no file (e.g. {gone[0]}); dropped from the index")
         entries = index["entries"] = {k: r for k, r in index["entries"].items() if k in files}
-        for key in [k for k in files if k not in entries]:  # files the index lacks: adopted
-            path = files[key]
+        for key, path in [(k, p) for k, p in files.items() if k not in entries]:  # files the index lacks: adopted
             try:
                 entry = bank_entry.read_header(path)
                 if entry.meta["key"] != key:
@@ -242,7 +241,7 @@ class BankStore(AbstractContextManager):
                 if not isinstance(result, FileNotFoundError):  # gone: another run evicted it
                     self.stats.rejected += 1
                     ids = self._doc_ids.get(prefix_key(prefixes[d]))
-                    named = f", doc ids {', '.join(list(ids)[:3])}{', …' if len(ids) > 3 else ''}" if ids else ""
+                    named = f", doc ids {listed(list(ids), 3, 'doc ids')}" if ids else ""
                     self.warn(f"entry {key[:12]} ({bank_dir.entry_file(key)}{named}): {result}; recomputing it")
                 continue
             entry, tensors = result
