@@ -171,43 +171,42 @@ def main() -> None:
     fingerprint = model_fingerprint(ckpt, bank.conv.dtype, backend)
     fingerprint_s = time.perf_counter() - t0
     try:
-        store = BankStore(root, fingerprint, workers=args.workers)
-        fs = filesystem(root)
-        save = timed(lambda: store.save(bank, enc.prefixes, wave, slot_of), device)
-        files = sorted(root.glob("entries/*/*.safetensors"))
-        assert len(files) == args.docs, f"{len(files)} entry files for {args.docs} documents"
-        file_bytes = sum(f.stat().st_size for f in files)
-        components = read_header(files[0]).component_bytes()
+        with BankStore(root, fingerprint, workers=args.workers) as store:
+            fs = filesystem(root)
+            save = timed(lambda: store.save(bank, enc.prefixes, wave, slot_of), device)
+            files = sorted(root.glob("entries/*/*.safetensors"))
+            assert len(files) == args.docs, f"{len(files)} entry files for {args.docs} documents"
+            file_bytes = sum(f.stat().st_size for f in files)
+            components = read_header(files[0]).component_bytes()
 
-        def load() -> None:
-            bank.reset()
-            for d in wave:
-                bank.alloc(len(enc.prefixes[d]))
-            bank.publish()
-            got = store.load(bank, enc.prefixes, wave, slot_of)
-            assert len(got) == args.docs, f"loaded {len(got)} of {args.docs}"
+            def load() -> None:
+                bank.reset()
+                for d in wave:
+                    bank.alloc(len(enc.prefixes[d]))
+                bank.publish()
+                got = store.load(bank, enc.prefixes, wave, slot_of)
+                assert len(got) == args.docs, f"loaded {len(got)} of {args.docs}"
 
-        def dropped_load() -> tuple[float, float | None]:
-            drop_cache(files)
-            before = resident_fraction(files)
-            return timed(load, device), before
+            def dropped_load() -> tuple[float, float | None]:
+                drop_cache(files)
+                before = resident_fraction(files)
+                return timed(load, device), before
 
-        first, first_resident = dropped_load()  # pays pinned host buffer allocation (GPU)
-        cold = [dropped_load() for _ in range(args.reps)]
-        identical = all(torch.equal(a, b) for a, b in zip(
-            reference, [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :used]]))
-        load()
-        warm_resident = resident_fraction(files)
-        warm = [timed(load, device) for _ in range(args.reps)]
-        identical = identical and all(torch.equal(a, b) for a, b in zip(
-            reference, [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :used]]))
+            first, first_resident = dropped_load()  # pays pinned host buffer allocation (GPU)
+            cold = [dropped_load() for _ in range(args.reps)]
+            identical = all(torch.equal(a, b) for a, b in zip(
+                reference, [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :used]]))
+            load()
+            warm_resident = resident_fraction(files)
+            warm = [timed(load, device) for _ in range(args.reps)]
+            identical = identical and all(torch.equal(a, b) for a, b in zip(
+                reference, [bank.state[:, :n], bank.conv[:, :n], bank.kv[:, :, :used]]))
 
-        def read_only() -> None:
-            for _ in store._pipelined(lambda f: read_entry(f, pin=device.type == "cuda"), files):
-                pass
+            def read_only() -> None:
+                for _ in store._pipelined(lambda f: read_entry(f, pin=device.type == "cuda"), [(f,) for f in files]):
+                    pass
 
-        host = [timed(read_only, device) for _ in range(args.reps)]
-        store.close()
+            host = [timed(read_only, device) for _ in range(args.reps)]
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

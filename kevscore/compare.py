@@ -25,7 +25,7 @@ import torch
 from kevscore.baselines import naive_call
 from kevscore.durable import write_atomic, write_json
 from kevscore.engine.backend import build_runner, resolve_device
-from kevscore.engine.pipeline import Engine, Scores
+from kevscore.engine.pipeline import Engine, RunStats, Scores
 from kevscore.errors import KevscoreError, rows_phrase
 from kevscore.job.data import argmax, read_input
 from kevscore.measure import environment, events_ms, timed
@@ -117,7 +117,7 @@ def case_call(engine: Engine, enc: Encoded, warm: float) -> tuple[Callable[[str]
     same slots every time), then scores every row."""
     docs = list(range(len(enc.prefixes)))
     n_warm = round(warm * len(docs))
-    stats, rows, scores = Scores.empty(0).stats, list(range(len(enc))), {p: Scores.empty(len(enc)) for p in PATHS}
+    stats, rows, scores = RunStats(), list(range(len(enc))), {p: Scores.empty(len(enc)) for p in PATHS}
     slot_of = engine.prefill_wave(enc, docs, stats)
 
     def call(path: str) -> None:

@@ -28,6 +28,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -37,7 +38,7 @@ from kevscore.durable import bytes_filler, fsync_dir, lock_file, temp_path, writ
 from kevscore.engine import bank_dir, bank_entry
 from kevscore.engine.backend import synchronize
 from kevscore.engine.bank_entry import EntryError, Fingerprint
-from kevscore.errors import KevscoreFailure
+from kevscore.errors import KevscoreError, KevscoreFailure, listed
 from kevscore.model.prompt import prefix_key
 
 MARKER_FIELDS = {"format": bank_entry.FORMAT, "version": bank_entry.VERSION}  # the marker file's, the index's
@@ -56,8 +57,9 @@ class BankStats:
     warnings: list[str] = field(default_factory=list)
 
 
-class BankStore:
-    """An open bank directory for one model; call close() at the end of the run."""
+class BankStore(AbstractContextManager):
+    """An open bank directory for one model, closed when its `with` block ends; a directory it cannot open is a
+    one-line KevscoreError."""
 
     def __init__(self, root: Path, model: Fingerprint, max_bytes: int | None = None,
                  warn: Callable[[str], None] | None = None, workers: int | None = None):
@@ -68,9 +70,9 @@ class BankStore:
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
         self._doc_ids: dict[str, dict[str, None]] = {}  # prefix sha256 -> document ids of this run (MAX_DOC_IDS)
         self._owner_lock: BinaryIO | None = None
-        bank_dir.check_bank_dir(self.root, create=True)
-        self.root.mkdir(parents=True, exist_ok=True)
         try:
+            bank_dir.check_bank_dir(self.root, create=True)
+            self.root.mkdir(parents=True, exist_ok=True)
             with bank_dir.bank_lock(self.root, True, "open"):
                 bank_dir.check_bank_dir(self.root, create=True)  # again, under the lock
                 (self.root / bank_dir.ENTRIES).mkdir(exist_ok=True)
@@ -82,8 +84,10 @@ class BankStore:
                 if not (self.root / bank_dir.MARKER).exists():
                     write_json(self.root / bank_dir.MARKER, MARKER_FIELDS, tmp_dir=self.tmp)
                 self._publish(self._load_index(reconcile=True), "bank-index-write-open")
-        except BaseException:
+        except BaseException as exc:
             self._release()
+            if isinstance(exc, OSError):
+                raise KevscoreError(f"{self.root}: cannot open the bank ({exc.strerror or exc})") from exc
             raise
 
     # ------------------------------------------------------------ housekeeping
@@ -96,7 +100,7 @@ class BankStore:
     def _clean_tmp(self) -> None:
         """Remove the temporary files of processes that no longer run (their owner lock is free or gone)."""
         base = self.root / bank_dir.TMP
-        for owner in {p.name.removesuffix(".lock") for p in base.iterdir()} if base.is_dir() else ():
+        for owner in {p.name.removesuffix(".lock") for p in base.iterdir()}:
             lock, owned = base / f"{owner}.lock", base / owner
             if lock.exists():
                 if (held := lock_file(lock, wait=False)) is None:
@@ -108,8 +112,9 @@ class BankStore:
                 owned.unlink(missing_ok=True)
             lock.unlink(missing_ok=True)
 
-    def close(self) -> None:
-        """Commit the last uses of loaded entries, remove this process's temporary directory."""
+    def __exit__(self, *exc) -> None:
+        """The end of its `with` block: the last uses of loaded entries committed, this process's temporary directory
+        removed."""
         try:
             if self._touched and self._owner_lock is not None:
                 self._commit_or_warn([])
@@ -142,8 +147,7 @@ class BankStore:
         if gone := [r["file"] for k, r in index["entries"].items() if k not in files]:
             self.warn(f"{len(gone)} indexed entries have no file (e.g. {gone[0]}); dropped from the index")
         entries = index["entries"] = {k: r for k, r in index["entries"].items() if k in files}
-        for key in [k for k in files if k not in entries]:  # files the index lacks: adopted
-            path = files[key]
+        for key, path in [(k, p) for k, p in files.items() if k not in entries]:  # files the index lacks: adopted
             try:
                 entry = bank_entry.read_header(path)
                 if entry.meta["key"] != key:
@@ -232,12 +236,12 @@ class BankStore:
         wanted = [(d, key) for d, key in self._keys(prefixes, docs) if self._path(key).exists()]
         loaded: set[int] = set()
         for (d, key), result in zip(wanted, self._pipelined(
-                lambda item: self._read_checked(item[1], bank, prefixes[item[0]], slot_of[item[0]]), wanted)):
+                lambda d, key: self._read_checked(key, bank, prefixes[d], slot_of[d]), wanted)):
             if isinstance(result, Exception):
                 if not isinstance(result, FileNotFoundError):  # gone: another run evicted it
                     self.stats.rejected += 1
                     ids = self._doc_ids.get(prefix_key(prefixes[d]))
-                    named = f", doc ids {', '.join(list(ids)[:3])}{', …' if len(ids) > 3 else ''}" if ids else ""
+                    named = f", doc ids {listed(list(ids), 3, 'doc ids')}" if ids else ""
                     self.warn(f"entry {key[:12]} ({bank_dir.entry_file(key)}{named}): {result}; recomputing it")
                 continue
             entry, tensors = result
@@ -258,8 +262,8 @@ class BankStore:
         """(document, entry key) of `docs`, but those with an empty prefix (nothing to store, prefill is free)."""
         return [(d, bank_entry.entry_key(self.model.digest, prefix_key(prefixes[d]))) for d in docs if prefixes[d]]
 
-    def _pipelined(self, fn, items: list) -> Iterator:
-        """fn over items on worker threads, results in order, at most 2 x workers in flight (bounded
+    def _pipelined(self, fn, items: list[tuple]) -> Iterator:
+        """fn(*item) for each item on worker threads, results in order, at most 2 x workers in flight (bounded
         host memory); an exception is yielded as the item's result."""
         def result(future: Future):
             try:
@@ -269,10 +273,10 @@ class BankStore:
 
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
             todo = iter(items)
-            pending = deque(pool.submit(fn, item) for item in itertools.islice(todo, 2 * self.workers))
+            pending = deque(pool.submit(fn, *item) for item in itertools.islice(todo, 2 * self.workers))
             while pending:
                 yield result(pending.popleft())
-                pending.extend(pool.submit(fn, item) for item in itertools.islice(todo, 1))  # one in, one out
+                pending.extend(pool.submit(fn, *item) for item in itertools.islice(todo, 1))  # one in, one out
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
         """An entry read back and checked (`read_entry`: its key, checked against the file name asked for, stands for
@@ -290,11 +294,9 @@ class BankStore:
         t0 = time.perf_counter()
         items = self._keys(prefixes, docs)
 
-        def write(item):
-            d, key = item
-            prefix = prefixes[d]
-            host = {name: t.to("cpu", copy=True).contiguous() for name, t in bank.entry(slot_of[d], len(prefix)).items()}
-            data = bank_entry.entry_bytes(key, self.model.digest, prefix, host)
+        def write(d: int, key: str):
+            host = {n: t.to("cpu", copy=True).contiguous() for n, t in bank.entry(slot_of[d], len(prefixes[d])).items()}
+            data = bank_entry.entry_bytes(key, self.model.digest, prefixes[d], host)
             tmp = temp_path(self._path(key), self.tmp)
             write_new(tmp, bytes_filler(data, "bank-entry-write"), self._path(key))
             return key, tmp, bank_dir.entry_record(bank_entry.read_header(tmp), time.time())

@@ -66,8 +66,9 @@ class Scores:
     failed: dict[int, str] = field(default_factory=dict)  # row -> why it failed on its own (skip_failed)
 
     @classmethod
-    def empty(cls, rows: int) -> Scores:
-        return cls([[] for _ in range(rows)], [0.0] * rows, RunStats(rows=rows))
+    def empty(cls, rows: int, stats: RunStats | None = None) -> Scores:
+        """No row scored yet; `stats` (a job's, accumulating over its windows), else new ones."""
+        return cls([[] for _ in range(rows)], [0.0] * rows, stats or RunStats(rows=rows))
 
 
 class Engine:
@@ -86,8 +87,12 @@ class Engine:
         self.run_waves(enc, path, scores, progress)
         return scores
 
-    def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Reporter = QUIET) -> None:
-        """Every row of `enc`, wave by wave through the bank, into `scores` (its stats accumulate)."""
+    def run_waves(self, enc: Encoded, path: str, scores: Scores, progress: Reporter = QUIET, doc_ids=None) -> None:
+        """Every row of `enc`, wave by wave through the bank, into `scores` (its stats accumulate). A store is told
+        the rows' document ids (`doc_ids`: a list of str, None without them), which its index records with their
+        entries."""
+        if self.store is not None:
+            self.store.note_documents(enc.prefixes, enc.row_prefix, doc_ids)
         doc_tokens = [len(p) for p in enc.prefixes]
         stats = scores.stats
         stats.prefixes += len(enc.prefixes)

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import closing, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -293,14 +293,11 @@ def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
 
 def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> RunResult:
     """Score `rank`'s windows that have no part yet (with the on-disk bank when asked), writing their parts."""
-    opts, store = job.opts, None
-    if opts.bank is not None:  # the on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)
-        max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
-        try:
-            store = BankStore(Path(opts.bank), job.fingerprint, max_bytes, warn=progress.warn)
-        except OSError as exc:
-            raise KevscoreError(f"{opts.bank}: cannot open the bank ({exc.strerror or exc})") from exc
-    with closing(store) if store is not None else nullcontext(), StopSignals(progress.warn) as stop:
+    opts = job.opts
+    max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
+    # the on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)
+    store = BankStore(Path(opts.bank), job.fingerprint, max_bytes, progress.warn) if opts.bank is not None else None
+    with store or nullcontext(), StopSignals(progress.warn) as stop:
         result = new_result(job, parts, rank)
         engine = make_engine(opts, job.runner, store, stop)
         score_windows(opts, job.scan, job.windows, engine, parts, job.encode, result.stats, progress, rank, job.first_window)

@@ -69,10 +69,8 @@ def score_windows(opts: RunOptions, scan: InputScan, windows: Windows, engine: E
             stats.read_s += time.perf_counter() - t0  # the time scoring waited for its window
             upcoming = reading.submit(load, todo[k + 1]) if k + 1 < len(todo) else None
             progress.event("window", window=w, rows=len(enc), documents=len(enc.prefixes))
-            if engine.store is not None:
-                engine.store.note_documents(enc.prefixes, enc.row_prefix, table.doc_ids)
-            scores = Scores([[] for _ in range(len(enc))], [0.0] * len(enc), stats)
-            engine.run_waves(enc, opts.state_read, scores, progress)
+            scores = Scores.empty(len(enc), stats)
+            engine.run_waves(enc, opts.state_read, scores, progress, table.doc_ids)
             progress.advance("prefill", max(0, int(windows.docs[w]) - len(enc.prefixes)))  # duplicate texts
             last_write.result()  # the previous part is on disk (or its error is raised here)
             last_write = writing.submit(write, w, table, enc, scores)
