@@ -1,8 +1,5 @@
 """The `run` job: the input checked, then scored window by window into resumable parts, merged at the end.
 
-The `run` job: scan and validate the input, then score it window by window into resumable part files,
-merged into the output in input order at the end.
-
     scan (validation, rows -> documents; kevscore.job.scan) -> load the model -> token lengths (validation)
       -> windows of documents (kevscore.engine.plan) -> bank sized for one window
       -> per window not yet done: read its rows, encode, prefill + score (waves), write its part
