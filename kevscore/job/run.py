@@ -93,7 +93,6 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
     with job_threads(device := resolve_device(opts.device), opts.batch_invariant):
         started = time.perf_counter()
         check_options(opts)
-        resolve_dtype(opts.dtype, device)  # bf16 on the CPU: refused before the input is opened
         stdout = str(opts.output) == STDOUT
         output = None if stdout else output_path(opts)
         file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end
