@@ -64,7 +64,7 @@ class Scorer(AbstractContextManager):
         takes it; the others as `kevscore run`'s options of the same names."""
         with one_line():
             labels = parse_labels(labels) if isinstance(labels, str) else list(labels)
-            model, template, bank = str(model), _path(template), _path(bank)
+            model = str(model)
             given = locals()
             self.options = RunOptions(input=Path(), **{name: given[name] for name in SCORER_OPTIONS})
             resolve_dtype(dtype, resolve_device(device))  # a device or dtype it lacks: refused before the bank is made
@@ -132,8 +132,8 @@ class Scorer(AbstractContextManager):
     def _options(self, call: dict) -> RunOptions:
         """The `kevscore run` options of a call (`call`: its arguments, by name): this scorer's, with the call's
         input, output, documents, columns and CALL_OPTIONS."""
-        documents, output = call["documents"], call.get("output")
-        return dataclasses.replace(self.options, input=str(call["input"]), output=_path(output),
+        documents = call["documents"]
+        return dataclasses.replace(self.options, input=str(call["input"]), output=call.get("output"),
                                    documents=None if documents is None else str(documents),
                                    rename=_rename(call["columns"] or {}),
                                    **{name: call[name] for name in CALL_OPTIONS if name in call})
@@ -157,10 +157,6 @@ def one_line() -> Iterator[None]:
         yield
     except OSError as exc:
         raise reported(exc) from exc
-
-
-def _path(value: PathLike | None) -> Path | None:
-    return None if value is None else Path(value)
 
 
 def _rename(columns: Mapping[str, str]) -> dict[str, str]:

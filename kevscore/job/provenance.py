@@ -1,8 +1,7 @@
 """What an output records about the job that made it: its digest, its provenance, what changed.
 
-What an output records about the job that made it: the job's digest (a rerun of the same job is
-"already complete") from its identity (what its results depend on), its provenance (`kevscore info`),
-and what changed between two jobs, in words."""
+The job's digest (a rerun of the same job is "already complete") is taken of its identity (what its results
+depend on); its provenance is what `kevscore info` prints; what changed between two jobs is said in words."""
 from __future__ import annotations
 
 import hashlib

@@ -1,8 +1,5 @@
 """The `run` job: the input checked, then scored window by window into resumable parts, merged at the end.
 
-The `run` job: scan and validate the input, then score it window by window into resumable part files,
-merged into the output in input order at the end.
-
     scan (validation, rows -> documents; kevscore.job.scan) -> load the model -> token lengths (validation)
       -> windows of documents (kevscore.engine.plan) -> bank sized for one window
       -> per window not yet done: read its rows, encode, prefill + score (waves), write its part
@@ -96,7 +93,6 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
     with job_threads(device := resolve_device(opts.device), opts.batch_invariant):
         started = time.perf_counter()
         check_options(opts)
-        resolve_dtype(opts.dtype, device)  # bf16 on the CPU: refused before the input is opened
         stdout = str(opts.output) == STDOUT
         output = None if stdout else output_path(opts)
         file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end

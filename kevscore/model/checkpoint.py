@@ -1,4 +1,6 @@
-"""Loading Kev / Qwen3.5 checkpoints: a local directory, the built-in demo, or a benchmark shape."""
+"""Loading Kev / Qwen3.5 checkpoints: a local directory, a hub id, the built-in demo, or a benchmark shape.
+
+Each with its tokenizer: transformers' on a first load, then the snapshot it left (kevscore.model.tokenizer_snapshot)."""
 from __future__ import annotations
 
 import ast
@@ -58,7 +60,7 @@ class Checkpoint:
 
 def load_checkpoint(spec: str, device: str | torch.device = "cpu",
                     tokenizer_ready: TokenizerReady = NOTHING_TO_DO) -> Checkpoint:
-    """`demo`, a benchmark shape name (`kev-0.8b`, `kev-4b`) or a checkpoint directory. The tokenizer loads
+    """`demo`, a benchmark shape name (`kev-0.8b`, `kev-4b`), a checkpoint directory or a hub id. The tokenizer loads
     first: `tokenizer_ready(tokenizer, config)` is called before the weights load (a job tokenizes its input
     meanwhile)."""
     if spec in SHAPES:
@@ -146,7 +148,7 @@ def load_tokenizer(path: Path):
         return light
     tokenizer = transformers_tokenizer(path, key)
     tokenizer_snapshot.save(path, key, tokenizer)
-    # a first job encodes as later ones do: transformers' own call is Python a text (seconds on a job's texts)
+    # a first job encodes as later ones do: transformers' own call runs Python per text (seconds over a job's texts)
     return tokenizer_snapshot.load(path, key, lambda: tokenizer) or tokenizer
 
 
