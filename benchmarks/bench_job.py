@@ -333,8 +333,7 @@ def sample_rows(data: Path, docs: int, model: str, device: str = "cuda"):
     from kevscore.model.prompt import encode, load_template
 
     scan = scan_input(data, None)
-    first = np.unique(scan.doc_of_row, return_index=True)[1]  # each document's first row
-    keep = np.unique(scan.doc_of_row)[np.argsort(first)][:docs]  # the first `docs` documents in input order
+    keep = list(dict.fromkeys(scan.doc_of_row[scan.doc_of_row >= 0].tolist()))[:docs]  # the first, in input order
     ckpt = load_checkpoint(model, device)
     table = RowReader(scan).read(np.flatnonzero(np.isin(scan.doc_of_row, keep)))
     enc = encode(table, ckpt.tokenizer, load_template(None, ckpt.tokenizer), ["Yes", "No"],

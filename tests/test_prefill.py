@@ -179,7 +179,7 @@ def test_what_the_workers_left_compiles_before_the_release_only(demo, monkeypatc
     def two_of_three(dry_run, before_fork, ready, released):
         if job_started:
             released()
-        return precompile.Precompiled(kernels=3, compiled=2)
+        return precompile.Precompiled(kernels=3, compiled=2, released_s=1.0 if job_started else None)
 
     monkeypatch.setattr(precompile, "precompile", two_of_three)
     starts = []
