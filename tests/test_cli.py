@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -239,6 +240,11 @@ def test_overwrite(work: Path, base: pa.Table) -> None:
 
 def test_missing_input_file(work: Path) -> None:
     fails(work, [str(work / "nope.parquet"), "no such file"], work / "nope.parquet")
+
+
+def test_input_that_is_not_a_regular_file(work: Path) -> None:
+    os.mkfifo(pipe := work / "pipe.parquet")
+    fails(work, [str(pipe), "not a regular file"], pipe, "-o", work / "out.parquet")
 
 
 def test_input_not_parquet(work: Path) -> None:

@@ -65,7 +65,7 @@ def input_files(given: str) -> list[Path]:
     elif path.is_dir():
         found, none = list(path.rglob("*.parquet")), "a directory with no .parquet file"
     else:
-        found, none = [path], "no such file"
+        found, none = [path], "not a regular file" if path.exists() else "no such file"
     if not (files := sorted(f for f in found if f.is_file())):
         raise KevscoreError(f"{given}: {none}")
     return files
