@@ -3,7 +3,6 @@ an sm90 target without a GPU, so the dry pass's record, the forked workers and T
 only the launch that a GPU run would make is simulated (the call Triton's launcher makes on a miss)."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -267,18 +266,3 @@ def test_patches_of_overlapping_threads_end_in_any_order():
     release[1].set()
     threads[1].join()
     assert owner.f is own
-
-
-def test_compile_processes_run_below_the_jobs_priority(cache, tmp_path, monkeypatch):
-    """Each compile process raises its niceness, so the job's own threads (its token pass, its load) get the cores
-    first; a compile that fails there is left to the run."""
-    seen = tmp_path / "niceness"
-
-    def compile_noting_niceness(*args, **kwargs):
-        seen.write_text(str(os.nice(0)))
-        raise RuntimeError("not compiled here")
-
-    monkeypatch.setattr(triton.compiler, "compile", compile_noting_niceness)
-    report = pc.precompile(lambda: launch_miss(64))
-    assert (report.kernels, report.compiled) == (1, 0)
-    assert int(seen.read_text()) == min(19, os.nice(0) + pc.COMPILE_NICENESS)

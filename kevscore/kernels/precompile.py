@@ -20,10 +20,6 @@ import time
 from typing import Callable
 
 
-# added to a compile process's niceness: the job's token pass (the tokenizer's threads) and its load go first
-COMPILE_NICENESS = 10
-
-
 class Unpinned(RuntimeError):
     """The dry pass met an autotuner with several configurations: timing them needs real launches."""
 
@@ -130,10 +126,8 @@ def _waiting(compiles: _Compiles, timeout_s: float):
 def _compile_one(i: int, kernel: tuple, results) -> None:
     """In a forked process: compile recorded `kernel` (which the fork hands over in memory, not pickled) into
     Triton's cache (a hit there returns at once); put (i, the seconds it took) in `results`, None for seconds if
-    it failed. The process runs at a lower priority than the job, whose own threads share the cores with it."""
+    it failed."""
     from triton.compiler import ASTSource, compile
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no os.nice on this platform
-        os.nice(COMPILE_NICENESS)
     jit, signature, constexprs, options, attrs, target, _ = kernel
     t0, took = time.perf_counter(), None
     with contextlib.suppress(Exception):  # the run compiles it in its own process and reports any error there
