@@ -84,9 +84,7 @@ def index_or_why(root: Path) -> tuple[dict | None, str | None]:
         return data, None
     except FileNotFoundError:
         return None, INDEX_MISSING
-    except RecursionError:
-        return None, f"{INDEX} is unreadable (nested too deeply)"
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
         return None, f"{INDEX} is unreadable ({first_line(exc)[:120]})"
 
 
