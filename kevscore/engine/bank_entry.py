@@ -131,9 +131,9 @@ def _parse_header(head: bytes, size: int) -> EntryFile:
         if data_start + spans[-1][1] != size:
             kind = "truncated" if data_start + spans[-1][1] > size else "trailing bytes"
             raise EntryError(f"{kind}: the header describes {data_start + spans[-1][1]} bytes, the file has {size}")
-        tokens, _, crc = int(meta["tokens"]), float(meta["created"]), json.loads(meta["crc32"])  # or malformed (below)
-        if not isinstance(crc, dict) or sorted(crc) != sorted(TENSORS) \
-                or not all(isinstance(v, int) for v in crc.values()):
+        # figures that do not parse, or a crc32 that is not an object: malformed (the handler below)
+        tokens, _, crc = int(meta["tokens"]), float(meta["created"]), json.loads(meta["crc32"])
+        if sorted(crc) != sorted(TENSORS) or not all(isinstance(v, int) for v in crc.values()):
             raise EntryError("header metadata tokens/created/crc32 malformed")
         if not _consistent({name: spec[1] for name, spec in tensors.items()}, tokens) or tensors["ids"][0] != "I64":
             shapes = ", ".join(f"{name} {tensors[name][1]}" for name in TENSORS)
