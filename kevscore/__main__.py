@@ -11,10 +11,13 @@ def main() -> None:
         # progress display can start
         if line := starting_line(sys.argv[1:], sys.stderr.isatty()):
             print(line, end="", file=sys.stderr, flush=True)
-        with _deferred_interrupt():
-            # A SIGINT inside a C extension's import can surface as an ImportError that a library catches
-            # and works around: the heavy imports run with it held, and it is raised once they are done.
+        # A SIGINT inside a C extension's import can surface as an ImportError that a library catches and works
+        # around: the heavy imports run with it blocked, and one that arrived is delivered once they are done.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
             from kevscore.cli import app
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         app()
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
@@ -26,21 +29,6 @@ def starting_line(args: list[str], terminal: bool) -> str | None:
     Nothing where nothing else is shown (--quiet, --log-json, --help) or where stderr is not a terminal."""
     quiet = {"--quiet", "--log-json", "--help", "-h", "--dry-run"}
     return "kevscore: starting\r" if terminal and args[:1] == ["run"] and not quiet & set(args) else None
-
-
-class _deferred_interrupt:
-    """Hold SIGINT while active; raise KeyboardInterrupt on leaving when one arrived."""
-
-    def __enter__(self):
-        self.arrived, self.previous = False, signal.signal(signal.SIGINT, self._hold)
-
-    def _hold(self, signum, frame) -> None:
-        self.arrived = True
-
-    def __exit__(self, *exc) -> None:
-        signal.signal(signal.SIGINT, self.previous)
-        if self.arrived and exc[0] is None:
-            raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -132,9 +132,8 @@ class Scorer(AbstractContextManager):
     def _options(self, call: dict) -> RunOptions:
         """The `kevscore run` options of a call (`call`: its arguments, by name): this scorer's, with the call's
         input, output, documents, columns and CALL_OPTIONS."""
-        documents = call["documents"]
         return dataclasses.replace(self.options, input=str(call["input"]), output=call.get("output"),
-                                   documents=None if documents is None else str(documents),
+                                   documents=None if call["documents"] is None else str(call["documents"]),
                                    rename=_rename(call["columns"] or {}),
                                    **{name: call[name] for name in CALL_OPTIONS if name in call})
 
@@ -171,7 +170,6 @@ def _as_input(data: Tabular | PathLike | None, tmp: Path, role: str) -> str | No
     messages call <role>."""
     if data is None or isinstance(data, (str, os.PathLike)):
         return None if data is None else str(data)
-    name = f"<{role}>"
     pandas = sys.modules.get("pandas")  # a DataFrame means pandas is imported already
     try:
         if pandas is not None and isinstance(data, pandas.DataFrame):
@@ -179,9 +177,9 @@ def _as_input(data: Tabular | PathLike | None, tmp: Path, role: str) -> str | No
         elif isinstance(data, pa.RecordBatch):
             data = pa.Table.from_batches([data])
     except (pa.ArrowException, ValueError, TypeError) as exc:
-        raise KevscoreError(f"{name}: cannot be converted to an Arrow table ({first_line(exc)})") from exc
+        raise KevscoreError(f"<{role}>: cannot be converted to an Arrow table ({first_line(exc)})") from exc
     if not isinstance(data, pa.Table):
-        raise KevscoreError(f"{name}: a pyarrow Table, a pandas DataFrame or a path, not {type(data).__name__}")
+        raise KevscoreError(f"<{role}>: a pyarrow Table, a pandas DataFrame or a path, not {type(data).__name__}")
     path = tmp / f"{role}.parquet"
     pq.write_table(data, path)
     return str(path)

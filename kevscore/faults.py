@@ -94,7 +94,6 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
-        self._old.clear()
 
     def _handle(self, signum, frame) -> None:
         if self.requested is not None:

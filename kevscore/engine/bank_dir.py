@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from kevscore import faults
-from kevscore.durable import lock_file
+from kevscore.durable import lock_file, read_json_object
 from kevscore.engine.bank_entry import FORMAT, SUFFIX, VERSION, EntryFile
 from kevscore.errors import KevscoreError, first_line
 
@@ -34,26 +34,20 @@ def entry_record(entry: EntryFile, last_used: float) -> dict:
 
 def check_bank_dir(root: Path, create: bool) -> None:
     """Refuse what is not a kevscore bank of this format version, with a one-line message."""
-    if root.exists() and not root.is_dir():
-        raise KevscoreError(f"{root}: the bank is not a directory")
-    if not root.exists():
-        if create:
-            return
-        raise KevscoreError(f"{root}: no such bank directory")
+    if create and not root.exists():
+        return  # a new bank
+    if not root.is_dir():
+        raise KevscoreError(f"{root}: {'the bank is not a directory' if root.exists() else 'no such bank directory'}")
     try:  # an unreadable directory is one line too
         marker = root / MARKER
-        if marker.is_file():
-            try:
-                info = json.loads(marker.read_text())
-                fmt, version = info["format"], info["version"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise KevscoreError(f"{marker}: unreadable bank marker ({type(exc).__name__}); "
-                                    "not a kevscore bank?") from None
-            if fmt != FORMAT:
-                raise KevscoreError(f"{marker}: format {fmt!r} is not a kevscore bank")
-            if version != VERSION:
-                raise KevscoreError(f"{root}: kevscore bank format version {version}; this kevscore reads version "
-                                   f"{VERSION} only. Use another --bank directory (or delete this one)")
+        if (info := read_json_object(marker)) is not None:
+            if not {"format", "version"} <= info.keys():
+                raise KevscoreError(f"{marker}: unreadable bank marker; not a kevscore bank?")
+            if info["format"] != FORMAT:
+                raise KevscoreError(f"{marker}: format {info['format']!r} is not a kevscore bank")
+            if info["version"] != VERSION:
+                raise KevscoreError(f"{root}: kevscore bank format version {info['version']}; this kevscore reads "
+                                    f"version {VERSION} only. Use another --bank directory (or delete this one)")
             return
         if others := sorted(p.name for p in root.iterdir() if p.name not in BANK_NAMES):
             raise KevscoreError(f"{root}: not a kevscore bank (no {MARKER}) and not empty "
@@ -90,9 +84,7 @@ def index_or_why(root: Path) -> tuple[dict | None, str | None]:
         return data, None
     except FileNotFoundError:
         return None, INDEX_MISSING
-    except RecursionError:
-        return None, f"{INDEX} is unreadable (nested too deeply)"
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, RecursionError) as exc:  # RecursionError: JSON nested too deeply
         return None, f"{INDEX} is unreadable ({first_line(exc)[:120]})"
 
 

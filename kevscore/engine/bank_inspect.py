@@ -51,21 +51,20 @@ def _chosen_entry(root: Path, keys: list[str], prefix: str | None) -> str | None
 
 
 def _entry_row(key: str, rec: dict | None, path: Path | None, verify: bool, detail: bool) -> dict:
-    """One entry's row: from its file's header (and, with `verify`, a full checked read), else its record."""
-    row = {"key": key, "file": entry_file(key), "indexed": rec is not None, "status": "unchecked"}
+    """One entry's row: its record's figures (a file the index lacks has none), overridden by its file's header's
+    (and, with `verify`, checked by a full read)."""
+    known = rec or {"model": None, "tokens": None, "bytes": {}, "doc_ids": [], "last_used": path.stat().st_mtime}
+    row = {"key": key, "file": entry_file(key), "indexed": rec is not None, "status": "unchecked",
+           **{name: known[name] for name in ("model", "tokens", "bytes", "doc_ids", "last_used")}}
     if path is None:
-        row.update(status="missing file", model=rec["model"], tokens=rec["tokens"], doc_ids=rec["doc_ids"],
-                   bytes=rec["bytes"], file_bytes=0, last_used=rec["last_used"])
-        return row
+        return row | {"status": "missing file", "file_bytes": 0}
     try:
         head = read_header(path)
-        row.update(model=head.meta["model"], tokens=head.tokens, bytes=head.component_bytes(),
-                   file_bytes=head.size, created=float(head.meta["created"]),
+        row.update(model=head.meta["model"], tokens=head.tokens, bytes=head.component_bytes(), file_bytes=head.size,
+                   created=float(head.meta["created"]),
                    tensors={n: {"dtype": d, "shape": s} for n, (d, s, _, _) in head.tensors.items()})
     except (OSError, EntryError) as exc:
-        row.update(status=f"corrupt: {exc}", model=rec["model"] if rec else None, tokens=rec["tokens"] if rec else None,
-                   bytes=rec["bytes"] if rec else {}, file_bytes=path.stat().st_size)
-    row.update(doc_ids=rec["doc_ids"] if rec else [], last_used=rec["last_used"] if rec else path.stat().st_mtime)
+        row.update(status=f"corrupt: {exc}", file_bytes=path.stat().st_size)
     if verify and row["status"] == "unchecked":
         try:
             checked, tensors = read_entry(path)

@@ -92,9 +92,7 @@ class PartStore:
         `member`: join the store another rank of this job has opened (no lock, no clean-up, no manifest
         writes)."""
         self.output, self.dir = Path(output), parts_dir(Path(output))
-        self.identity = identity
-        self.planned = windows
-        self.job = job_digest(identity)
+        self.identity, self.job, self.planned = identity, job_digest(identity), windows
         self.warn = warn or (lambda message: None)
         self.member, self._lock = member, None
         self.created = not member and not self.dir.exists()

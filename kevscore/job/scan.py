@@ -61,10 +61,8 @@ def is_string(t: pa.DataType) -> bool:
 # ---------------------------------------------------------------- files
 
 def open_parquet(path: Path) -> pq.ParquetFile:
-    if not path.exists():
-        raise KevscoreError(f"{path}: no such file")
     if not path.is_file():
-        raise KevscoreError(f"{path}: not a file")
+        raise KevscoreError(f"{path}: {'not a file' if path.exists() else 'no such file'}")
     try:
         return pq.ParquetFile(path, pre_buffer=False, buffer_size=READ_BUFFER)
     except (pa.ArrowException, OSError) as e:

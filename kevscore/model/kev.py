@@ -32,8 +32,7 @@ class Block(nn.Module):
         self.mixer = MIXERS[kind](cfg, ops)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, ops)
         # 1 + weight of Qwen3.5's zero-centred RMSNorms, in fp32
-        self.input_scale = frozen_param(cfg.hidden_size)
-        self.post_scale = frozen_param(cfg.hidden_size)
+        self.input_scale, self.post_scale = frozen_param(cfg.hidden_size), frozen_param(cfg.hidden_size)
         self.eps = cfg.rms_norm_eps
 
     def forward(self, hidden: torch.Tensor, ctx: Context, cos, sin, keep=None) -> torch.Tensor:
@@ -43,10 +42,8 @@ class Block(nn.Module):
         h = self.ops.rms_norm(hidden, self.input_scale, self.eps)
         if keep is not None:
             hidden = hidden[keep]
-        extra = () if self.kind == LINEAR else (cos, sin)
-        hidden = self.mixer(h, hidden, ctx, *extra, keep=keep)
+        hidden = self.mixer(h, hidden, ctx, *(() if self.kind == LINEAR else (cos, sin)), keep=keep)
         return self.mlp(self.ops.rms_norm(hidden, self.post_scale, self.eps), hidden)
-
 
     def write_bank(self, hidden: torch.Tensor, ctx: PrefillContext, cos, sin) -> None:
         """The last layer of a prefill: its mixer's bank entry only; nothing reads its output."""
@@ -57,12 +54,11 @@ class Block(nn.Module):
 class KevModel(nn.Module):
     def __init__(self, cfg: KevConfig, ops: Ops):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self.embed = frozen_param(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, kind, ops) for kind in cfg.layer_types)
         self.final_scale = frozen_param(cfg.hidden_size)
-        self.ops = ops
         self.lm_head = self.embed if cfg.tie_word_embeddings else frozen_param(cfg.vocab_size, cfg.hidden_size)
 
     @classmethod

@@ -12,7 +12,9 @@ from kevscore.errors import KevscoreError, rows_phrase
 
 DOC, QUESTION = "{document}", "{question}"
 PLAIN_TEMPLATE = "Document:\n{document}\n\nQuestion: {question}\nAnswer:"
-CHAT_OPTIONS = {"tokenize": False, "add_generation_prompt": True, "enable_thinking": False}  # for `chat_turn`
+# the conversation `chat_template` renders (one user turn, the document then the question) and how it renders it
+CHAT_TURN = [{"role": "user", "content": f"{DOC}\n\n{QUESTION}"}]
+CHAT_OPTIONS = {"tokenize": False, "add_generation_prompt": True, "enable_thinking": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +42,7 @@ class Template:
 def chat_template(tokenizer) -> Template:
     """The checkpoint's chat template: a user turn holding document then question, generation prompt,
     thinking disabled; split at the document's end."""
-    return Template.parse(tokenizer.apply_chat_template(chat_turn(), **CHAT_OPTIONS), "the checkpoint's chat template")
-
-
-def chat_turn() -> list[dict[str, str]]:
-    """The conversation `chat_template` renders: one user turn, the document then the question."""
-    return [{"role": "user", "content": f"{DOC}\n\n{QUESTION}"}]
+    return Template.parse(tokenizer.apply_chat_template(CHAT_TURN, **CHAT_OPTIONS), "the checkpoint's chat template")
 
 
 def load_template(path: Path | None, tokenizer) -> Template:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kevscore.durable import cache_root, write_cache_file
-from kevscore.model.prompt import CHAT_OPTIONS, chat_turn
+from kevscore.model.prompt import CHAT_OPTIONS, CHAT_TURN
 
 SNAPSHOTS = "tokenizer-snapshots"
 FORMAT = 1  # of a snapshot file: a line with the SHA-256 of the rest, a line of JSON (`save`'s meta), the pipeline
@@ -55,7 +55,7 @@ def chat_call(tokenizer) -> list | None:
     if not (template := tokenizer.chat_template) or "strftime_now" in json.dumps(template):
         return None
     try:
-        return [chat_turn(), CHAT_OPTIONS, tokenizer.apply_chat_template(chat_turn(), **CHAT_OPTIONS)]
+        return [CHAT_TURN, CHAT_OPTIONS, tokenizer.apply_chat_template(CHAT_TURN, **CHAT_OPTIONS)]
     except Exception:  # noqa: BLE001 - jinja and transformers raise many types
         return None
 

@@ -95,8 +95,7 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, inner: int, ops: Ops):
         super().__init__()
         self.ops = ops
-        self.gate_up = frozen_param(2 * inner, hidden)
-        self.down = frozen_param(hidden, inner)
+        self.gate_up, self.down = frozen_param(2 * inner, hidden), frozen_param(hidden, inner)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The residual stream plus the MLP's output."""

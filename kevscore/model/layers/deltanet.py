@@ -63,8 +63,7 @@ class DeltaNet(nn.Module):
         return self.ops.gdr_prefill(q, k, v, gate, beta, ctx, self.bank_state)
 
     def load(self, w: dict[str, torch.Tensor], prefix: str) -> None:
-        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        self.in_proj.copy_(torch.cat([w[f"{prefix}{n}.weight"] for n in names]))
+        self.in_proj.copy_(torch.cat([w[f"{prefix}in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")]))
         self.conv_weight.copy_(w[f"{prefix}conv1d.weight"].squeeze(1))
         for param, name in ((self.A_log, "A_log"), (self.dt_bias, "dt_bias"), (self.norm_weight, "norm.weight"),
                             (self.out_proj, "out_proj.weight")):  # as the checkpoint holds them
