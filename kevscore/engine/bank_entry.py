@@ -180,9 +180,8 @@ def read_entry(path: Path, pin: bool = False) -> tuple[EntryFile, dict[str, torc
     entry = _parse_header(view, size)
     tensors = {}
     for name, (dtype, shape, begin, end) in entry.tensors.items():
-        if zlib.crc32(view[begin:end]) != entry.crc[name]:
-            raise EntryError(f"checksum mismatch in {name!r} (CRC-32 {zlib.crc32(view[begin:end]):08x}, "
-                             f"recorded {entry.crc[name]:08x})")
+        if (crc := zlib.crc32(view[begin:end])) != entry.crc[name]:
+            raise EntryError(f"checksum mismatch in {name!r} (CRC-32 {crc:08x}, recorded {entry.crc[name]:08x})")
         raw = buf[begin:end]
         if begin % DTYPES[dtype].itemsize:  # safetensors aligns data; copy if a writer did not
             raw = raw.clone()
