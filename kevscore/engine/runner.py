@@ -99,8 +99,7 @@ class EagerRunner:
                 self.bank.state[:, s].zero_()
                 self.bank.conv[:, s].zero_()
         if real := [(d, s) for d, s in zip(docs, slots) if d]:
-            ids, ctx = prefill_inputs(*zip(*real), self.bank, self.device, self.model.cfg.conv_state_len)
-            self.model.prefill(ids, ctx)
+            self.model.prefill(*prefill_inputs(*zip(*real), self.bank, self.device, self.model.cfg.conv_state_len))
 
     def upload(self, batch: Batch, branches, slots, prefix_lens) -> torch.Tensor:
         buf = torch.empty(batch.size, batch.length + 3, dtype=torch.long)
@@ -132,8 +131,7 @@ class EagerRunner:
                                     torch.tensor([[j >= len(ids) for j in range(width)] for ids in label_ids])],
                                    hidden.device)
         lse = torch.logsumexp(torch.nn.functional.linear(hidden.to(head.dtype), head).float(), -1)
-        logits = torch.einsum("nh,nlh->nl", hidden.float(), head[idx].float())
-        return logits.masked_fill(pad, float("-inf")), lse
+        return torch.einsum("nh,nlh->nl", hidden.float(), head[idx].float()).masked_fill(pad, float("-inf")), lse
 
     def token_scores(self, hidden: torch.Tensor, at: list[int], which: list[int], tokens: list[int]) -> torch.Tensor:
         """[len(tokens) + len(at)] fp32: the logit of each `tokens[q]` at hidden row `at[which[q]]`, then the
@@ -142,8 +140,7 @@ class EagerRunner:
         at_t, which_t, tokens_t = upload_together([torch.tensor(x) for x in (at, which, tokens)], hidden.device)
         h = hidden[at_t]
         lse = torch.logsumexp(torch.nn.functional.linear(h.to(head.dtype), head).float(), -1)
-        logits = (h[which_t].float() * head[tokens_t].float()).sum(-1)
-        return torch.cat([logits, lse])
+        return torch.cat([(h[which_t].float() * head[tokens_t].float()).sum(-1), lse])
 
 
 def upload_together(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
