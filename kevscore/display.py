@@ -345,8 +345,14 @@ def compare_table(r: dict) -> Table:
     unit, first = (("GPU-event ms", "warm-up incl. graph capture") if r["timer"] == "cuda-events"
                    else ("wall-clock ms", "warm-up"))
     warm = ", ".join(f"{c['name']} {sum(c['warmup_s'].values()):.1f} s" for c in r["cases"])
+    hf = [f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
+          for c in r["cases"] if c.get("hf_ms")]
+    fp32 = [f"{c['name']} {c['summary']['fp32_median_ms']:.1f} ms, {len(c['fp32_flipped']):,} of {c['rows']:,} "
+            f"predictions flipped, max |dp| {c['fp32_max_abs_diff']:.3g}" for c in r["cases"] if c.get("fp32_ms")]
+    # each baseline's cases, when it ran
+    ran = "".join(f"; {base}: {', '.join(cs)}" for base, cs in (("transformers naive", hf), ("fp32", fp32)) if cs)
     table = Table(title=escape(f"kevscore compare · {r['model']} · {where}"), caption_justify="left",
-                  caption=f"{unit}: median, p10-p90 below; {first} (not in the latencies): {warm}")
+                  caption=f"{unit}: median, p10-p90 below; {first} (not in the latencies): {warm}{ran}")
     for name in ("case", "rows", "gathered", "indexed", "i / g", "parity"):
         words = name in ("case", "parity")
         table.add_column(name, justify="left" if words else "right", no_wrap=not words, overflow="fold")
@@ -356,13 +362,6 @@ def compare_table(r: dict) -> Table:
         name = c["name"] + (f"\n+{c['prefilled_in_call']} prefilled" if c["prefilled_in_call"] else "")
         ratio = f"{s['indexed_over_gathered']:.3f}" + ("\n[yellow]noise[/]" if s.get("spread_overlap") else "")
         table.add_row(escape(name), f"{c['rows']:,}", lat["gathered"], lat["indexed"], ratio, _parity(c))
-    hf = [f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
-          for c in r["cases"] if c.get("hf_ms")]
-    fp32 = [f"{c['name']} {c['summary']['fp32_median_ms']:.1f} ms, {len(c['fp32_flipped']):,} of {c['rows']:,} "
-            f"predictions flipped, max |dp| {c['fp32_max_abs_diff']:.3g}" for c in r["cases"] if c.get("fp32_ms")]
-    for baseline, cases in (("transformers naive", hf), ("fp32", fp32)):  # a baseline's cases, when it ran
-        if cases:
-            table.caption += f"; {baseline}: " + ", ".join(cases)
     return table
 
 
