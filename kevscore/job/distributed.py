@@ -19,6 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+import torch.distributed as dist
+
 from kevscore.engine.backend import job_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
@@ -74,8 +77,6 @@ class Ranks:
 
     def gather(self, value: T) -> list[T]:
         """Every rank's `value`, by rank."""
-        import torch.distributed as dist
-
         values: list = [None] * self.world
         dist.all_gather_object(values, value)
         return values
@@ -92,8 +93,6 @@ def world_from_env() -> tuple[int, int, int] | None:
 
 def run_distributed(opts: RunOptions) -> DistributedResult:
     """This process's share of a torchrun job; returns the whole job's result on every rank."""
-    import torch.distributed as dist
-
     ranks = Ranks(*(world_from_env() or (0, 1, 0)))
     t0 = time.perf_counter()
     dist.init_process_group("gloo", timeout=TIMEOUT)
@@ -140,8 +139,6 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.E
 
 
 def _start(opts: RunOptions, inputs, ranks: Ranks) -> Job:
-    import torch
-
     check_options(opts)
     if opts.device != "cpu" and torch.cuda.is_available():
         torch.cuda.set_device(ranks.local % torch.cuda.device_count())
