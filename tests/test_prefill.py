@@ -233,10 +233,31 @@ def test_fused_prefill_launch_fits_the_h200(monkeypatch, dtype):
         branch_wy.chunks_wy(q, q, v, g, beta, a_inv, bank.half(), slots[:1], cu_seqlens=torch.tensor([0, 100]))
 
 
+def test_gpu_process_settings_keep_what_the_user_set(monkeypatch):
+    """A GPU job builds Triton's kernels without line info (the same machine code, a shorter compile) and runs
+    cuBLAS without a workspace, unless the user set either switch."""
+    import os
+
+    from kevscore.engine.cuda_runner import process_settings
+
+    for name in ("TRITON_DISABLE_LINE_INFO", "CUBLAS_WORKSPACE_CONFIG", "TRITON_F32_DEFAULT"):
+        monkeypatch.delenv(name, raising=False)
+    process_settings(torch.bfloat16)
+    assert os.environ["TRITON_DISABLE_LINE_INFO"] == "1" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0"
+    assert "TRITON_F32_DEFAULT" not in os.environ
+    monkeypatch.setenv("TRITON_DISABLE_LINE_INFO", "0")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    process_settings(torch.float32)
+    assert os.environ["TRITON_DISABLE_LINE_INFO"] == "0" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"
+
+
 def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatch, tmp_path):
     """The warm-up's finished marker lives in Triton's cache and changes with the shapes, the state path, the
-    dtype, a KEVSCORE_ switch and kevscore's sources; the same inputs give the same file."""
+    dtype, a KEVSCORE_ switch, a TRITON_ switch that keys Triton's cache and kevscore's sources; the same inputs
+    give the same file."""
     import dataclasses
+    import os
 
     from kevscore import measure
     from kevscore.engine.warmup import finished_marker, small_model
@@ -253,10 +274,13 @@ def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatc
     monkeypatch.setenv("KEVSCORE_FUSED_MLP", "0")  # cuBLAS and swiglu_rows for the MLP: other kernels
     others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))
     monkeypatch.delenv("KEVSCORE_FUSED_MLP")
+    line_info = os.environ.get("TRITON_DISABLE_LINE_INFO") != "1"
+    monkeypatch.setenv("TRITON_DISABLE_LINE_INFO", "1" if line_info else "0")  # the kernels' other build
+    others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))
     digests = measure.source_digests()
     monkeypatch.setattr(measure, "source_digests", lambda: {**digests, "kevscore/kernels/gate.py": "changed"})
     others.add(finished_marker(small, gpu, "indexed", torch.bfloat16))
-    assert len(others) == 5 and first not in others
+    assert len(others) == 6 and first not in others
 
 
 def test_the_warm_up_stubs_prefill_attention_on_its_own_thread_only():

@@ -201,16 +201,16 @@ def hash_triton() -> Callable[..., bool]:
 
 def finished_marker(small: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Path:
     """The file in Triton's cache that says this warm-up (its shapes, kevscore's sources and the versions it
-    compiled with, the KEVSCORE_ switches that pick kernels) once ran to its end against that cache: every
-    kernel it meets is there, and the next one runs no pass at all. Clearing the cache clears the marker with
-    it."""
+    compiled with, the KEVSCORE_ switches that pick kernels and the TRITON_ ones that key Triton's cache) once ran
+    to its end against that cache: every kernel it meets is there, and the next one runs no pass at all. Clearing
+    the cache clears the marker with it."""
     import fla
     import triton
 
     from kevscore.measure import source_digests
-    switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("KEVSCORE_") and k != "KEVSCORE_CACHE")
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("KEVSCORE_", "TRITON_")) and k != "KEVSCORE_CACHE")
     what = [repr(small), str(device), path, str(dtype), torch.cuda.get_device_name(device), torch.__version__,
-            triton.__version__, fla.__version__, sorted(source_digests().items()), switches]
+            triton.__version__, fla.__version__, sorted(source_digests().items()), env]
     digest = hashlib.sha256(repr(what).encode()).hexdigest()[:32]
     return Path(triton.knobs.cache.dir) / f"kevscore-warm-up-{digest}"
 
