@@ -233,25 +233,6 @@ def test_fused_prefill_launch_fits_the_h200(monkeypatch, dtype):
         branch_wy.chunks_wy(q, q, v, g, beta, a_inv, bank.half(), slots[:1], cu_seqlens=torch.tensor([0, 100]))
 
 
-def test_gpu_process_settings_keep_what_the_user_set(monkeypatch):
-    """A GPU job builds Triton's kernels without line info (the same machine code, a shorter compile) and runs
-    cuBLAS without a workspace, unless the user set either switch."""
-    import os
-
-    from kevscore.engine.cuda_runner import process_settings
-
-    for name in ("TRITON_DISABLE_LINE_INFO", "CUBLAS_WORKSPACE_CONFIG", "TRITON_F32_DEFAULT"):
-        monkeypatch.delenv(name, raising=False)
-    process_settings(torch.bfloat16)
-    assert os.environ["TRITON_DISABLE_LINE_INFO"] == "1" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":0:0"
-    assert "TRITON_F32_DEFAULT" not in os.environ
-    monkeypatch.setenv("TRITON_DISABLE_LINE_INFO", "0")
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    process_settings(torch.float32)
-    assert os.environ["TRITON_DISABLE_LINE_INFO"] == "0" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"
-
-
 def test_warm_up_marker_names_everything_that_picks_its_kernels(demo, monkeypatch, tmp_path):
     """The warm-up's finished marker lives in Triton's cache and changes with the shapes, the state path, the
     dtype, a KEVSCORE_ switch, a TRITON_ switch that keys Triton's cache and kevscore's sources; the same inputs

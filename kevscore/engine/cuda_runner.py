@@ -101,11 +101,8 @@ def process_settings(dtype: torch.dtype) -> None:
     - for an fp32 model, Triton's dots of fp32 operands in 3xTF32 instead of TF32, FLA's and ours alike where
       they name no precision (kernels/fla_ops.py: the one FLA names); read when a kernel compiles and part of
       Triton's cache key (a kernel already compiled in this process keeps its dots). No bf16 model's kernel has
-      such a dot: their code is the same.
-    - Triton's kernels built without line info (the same machine code; ptxas without -lineinfo is faster, a
-      first job starts sooner); a TRITON_DISABLE_LINE_INFO the user set is kept."""
+      such a dot: their code is the same."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":0:0")
-    os.environ.setdefault("TRITON_DISABLE_LINE_INFO", "1")
     if dtype == torch.float32:
         os.environ["TRITON_F32_DEFAULT"] = "tf32x3"  # fp32's precision on tensor cores (TF32 moves p by ~3e-4)
 

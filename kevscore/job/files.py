@@ -59,9 +59,10 @@ class Source:
 
 def input_files(given: str) -> list[Path]:
     """The files an input names: a file, every *.parquet file under a directory, or a glob's matches."""
+    path = Path(given)
     if any(ch in given for ch in "*?["):
         found, none = [Path(p) for p in glob.glob(given, recursive=True)], "no file matches"
-    elif (path := Path(given)).is_dir():
+    elif path.is_dir():
         found, none = list(path.rglob("*.parquet")), "a directory with no .parquet file"
     else:
         found, none = [path], "not a regular file" if path.exists() else "no such file"
