@@ -172,7 +172,7 @@ def run(
                                           help="Evict least-recently-used entries to stay under N GB."),
     gpus: int = option(1, "--gpus", panel=LONG, metavar="N", help="Run N processes on this machine, one per GPU, "
                        "under torch's launcher (the same as torchrun --nproc-per-node N -m kevscore run ...)."),
-    batch_rows: int = option(64, "--batch-rows", panel=SPEED, metavar="N", help="Most question rows per batch."),
+    batch_rows: int = option(128, "--batch-rows", panel=SPEED, metavar="N", help="Most question rows per batch."),
     bank_capacity: int | None = option(None, "--bank-capacity", panel=SPEED, metavar="N",
                                           help="Bank entries (default: from memory)."),
     eager: bool = option(False, "--eager", panel=SPEED, help="GPU: run without CUDA graphs."),

@@ -103,6 +103,27 @@ def test_graph_replay_equals_eager(tiny, case):
         assert results[eager]["indexed"] == results[eager]["gathered"]
 
 
+def test_a_batch_of_eager_size_runs_without_a_graph(tiny, monkeypatch):
+    """A batch planned at its exact shape (`plan.EAGER_TOKENS` padded tokens or more) runs eagerly on the graph
+    runner: no graph captured, its scores the eager runner's to the bit on both paths, and within last-bit
+    rounding of the same rows replayed in their padded graph bucket."""
+    from kevscore.engine import plan
+
+    enc = synthetic(doc_lens=[40, 90, 130, 200], branch_lens=list(range(65, 106, 2)))  # 84 rows of 65-105 tokens
+    batch, = plan.plan_batches(list(range(len(enc))), [len(b) for b in enc.branches], [200] * len(enc), 96, 1 << 16)
+    assert batch.exact and (batch.size, batch.length) == (84, 106)
+    engines = {eager: gpu_engine(tiny, enc.prefixes, eager=eager, max_rows=96, max_tokens=1 << 16)
+               for eager in (True, False)}
+    got = {eager: {p: e.run(enc, p).probs for p in ("indexed", "gathered")} for eager, e in engines.items()}
+    assert not engines[False].runner.graphs
+    assert got[False] == got[True] and got[False]["indexed"] == got[False]["gathered"]
+    monkeypatch.setattr(plan, "EAGER_TOKENS", 1 << 30)  # the same rows in a graph of 96 x 112
+    padded = engines[False].run(enc, "indexed").probs
+    assert list(engines[False].runner.graphs) == [(96, 112, 1, "indexed")]
+    for a, b in zip(got[False]["indexed"], padded):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
 def test_a_capture_keeps_the_allocators_cache(tiny):
     """A bucket's capture neither empties the caching allocator (as `torch.cuda.graph` does on entry, after
     synchronizing) nor changes the scores: the memory a prefill group freed stays reserved for the next one."""

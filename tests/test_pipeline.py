@@ -147,6 +147,24 @@ def test_branches_past_one_chunk_pad_by_less_than_8_tokens():
     assert [b.length for b in batches] == [72, 88, 88, 104]
 
 
+def test_a_batch_of_eager_size_keeps_its_own_shape():
+    """A batch whose padded size comes to EAGER_TOKENS or more is planned at its rows' own count and longest
+    length (rounded up to even) and marked exact (it runs eagerly, with no graph); a smaller one keeps its graph
+    bucket."""
+    from kevscore.engine.plan import EAGER_TOKENS, plan_batches
+
+    assert EAGER_TOKENS == 64 * 128  # the boundary below: 64 rows of a 128-token bucket
+    for lengths, rows, exact in (([121] * 64, 64, True), ([121] * 47, 48, False), ([70] * 3 + [85] * 90, 93, True),
+                                 ([85] * 50, 64, False)):
+        batch, = plan_batches(list(range(len(lengths))), lengths, [1700] * len(lengths), max_rows=128,
+                              max_tokens=1 << 20)
+        assert batch.exact == exact, lengths
+        if exact:
+            assert (batch.size, batch.length) == (len(lengths), max(lengths) + 1)
+        else:
+            assert (batch.size, batch.length) == (rows, 128 if lengths[0] == 121 else 88)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_model_is_built_without_the_process_wide_default_dtype(tiny, monkeypatch, tied):
     """The warm-up builds its model on a thread while the job builds its own: torch's default dtype is

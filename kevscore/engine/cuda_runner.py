@@ -1,7 +1,8 @@
 """The GPU runner: a bf16 or fp32 model over FLA kernels, a bank sized from free memory, CUDA graphs per bucket.
 
 One CUDA graph per (rows, length, scored positions, path) bucket, captured on first use into one shared memory
-pool. The documents' lengths are not in the key: branch attention reads each row's document K/V in place.
+pool (a batch large enough to hide its launches behind its GPU work runs eagerly at its exact shape instead).
+The documents' lengths are not in the key: branch attention reads each row's document K/V in place.
 
 A batch is one host-to-device copy of its pinned upload buffer into the bucket's static buffer and one
 graph replay; the output (final hidden states at the rows' scored tokens) is cloned before the next replay.
@@ -45,6 +46,8 @@ class GraphRunner(EagerRunner):
         self.capture_s = 0.0  # host seconds of the eager runs (first launches) and captures, reported apart
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
+        if batch.exact:  # GPU work enough to hide its launches (engine.plan.EAGER_TOKENS): no graph, no padding
+            return super().score(batch, branches, slots, prefix_lens, path)
         key = (batch.size, batch.length, batch.scored, path)
         if (entry := self.graphs.get(key)) is None:  # this batch's scores come from the eager run before the capture
             self.graphs[key], out = self.capture(batch, branches, slots, prefix_lens, path)
@@ -66,7 +69,7 @@ class GraphRunner(EagerRunner):
         emptying the allocator's caches (the GPU idle meanwhile, the memory of prefill's activations and the
         pinned buffers allocated again). A capture only records launches, so the GPU's queue needs no draining."""
         t0 = time.perf_counter()
-        host = self.upload(batch, branches, slots, prefix_lens).pin_memory()
+        host = self.upload(batch, branches, slots, prefix_lens)
         device = host.to(self.device, non_blocking=True)
         uploaded = torch.cuda.current_stream().record_event()
         graph = torch.cuda.CUDAGraph()

@@ -72,7 +72,7 @@ class Scores:
 
 
 class Engine:
-    def __init__(self, runner, max_rows: int = 64, max_tokens: int = 8192, prefill_tokens: int = 8192,
+    def __init__(self, runner, max_rows: int = 64, max_tokens: int = 16384, prefill_tokens: int = 8192,
                  store=None, stop=None, skip_failed: bool = False):
         self.runner, self.max_rows, self.max_tokens, self.prefill_tokens = runner, max_rows, max_tokens, prefill_tokens
         self.store = store  # a kevscore.engine.bank_store.BankStore: entries loaded from / saved to disk

@@ -15,6 +15,12 @@ def ladder(n: int, start: int = 16) -> int:
     return size
 
 
+# a batch of at least this many padded tokens runs eagerly at its exact shape: its GPU work then outlasts the
+# host's launches of it (~20 ms on an H200's host, where 8,192 tokens of the smallest Kev model take ~22 ms on the
+# GPU), so a graph would only add padding and a capture (benchmarks/NOTES.md 117-118)
+EAGER_TOKENS = 8192
+
+
 def length_bucket(n: int) -> int:
     """A branch's padded length: the ladder up to one chunk of the gated delta rule (64 tokens), steps of 8
     tokens through the second chunk (where most questions with a template fall: 72, 80, ..., 128), then the
@@ -47,11 +53,13 @@ class Batch:
     length: int       # padded branch length
     prefix: int       # padded document length of the K/V gather
     scored: int = 1   # positions scored per row: its last `scored` tokens (a label's continuation: several)
+    exact: bool = False  # the rows' own count and (even) length, no graph bucket: run eagerly
 
 
 def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Sequence[int],
                  max_rows: int, max_tokens: int, scored: Sequence[int] | None = None) -> list[Batch]:
-    """Sort rows by branch length and cut them into batches of similar length.
+    """Sort rows by branch length and cut them into batches of similar length, padded to graph buckets unless
+    large enough to run eagerly at their own shape (`EAGER_TOKENS`).
 
     `branch_len[r]` / `prefix_len[r]` (and `scored[r]`, positions to score, default 1) are indexed by row id;
     a batch holds at most `max_rows` rows and at most `max_tokens` padded branch tokens (but always at least
@@ -64,10 +72,17 @@ def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Seq
         if not groups or len(groups[-1]) >= cap:
             groups.append([])
         groups[-1].append(r)
-    # each group a batch, its sizes padded to their buckets (a group holds at most max_rows rows, or one)
-    return [Batch(g, row_bucket(len(g), max_rows), length_bucket(max(branch_len[r] for r in g)),
-                  ladder(max(prefix_len[r] for r in g)), 1 if scored is None else scored_bucket(max(scored[r] for r in g)))
-            for g in groups]
+    # each group a batch, its sizes padded to their buckets (a group holds at most max_rows rows, or one),
+    # unless that comes to EAGER_TOKENS or more: then its own rows and its longest length rounded up to even (the
+    # upload buffer's columns then sit at the byte alignment that Triton specializes on, as at a bucket's length)
+    batches = []
+    for g in groups:
+        size, longest = row_bucket(len(g), max_rows), max(branch_len[r] for r in g)
+        exact = size * length_bucket(longest) >= EAGER_TOKENS
+        batches.append(Batch(g, len(g) if exact else size, longest + longest % 2 if exact else length_bucket(longest),
+                             ladder(max(prefix_len[r] for r in g)),
+                             1 if scored is None else scored_bucket(max(scored[r] for r in g)), exact))
+    return batches
 
 
 def plan_waves(doc_tokens: Sequence[int], entries: int, tokens: int, waste: float | None = None) -> list[list[int]]:

@@ -102,7 +102,8 @@ class EagerRunner:
             self.model.prefill(*prefill_inputs(*zip(*real), self.bank, self.device, self.model.cfg.conv_state_len))
 
     def upload(self, batch: Batch, branches, slots, prefix_lens) -> torch.Tensor:
-        buf = torch.empty(batch.size, batch.length + 3, dtype=torch.long)
+        """The batch's host upload buffer; pinned for a GPU, so that its copy does not wait for the GPU's queue."""
+        buf = torch.empty(batch.size, batch.length + 3, dtype=torch.long, pin_memory=self.device.type == "cuda")
         fill_upload(buf, batch.length, branches, slots, prefix_lens, self.pad_id)
         return buf
 
@@ -118,7 +119,7 @@ class EagerRunner:
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
         """Final-normed hidden states at each real row's scored positions: [len(branches) * batch.scored, H]
         fp32."""
-        buf = self.upload(batch, branches, slots, prefix_lens).to(self.device)
+        buf = self.upload(batch, branches, slots, prefix_lens).to(self.device, non_blocking=True)
         return self.forward(buf, batch, path)[: len(branches) * batch.scored].float()
 
     def label_scores(self, hidden: torch.Tensor, label_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

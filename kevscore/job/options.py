@@ -24,7 +24,7 @@ class RunOptions:
     state_read: str = "indexed"   # how a row's document state is read from the bank (STATE_READS)
     labels: list[str] = field(default_factory=lambda: ["Yes", "No"])
     template: Path | None = None
-    batch_rows: int = 64
+    batch_rows: int = 128
     overwrite: bool = False
     bank_capacity: int | None = None
     eager: bool = False
