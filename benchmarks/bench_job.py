@@ -473,6 +473,8 @@ def prefill_alone(args, cfg_name: str, tflops: float, doc_tokens: int) -> dict:
 
 
 def main() -> None:
+    from kevscore.job.options import BATCH_ROWS
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="kev-4b")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -480,7 +482,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=1000)
     ap.add_argument("--doc-words", type=int, default=1000)
     ap.add_argument("--question-words", type=int, default=40)
-    ap.add_argument("--batch-rows", type=int, default=64, help="the job's --batch-rows (scoring batch size)")
+    ap.add_argument("--batch-rows", type=int, default=BATCH_ROWS, help="the job's --batch-rows (scoring batch size)")
     ap.add_argument("--starts", default="cold,warm", help="which jobs to run: cold, warm, both or none ('')")
     ap.add_argument("--baseline-docs", type=int, default=16, help="documents whose rows the baselines score; 0: none")
     ap.add_argument("--baseline-batch", type=int, default=16)

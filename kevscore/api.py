@@ -31,7 +31,7 @@ from kevscore.errors import KevscoreError, first_line, reported
 from kevscore.faults import Interrupted
 from kevscore.job.dryrun import Plan, dry_run
 from kevscore.job.labels import parse_labels
-from kevscore.job.options import WINDOW_DOCS, RunOptions, check_options
+from kevscore.job.options import BATCH_ROWS, WINDOW_DOCS, RunOptions, check_options
 from kevscore.job.run import LoadedModel, RunResult, run_job
 from kevscore.job.scan import COLUMNS
 
@@ -56,7 +56,7 @@ class Scorer(AbstractContextManager):
 
     def __init__(self, model: str = "demo", *, device: str = "auto", dtype: str = "auto",
                  labels: Sequence[str] | str = ("Yes", "No"), template: PathLike | None = None,
-                 state_read: str = "indexed", batch_rows: int = 128, bank: PathLike | None = None,
+                 state_read: str = "indexed", batch_rows: int = BATCH_ROWS, bank: PathLike | None = None,
                  bank_max_gb: float | None = None, bank_capacity: int | None = None, eager: bool = False,
                  batch_invariant: bool = False) -> None:
         """`model`: a checkpoint directory, a hub id (ORG/NAME[@REV]), demo, kev-0.8b or kev-4b; `dtype`: auto

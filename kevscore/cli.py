@@ -25,7 +25,7 @@ from kevscore.job import scan
 from kevscore.job.distributed import run_distributed, world_from_env
 from kevscore.job.files import file_format
 from kevscore.job.labels import parse_labels
-from kevscore.job.options import RunOptions
+from kevscore.job.options import BATCH_ROWS, RunOptions
 from kevscore.job.provenance import output_provenance
 
 
@@ -172,7 +172,7 @@ def run(
                                           help="Evict least-recently-used entries to stay under N GB."),
     gpus: int = option(1, "--gpus", panel=LONG, metavar="N", help="Run N processes on this machine, one per GPU, "
                        "under torch's launcher (the same as torchrun --nproc-per-node N -m kevscore run ...)."),
-    batch_rows: int = option(128, "--batch-rows", panel=SPEED, metavar="N", help="Most question rows per batch."),
+    batch_rows: int = option(BATCH_ROWS, "--batch-rows", panel=SPEED, metavar="N", help="Most question rows per batch."),
     bank_capacity: int | None = option(None, "--bank-capacity", panel=SPEED, metavar="N",
                                           help="Bank entries (default: from memory)."),
     eager: bool = option(False, "--eager", panel=SPEED, help="GPU: run without CUDA graphs."),

@@ -11,6 +11,7 @@ STATE_READS = ("indexed", "gathered")  # --state-read: a row's document state re
 WINDOW_DOCS = 1024          # documents per window (--window)
 WINDOW_ROWS = 65536         # rows per window; a document with more rows is split over windows of its own
 WINDOW_TOKENS = 1 << 20     # document tokens per window
+BATCH_ROWS = 128            # question rows per scoring batch, at most (--batch-rows; benchmarks/NOTES.md 117-118)
 
 
 @dataclass(slots=True)
@@ -24,7 +25,7 @@ class RunOptions:
     state_read: str = "indexed"   # how a row's document state is read from the bank (STATE_READS)
     labels: list[str] = field(default_factory=lambda: ["Yes", "No"])
     template: Path | None = None
-    batch_rows: int = 128
+    batch_rows: int = BATCH_ROWS
     overwrite: bool = False
     bank_capacity: int | None = None
     eager: bool = False
