@@ -15,9 +15,9 @@ def ladder(n: int, start: int = 16) -> int:
     return size
 
 
-# a batch of at least this many padded tokens runs eagerly at its exact shape: its GPU work then outlasts the
-# host's launches of it (~20 ms on an H200's host, where 8,192 tokens of the smallest Kev model take ~22 ms on the
-# GPU), so a graph would only add padding and a capture (benchmarks/NOTES.md 117-118)
+# a batch of at least this many padded tokens runs eagerly at its exact shape: even on the smallest Kev model its
+# GPU work outlasts the host's launches of it, so a graph would only add padding and a capture
+# (benchmarks/NOTES.md 117-118)
 EAGER_TOKENS = 8192
 
 
