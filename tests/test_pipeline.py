@@ -165,6 +165,27 @@ def test_a_batch_of_eager_size_keeps_its_own_shape():
             assert (batch.size, batch.length) == (rows, 128 if lengths[0] == 121 else 88)
 
 
+def test_the_cpu_runs_every_batch_at_its_own_shape(tiny, enc, monkeypatch):
+    """A CPU runner has no graphs and no warm-up to match: every batch is planned at its rows' own count and
+    (even) longest length, and scores as the padded buckets do, to fp32 rounding."""
+    from kevscore.engine.plan import EAGER_TOKENS
+
+    engine = cpu_engine(tiny, docs=enc.prefixes, max_rows=7)
+    assert engine.runner.exact_from == 0
+    shapes, score = [], engine.runner.score
+    monkeypatch.setattr(engine.runner, "score", lambda batch, branches, *rest: (
+        shapes.append((batch.exact, batch.size, batch.length, len(branches), max(map(len, branches)))),
+        score(batch, branches, *rest))[1])
+    exact = engine.run(enc, "indexed").probs
+    assert shapes and all(e and size == n and length == longest + longest % 2 for e, size, length, n, longest in shapes)
+    shapes.clear()
+    engine.runner.exact_from = EAGER_TOKENS  # as a GPU plans these small batches: padded to their buckets
+    padded = engine.run(enc, "indexed").probs
+    assert not any(e for e, *_ in shapes) and any(size > n or length > longest for _, size, length, n, longest in shapes)
+    for a, b in zip(exact, padded):
+        assert a == pytest.approx(b, abs=1e-5)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_model_is_built_without_the_process_wide_default_dtype(tiny, monkeypatch, tied):
     """The warm-up builds its model on a thread while the job builds its own: torch's default dtype is

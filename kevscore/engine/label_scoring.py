@@ -59,11 +59,12 @@ class Scoring:
         unit that is a whole row: 1)."""
         return 1
 
-    def batches(self, units: list[int], prefix_len: dict[int, int], max_rows: int, max_tokens: int) -> list[Batch]:
-        """`units` in padded batches (`plan_batches`) by their branch lengths, their documents' lengths (`prefix_len`
-        of each row) and their positions to score."""
+    def batches(self, units: list[int], prefix_len: dict[int, int], max_rows: int, max_tokens: int,
+                exact_from: int) -> list[Batch]:
+        """`units` in batches (`plan_batches`) by their branch lengths, their documents' lengths (`prefix_len` of
+        each row) and their positions to score."""
         return plan_batches(units, {u: len(self.tokens(u)) for u in units}, {u: prefix_len[self.row(u)] for u in units},
-                            max_rows, max_tokens, {u: self.scored(u) for u in units})
+                            max_rows, max_tokens, {u: self.scored(u) for u in units}, exact_from)
 
 
 class LastToken(Scoring):

@@ -198,7 +198,8 @@ class Engine:
             with progress.phase("score"):
                 for scoring in scorings(enc, rows):
                     pending = None  # the batch launched before: finished while the GPU runs the next one
-                    for batch in scoring.batches(scoring.units, prefix_len, self.max_rows, self.max_tokens):
+                    for batch in scoring.batches(scoring.units, prefix_len, self.max_rows, self.max_tokens,
+                                                 self.runner.exact_from):
                         launched = self._score_batch(enc, scoring, batch, slot_of, prefix_len, path, scores, progress)
                         self._finish_batch(scoring, pending, scores, progress)
                         pending = launched
@@ -245,7 +246,8 @@ class Engine:
                           f"{half} + {n - half} rows, later batches at most {self.max_rows} rows")
             progress.event("oom", phase="score", rows=n, length=batch.length, split=[half, n - half])
             for part in (batch.rows[:half], batch.rows[half:]):  # each half one batch, whatever its rows
-                sub, = scoring.batches(part, prefix_len, max(self.max_rows, len(part)), self.max_tokens)
+                sub, = scoring.batches(part, prefix_len, max(self.max_rows, len(part)), self.max_tokens,
+                                       self.runner.exact_from)
                 launched = self._score_batch(enc, scoring, sub, slot_of, prefix_len, path, scores, progress)
                 self._finish_batch(scoring, launched, scores, progress)
             return None

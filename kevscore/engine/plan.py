@@ -57,9 +57,10 @@ class Batch:
 
 
 def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Sequence[int],
-                 max_rows: int, max_tokens: int, scored: Sequence[int] | None = None) -> list[Batch]:
+                 max_rows: int, max_tokens: int, scored: Sequence[int] | None = None,
+                 exact_from: int = EAGER_TOKENS) -> list[Batch]:
     """Sort rows by branch length and cut them into batches of similar length, padded to graph buckets unless
-    large enough to run eagerly at their own shape (`EAGER_TOKENS`).
+    their padded size comes to `exact_from` tokens (0: every batch at its own shape).
 
     `branch_len[r]` / `prefix_len[r]` (and `scored[r]`, positions to score, default 1) are indexed by row id;
     a batch holds at most `max_rows` rows and at most `max_tokens` padded branch tokens (but always at least
@@ -73,12 +74,12 @@ def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Seq
             groups.append([])
         groups[-1].append(r)
     # each group a batch, its sizes padded to their buckets (a group holds at most max_rows rows, or one),
-    # unless that comes to EAGER_TOKENS or more: then its own rows and its longest length rounded up to even (the
+    # unless that comes to exact_from or more: then its own rows and its longest length rounded up to even (the
     # upload buffer's columns then sit at the byte alignment that Triton specializes on, as at a bucket's length)
     batches = []
     for g in groups:
         size, longest = row_bucket(len(g), max_rows), max(branch_len[r] for r in g)
-        exact = size * length_bucket(longest) >= EAGER_TOKENS
+        exact = size * length_bucket(longest) >= exact_from
         batches.append(Batch(g, len(g) if exact else size, longest + longest % 2 if exact else length_bucket(longest),
                              ladder(max(prefix_len[r] for r in g)),
                              1 if scored is None else scored_bucket(max(scored[r] for r in g)), exact))
