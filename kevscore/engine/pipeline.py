@@ -1,4 +1,4 @@
-"""The scoring pipeline: documents in waves through the bank, rows in padded batches, probabilities out."""
+"""The scoring pipeline: documents in waves through the bank, rows in batches, probabilities out."""
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,4 @@
-"""Planning: documents into waves that fit the bank, rows into padded (rows x length x prefix) batches."""
+"""Planning: documents into waves that fit the bank, rows into batches (padded to graph buckets, or their own shape)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
