@@ -434,7 +434,8 @@ def scoring_budgets(args, data: Path, tflops: float) -> list[dict]:
         ms = statistics.median(events_ms(partial(engine.score_rows, enc, rows, slot_of, "indexed", scores),
                                          reps=3, warmup=1))
         out.append({"max_rows": max_rows, "max_tokens": max_tokens, "rows": len(rows),
-                    "batches": len(plan_batches(rows, branch_len, prefix_len, max_rows, max_tokens)),
+                    "batches": len(plan_batches(rows, branch_len, prefix_len, max_rows, max_tokens,
+                                                exact_from=runner.exact_from)),
                     "ms": ms, "rows_per_s": len(rows) / ms * 1000, "x_floor": ms / floor_ms})
     del runner
     torch.cuda.empty_cache()

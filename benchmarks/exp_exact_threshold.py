@@ -9,7 +9,8 @@ graph variant's buckets):
 
 - graphs-64: every batch in its graph bucket, 64 rows and 8,192 tokens a batch (the job before NOTES 118);
 - graphs-128: the same at 128 rows and 16,384 tokens;
-- default: the job now (128 rows; batches of `plan.EAGER_TOKENS` padded tokens or more at their own shape);
+- tokens-8192: the job before NOTES 120 (128 rows; batches of 8,192 padded tokens or more at their own shape);
+- default: the job now (128 rows; batches of `plan.EAGER_LAYER_FLOPS` a layer or more at their own shape);
 - exact-128: every batch at its own shape, eagerly, 128 rows.
 
 Prints ms, rows/s, batches, padding, the weight-matmul TFLOP of a batch (median), GPU ms and host launch ms of an
@@ -74,7 +75,8 @@ def main() -> None:
     prefix_len = [len(enc.prefixes[d]) for d in enc.row_prefix]
     never = 1 << 40
     variants = {"graphs-64": (never, 64, 8192), "graphs-128": (never, 128, 16384),
-                "default": (plan.EAGER_TOKENS, 128, 16384), "exact-128": (0, 128, 16384)}
+                "tokens-8192": (8192, 128, 16384), "default": (runner.exact_from, 128, 16384),
+                "exact-128": (0, 128, 16384)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     launches: dict[str, list[float]] = {name: [] for name in variants}
     probs, planned = {}, {}

@@ -1,5 +1,7 @@
 """GPU tests (marked `cuda`): long branches read from the bank by index, graphs against eager, model parity."""
 
+import math
+
 import pytest
 import torch
 from conftest import both_paths, branch_inputs, gpu_engine, reference_scores, relative, synthetic, with_oracle
@@ -103,21 +105,28 @@ def test_graph_replay_equals_eager(tiny, case):
         assert results[eager]["indexed"] == results[eager]["gathered"]
 
 
-def test_a_batch_of_eager_size_runs_without_a_graph(tiny, monkeypatch):
-    """A batch planned at its exact shape (`plan.EAGER_TOKENS` padded tokens or more) runs eagerly on the graph
-    runner: no graph captured, its scores the eager runner's to the bit on both paths, and within last-bit
-    rounding of the same rows replayed in their padded graph bucket."""
+def test_a_batch_of_eager_size_runs_without_a_graph(tiny):
+    """A batch planned at its exact shape (weight-matmul work a layer of `plan.EAGER_LAYER_FLOPS` or more: for the
+    tiny model, tokens set lower) runs eagerly on the graph runner: no graph captured, its scores the eager
+    runner's to the bit on both paths, and within last-bit rounding of the same rows replayed in their padded
+    graph bucket."""
     from kevscore.engine import plan
 
     enc = synthetic(doc_lens=[40, 90, 130, 200], branch_lens=list(range(65, 106, 2)))  # 84 rows of 65-105 tokens
-    batch, = plan.plan_batches(list(range(len(enc))), [len(b) for b in enc.branches], [200] * len(enc), 96, 1 << 16)
-    assert batch.exact and (batch.size, batch.length) == (84, 106)
     engines = {eager: gpu_engine(tiny, enc.prefixes, eager=eager, max_rows=96, max_tokens=1 << 16)
                for eager in (True, False)}
+    model = engines[False].runner.model
+    layer_weights = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2) / len(model.layers)
+    assert engines[False].runner.exact_from == plan.eager_tokens(layer_weights) > 96 * 112  # the tiny model: graphs
+    for engine in engines.values():
+        engine.runner.exact_from = 64 * 128
+    batch, = plan.plan_batches(list(range(len(enc))), [len(b) for b in enc.branches], [200] * len(enc), 96, 1 << 16,
+                               exact_from=64 * 128)
+    assert batch.exact and (batch.size, batch.length) == (84, 106)
     got = {eager: {p: e.run(enc, p).probs for p in ("indexed", "gathered")} for eager, e in engines.items()}
     assert not engines[False].runner.graphs
     assert got[False] == got[True] and got[False]["indexed"] == got[False]["gathered"]
-    monkeypatch.setattr(plan, "EAGER_TOKENS", 1 << 30)  # the same rows in a graph of 96 x 112
+    engines[False].runner.exact_from = math.inf  # the same rows in a graph of 96 x 112
     padded = engines[False].run(enc, "indexed").probs
     assert list(engines[False].runner.graphs) == [(96, 112, 1, "indexed")]
     for a, b in zip(got[False]["indexed"], padded):

@@ -1,5 +1,6 @@
 """The CPU bank/branch pipeline against transformers on the full sequence, and its invariants."""
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -148,28 +149,37 @@ def test_branches_past_one_chunk_pad_by_less_than_8_tokens():
 
 
 def test_a_batch_of_eager_size_keeps_its_own_shape():
-    """A batch whose padded size comes to EAGER_TOKENS or more is planned at its rows' own count and longest
+    """A batch whose padded size comes to `exact_from` tokens or more is planned at its rows' own count and longest
     length (rounded up to even) and marked exact (it runs eagerly, with no graph); a smaller one keeps its graph
-    bucket."""
-    from kevscore.engine.plan import EAGER_TOKENS, plan_batches
+    bucket, and so does every batch by default."""
+    from kevscore.engine.plan import plan_batches
 
-    assert EAGER_TOKENS == 64 * 128  # the boundary below: 64 rows of a 128-token bucket
     for lengths, rows, exact in (([121] * 64, 64, True), ([121] * 47, 48, False), ([70] * 3 + [85] * 90, 93, True),
                                  ([85] * 50, 64, False)):
-        batch, = plan_batches(list(range(len(lengths))), lengths, [1700] * len(lengths), max_rows=128,
-                              max_tokens=1 << 20)
+        ids, prefix = list(range(len(lengths))), [1700] * len(lengths)
+        batch, = plan_batches(ids, lengths, prefix, max_rows=128, max_tokens=1 << 20, exact_from=64 * 128)
         assert batch.exact == exact, lengths
         if exact:
             assert (batch.size, batch.length) == (len(lengths), max(lengths) + 1)
         else:
             assert (batch.size, batch.length) == (rows, 128 if lengths[0] == 121 else 88)
+        assert not plan_batches(ids, lengths, prefix, max_rows=128, max_tokens=1 << 20)[0].exact
+
+
+def test_the_eager_size_follows_the_models_work_per_layer():
+    """A GPU runs a batch eagerly from a fixed amount of weight-matmul work a layer: a wide model from fewer tokens
+    than a narrow one, in inverse proportion to its weights a layer."""
+    from kevscore.engine.plan import EAGER_LAYER_FLOPS, eager_tokens
+
+    narrow, wide = eager_tokens(20.75e6), eager_tokens(111.6e6)  # Kev-0.8B's and Kev-4B's weights a layer
+    assert 8192 < narrow < 16384 and 1024 < wide < 2048
+    assert 2 * 111.6e6 * wide >= EAGER_LAYER_FLOPS > 2 * 111.6e6 * (wide - 1)
+    assert narrow / wide == pytest.approx(111.6 / 20.75, rel=1e-3)
 
 
 def test_the_cpu_runs_every_batch_at_its_own_shape(tiny, enc, monkeypatch):
     """A CPU runner has no graphs and no warm-up to match: every batch is planned at its rows' own count and
     (even) longest length, and scores as the padded buckets do, to fp32 rounding."""
-    from kevscore.engine.plan import EAGER_TOKENS
-
     engine = cpu_engine(tiny, docs=enc.prefixes, max_rows=7)
     assert engine.runner.exact_from == 0
     shapes, score = [], engine.runner.score
@@ -179,7 +189,7 @@ def test_the_cpu_runs_every_batch_at_its_own_shape(tiny, enc, monkeypatch):
     exact = engine.run(enc, "indexed").probs
     assert shapes and all(e and size == n and length == longest + longest % 2 for e, size, length, n, longest in shapes)
     shapes.clear()
-    engine.runner.exact_from = EAGER_TOKENS  # as a GPU plans these small batches: padded to their buckets
+    engine.runner.exact_from = math.inf  # as a GPU plans these small batches: padded to their buckets
     padded = engine.run(enc, "indexed").probs
     assert not any(e for e, *_ in shapes) and any(size > n or length > longest for _, size, length, n, longest in shapes)
     for a, b in zip(exact, padded):

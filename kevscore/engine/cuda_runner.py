@@ -46,7 +46,7 @@ class GraphRunner(EagerRunner):
         self.capture_s = 0.0  # host seconds of the eager runs (first launches) and captures, reported apart
 
     def score(self, batch: Batch, branches, slots, prefix_lens, path: str) -> torch.Tensor:
-        if batch.exact:  # GPU work enough to hide its launches (engine.plan.EAGER_TOKENS): no graph, no padding
+        if batch.exact:  # GPU work enough to hide its launches (engine.plan.EAGER_LAYER_FLOPS): no graph, no padding
             return super().score(batch, branches, slots, prefix_lens, path)
         key = (batch.size, batch.length, batch.scored, path)
         if (entry := self.graphs.get(key)) is None:  # this batch's scores come from the eager run before the capture

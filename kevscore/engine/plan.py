@@ -1,6 +1,7 @@
 """Planning: documents into waves that fit the bank, rows into batches (padded to graph buckets, or their own shape)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,10 +16,16 @@ def ladder(n: int, start: int = 16) -> int:
     return size
 
 
-# a batch of at least this many padded tokens runs eagerly at its exact shape: even on the smallest Kev model its
-# GPU work outlasts the host's launches of it, so a graph would only add padding and a capture
-# (benchmarks/NOTES.md 117-118)
-EAGER_TOKENS = 8192
+# a batch whose weight matmuls come to this many FLOPs a layer or more runs eagerly at its own shape on a GPU: its
+# GPU work then outlasts the host's launches of the layer, so a graph would only add padding and a capture
+# (benchmarks/NOTES.md 117-120)
+EAGER_LAYER_FLOPS = 4e11
+
+
+def eager_tokens(layer_weights: float) -> int:
+    """Padded branch tokens from which a batch runs eagerly at its own shape, through layers of `layer_weights`
+    matmul weights each (two FLOPs a weight a token)."""
+    return math.ceil(EAGER_LAYER_FLOPS / (2 * layer_weights))
 
 
 def length_bucket(n: int) -> int:
@@ -58,9 +65,9 @@ class Batch:
 
 def plan_batches(rows: Sequence[int], branch_len: Sequence[int], prefix_len: Sequence[int],
                  max_rows: int, max_tokens: int, scored: Sequence[int] | None = None,
-                 exact_from: int = EAGER_TOKENS) -> list[Batch]:
+                 exact_from: float = math.inf) -> list[Batch]:
     """Sort rows by branch length and cut them into batches of similar length, padded to graph buckets unless
-    their padded size comes to `exact_from` tokens (0: every batch at its own shape).
+    their padded size comes to `exact_from` tokens (0: every batch at its own shape; inf: none).
 
     `branch_len[r]` / `prefix_len[r]` (and `scored[r]`, positions to score, default 1) are indexed by row id;
     a batch holds at most `max_rows` rows and at most `max_tokens` padded branch tokens (but always at least

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kevscore.engine.bank import StateBank
-from kevscore.engine.plan import EAGER_TOKENS, Batch
+from kevscore.engine.plan import Batch, eager_tokens
 from kevscore.kernels.gdr_ref import CHUNK
 from kevscore.model.kev import KevModel
 from kevscore.model.layers.common import BranchContext, PrefillContext
@@ -94,7 +94,8 @@ class EagerRunner:
         # batches of this many padded tokens or more are planned at their own shape (engine.plan.plan_batches); on a
         # GPU smaller ones keep their buckets, the shapes the warm-up builds kernels for and a graph's key; a CPU
         # needs neither
-        self.exact_from = 0 if self.device.type == "cpu" else EAGER_TOKENS
+        layer_weights = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2) / len(model.layers)
+        self.exact_from = 0 if self.device.type == "cpu" else eager_tokens(layer_weights)
         model.attach_bank(bank)
 
     def prefill(self, docs: Sequence[Sequence[int]], slots: Sequence[int]) -> None:

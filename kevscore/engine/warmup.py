@@ -111,8 +111,9 @@ def first_calls(cfg: KevConfig, device: torch.device, dtype: torch.dtype, triton
 
 def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dtype | None) -> Callable[[], dict]:
     """The warm-up's model (`small_model`) on a runner, and the pass that runs it through every shape a job meets:
-    two prefill groups, then a scoring batch of each kind (`BRANCHES`). The pass calls `after_prefill` between
-    the two (what a job's first prefill group needs has been met then) and returns its seconds by phase."""
+    two prefill groups, then a scoring batch of each kind (`BRANCHES`; the short ones also at their own shapes).
+    The pass calls `after_prefill` between the two (what a job's first prefill group needs has been met then) and
+    returns its seconds by phase."""
     from kevscore.engine.backend import build_runner, synchronize
     from kevscore.engine.pipeline import Engine, RunStats
     from kevscore.model.checkpoint import Checkpoint, random_weights
@@ -140,9 +141,15 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
         for enc in encs:  # both groups' prefill first, then each group's whole run
             engine.prefill_wave(enc, list(range(len(enc.prefixes))), RunStats())
         after_prefill()
-        for enc in encs:
+        # the short branches once more at their own shapes, as a large model's batches of short questions run
+        # (engine.plan.eager_tokens): one chunk's lengths that are no multiple of 16, which no bucket has and
+        # Triton specializes on
+        buckets = runner.exact_from
+        for enc, exact_from in ((encs[0], buckets), (encs[1], buckets), (encs[1], 0)):
+            runner.exact_from = exact_from
             stats = engine.run(enc, path).stats
             prefill_s, score_s = prefill_s + stats.prefill_s, score_s + stats.score_s
+        runner.exact_from = buckets
         synchronize(device)
         return {"prefill_s": prefill_s, "score_s": score_s}
 
