@@ -19,7 +19,7 @@ def ladder(n: int, start: int = 16) -> int:
 # a batch whose weight matmuls come to this many FLOPs a layer or more runs eagerly at its own shape on a GPU: its
 # GPU work then outlasts the host's launches of the layer, so a graph would only add padding and a capture
 # (benchmarks/NOTES.md 117-120)
-EAGER_LAYER_FLOPS = 4e11
+EAGER_LAYER_FLOPS = 5e11
 
 
 def eager_tokens(layer_weights: float) -> int:
