@@ -52,8 +52,7 @@ class Cursor:
 
     def table(self, rows: np.ndarray) -> pa.Table:
         """`rows` (ascending input rows, at least one) as a table of the columns, in that order."""
-        pieces = []
-        i = 0
+        pieces, i = [], 0
         while i < len(rows):
             self._reach(int(rows[i]))
             j = int(np.searchsorted(rows, self.end, side="left"))  # the rows in this batch: rows[i:j]

@@ -87,10 +87,8 @@ def _shape(hidden: int, mlp: int, layers: int, heads: tuple[int, int], lin: tupl
 
 
 # Benchmark shapes (seeded random weights; see kevscore.model.checkpoint.random_weights).
-SHAPES: dict[str, KevConfig] = {
-    "kev-0.8b": _shape(1024, 3584, 24, (8, 2), (16, 16), 248320),
-    "kev-4b": _shape(2560, 9216, 32, (16, 4), (16, 32), 248320),
-}
+SHAPES: dict[str, KevConfig] = {"kev-0.8b": _shape(1024, 3584, 24, (8, 2), (16, 16), 248320),
+                                "kev-4b": _shape(2560, 9216, 32, (16, 4), (16, 32), 248320)}
 
 
 def weight_shapes(cfg: KevConfig) -> dict[str, tuple[int, ...]]:
