@@ -195,6 +195,8 @@ def summary_table(result) -> Table:
     s, f, b, labels = result.stats, summary_fields(result), result.bank, result.labels or {}
     rate = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
     resumed = f" ({result.resumed_rows:,} from parts of an earlier run)" if result.resumed_rows else ""
+    predicted = bool(labels.get("predictions"))
+    rejected = f", {b.rejected:,} rejected" if b is not None and b.rejected else ""
     return key_value_table(f"kevscore run · {result.model} on {result.device}", {
         "documents": f"{result.documents:,}", "distinct prefixes": f"{s.prefixes:,}",
         "prefilled": f"{s.prefilled:,} in {_count(s.waves, 'wave')}",
@@ -209,14 +211,15 @@ def summary_table(result) -> Table:
         "peak GPU memory": None if result.peak_gpu is None else _size(result.peak_gpu),
         "out of memory": f"{_count(s.oom_retries, 'batch')} split and retried" if s.oom_retries else None,
         "set aside": None if result.errors is None else f"{result.set_aside:,} rows -> {escape(str(result.errors))}",
-        **({"label mass": f"min {_mass(labels['label_mass_min'])}, median {_mass(labels['label_mass_median'])}",
-            "predictions": escape(", ".join(f"{label} {n:,}" for label, n in labels["predictions"].items()))}
-           if labels.get("predictions") else {}),
+        "label mass": f"min {_mass(labels['label_mass_min'])}, median {_mass(labels['label_mass_median'])}"
+                      if predicted else None,
+        "predictions": escape(", ".join(f"{label} {n:,}" for label, n in labels["predictions"].items()))
+                       if predicted else None,
         "output": escape(str(result.output)),
-        **({"bank entries": f"{b.loaded:,} loaded, {s.prefilled:,} prefilled, {b.saved:,} saved, "
-                            f"{b.evicted:,} evicted" + (f", {b.rejected:,} rejected" if b.rejected else ""),
-            "bank bytes": f"{_size(b.read_bytes)} read in {b.load_s:.3f} s, "
-                          f"{_size(b.written_bytes)} written in {b.save_s:.3f} s"} if b is not None else {})})
+        "bank entries": None if b is None else (f"{b.loaded:,} loaded, {s.prefilled:,} prefilled, {b.saved:,} saved, "
+                                                f"{b.evicted:,} evicted{rejected}"),
+        "bank bytes": None if b is None else f"{_size(b.read_bytes)} read in {b.load_s:.3f} s, "
+                                             f"{_size(b.written_bytes)} written in {b.save_s:.3f} s"})
 
 
 def _compact(n: int) -> str:
@@ -236,6 +239,7 @@ def _size(n: float) -> str:
 
 
 def plan_table(plan) -> Table:
+    estimated = plan.estimate_s is not None
     gpu = ("without the kernels' compiles and CUDA-graph capture at the start (seconds)"
            if plan.device.startswith("cuda") else "a GPU (--device cuda) is not estimated here")
     return key_value_table(f"kevscore run --dry-run · {plan.model} on {plan.device}", {
@@ -243,10 +247,11 @@ def plan_table(plan) -> Table:
         "documents": f"{plan.documents:,} ({plan.prefix_tokens:,} tokens to prefill)",
         "windows": f"{plan.windows:,}, {_count(plan.waves, 'wave')} (the bank holds {plan.bank_entries:,} documents)",
         "model load": f"{plan.load_s:.1f} s (with tokenizing every prompt)",
-        **({"calibration": f"{_count(plan.calibration_docs, 'document')}, {plan.calibration_rows} rows: prefill "
-                           f"{plan.prefill_tokens_per_s:,.0f} tokens/s, scoring {plan.score_rows_per_s:,.1f} rows/s",
-            "estimate": f"about {_duration(plan.estimate_s)} on {plan.device}",
-            "assumes": f"the whole input runs at the calibrated rates; {gpu}"} if plan.estimate_s is not None else {})})
+        "calibration": f"{_count(plan.calibration_docs, 'document')}, {plan.calibration_rows} rows: prefill "
+                       f"{plan.prefill_tokens_per_s:,.0f} tokens/s, scoring {plan.score_rows_per_s:,.1f} rows/s"
+                       if estimated else None,
+        "estimate": f"about {_duration(plan.estimate_s)} on {plan.device}" if estimated else None,
+        "assumes": f"the whole input runs at the calibrated rates; {gpu}" if estimated else None})
 
 
 def _count(n: int, word: str) -> str:
