@@ -254,10 +254,8 @@ class Engine:
         if not out.is_cuda:
             return batch, out.clone(), None  # the runner may reuse its output buffer for the next batch
         # one read back, queued behind the batch (so before a next replay overwrites the graph's output)
-        copied = torch.cuda.Event()
         host = out.to("cpu", non_blocking=True)
-        copied.record()
-        return batch, host, copied
+        return batch, host, torch.cuda.current_stream().record_event()
 
     def _finish_batch(self, scoring: Scoring, launched: tuple | None, scores: Scores, progress: Reporter) -> None:
         """The scores of a batch `_score_batch` launched (None: none to finish), once its copy to the host is done:
