@@ -58,8 +58,6 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         attention = threading.Thread(target=long_attention, args=(cfg, device), name="kevscore-attention", daemon=True)
         attention.start()
 
-    finished = False
-
     def released() -> None:  # the job's first prefill group runs SDPA too: not beside this thread's builds
         if attention is not None:
             attention.join()
