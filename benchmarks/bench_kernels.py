@@ -89,7 +89,7 @@ def main() -> None:
         print(f"{kernel:<14}{variant:<34}{(ms or 0) * 1000:>9.1f} us{total} ms/call"
               + (f"   floor {floor * 1000:.1f} us" if floor else ""))
 
-    layers, attn_layers = cfg.num_layers, cfg.layer_types.count(FULL)
+    layers, attn_layers = len(cfg.layer_types), cfg.layer_types.count(FULL)
     delta_layers = cfg.layer_types.count(LINEAR)
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim

@@ -297,7 +297,7 @@ def test_prefill_host_timing_by_layer(tiny, monkeypatch):
     engine = cpu_engine(tiny, docs=enc.prefixes)
     engine.prefill_tokens = 8  # one document a group
     engine.prefill_wave(enc, [0, 1, 2], Scores.empty(0).stats)
-    assert len(groups) == 3 and all(len(g["layers_ms"]) == tiny.config.num_layers for g in groups)
+    assert len(groups) == 3 and all(len(g["layers_ms"]) == len(tiny.config.layer_types) for g in groups)
     assert all(g["inputs_ms"] >= 0 and min(g["layers_ms"]) >= 0 for g in groups)
     summary = job.host_summary(groups)
     assert summary.startswith("inputs ") and "(median of 2 groups)" in summary

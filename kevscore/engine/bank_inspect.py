@@ -63,14 +63,11 @@ def _entry_row(key: str, rec: dict | None, path: Path | None, verify: bool, deta
         row.update(model=head.meta["model"], tokens=head.tokens, bytes=head.component_bytes(), file_bytes=head.size,
                    created=float(head.meta["created"]),
                    tensors={n: {"dtype": d, "shape": s} for n, (d, s, _, _) in head.tensors.items()})
-    except (OSError, EntryError) as exc:
-        row.update(status=f"corrupt: {exc}", file_bytes=path.stat().st_size)
-    if verify and row["status"] == "unchecked":
-        try:
-            checked, tensors = read_entry(path)
+        if verify:
+            checked, tensors = read_entry(path)  # every check; a corrupt entry's row keeps its header's figures
             row["status"] = "ok"
             if detail:
                 row.update(ids_head=tensors["ids"][:16].tolist(), crc32=checked.crc)
-        except (OSError, EntryError) as exc:
-            row["status"] = f"corrupt: {exc}"
+    except (OSError, EntryError) as exc:
+        row.update(status=f"corrupt: {exc}", file_bytes=path.stat().st_size)
     return row

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kevscore.engine.plan import Batch, plan_batches
+from kevscore.engine.plan import Batch
 from kevscore.model.prompt import Encoded
 
 Tokens = tuple[int, ...]
@@ -58,13 +58,6 @@ class Scoring:
         """A unit that cannot be scored (its row is reported as failed); returns how many rows it completes (a
         unit that is a whole row: 1)."""
         return 1
-
-    def batches(self, units: list[int], prefix_len: dict[int, int], max_rows: int, max_tokens: int,
-                exact_from: int) -> list[Batch]:
-        """`units` in batches (`plan_batches`) by their branch lengths, their documents' lengths (`prefix_len` of
-        each row) and their positions to score."""
-        return plan_batches(units, {u: len(self.tokens(u)) for u in units}, {u: prefix_len[self.row(u)] for u in units},
-                            max_rows, max_tokens, {u: self.scored(u) for u in units}, exact_from)
 
 
 class LastToken(Scoring):

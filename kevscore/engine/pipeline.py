@@ -11,7 +11,7 @@ import torch
 from kevscore import faults
 from kevscore.engine.backend import queue_mark, release_cache, synchronize
 from kevscore.engine.label_scoring import Scoring, scorings
-from kevscore.engine.plan import Batch, plan_waves
+from kevscore.engine.plan import Batch, plan_batches, plan_waves
 from kevscore.engine.runner import PAD_WASTE
 from kevscore.errors import KevscoreFailure, first_line
 from kevscore.model.prompt import Encoded
@@ -198,8 +198,7 @@ class Engine:
             with progress.phase("score"):
                 for scoring in scorings(enc, rows):
                     pending = None  # the batch launched before: finished while the GPU runs the next one
-                    for batch in scoring.batches(scoring.units, prefix_len, self.max_rows, self.max_tokens,
-                                                 self.runner.exact_from):
+                    for batch in self._batches(scoring, scoring.units, prefix_len, self.max_rows):
                         launched = self._score_batch(enc, scoring, batch, slot_of, prefix_len, path, scores, progress)
                         self._finish_batch(scoring, pending, scores, progress)
                         pending = launched
@@ -212,6 +211,13 @@ class Engine:
             scores.stats.score_s += now - max(t0, self._settle_prefill(end, now))
             scores.stats.capture_s += getattr(self.runner, "capture_s", 0.0) - captured
             scores.stats.captures += len(getattr(self.runner, "graphs", ())) - graphs
+
+    def _batches(self, scoring: Scoring, units: list[int], prefix_len: dict[int, int], max_rows: int) -> list[Batch]:
+        """A scoring's `units` in batches (`plan_batches`) by their branch lengths, their documents' lengths (`prefix_len`
+        of each row) and their positions to score, within the engine's limits."""
+        return plan_batches(units, {u: len(scoring.tokens(u)) for u in units},
+                            {u: prefix_len[scoring.row(u)] for u in units}, max_rows, self.max_tokens,
+                            {u: scoring.scored(u) for u in units}, self.runner.exact_from)
 
     def _score_batch(self, enc: Encoded, scoring: Scoring, batch: Batch, slot_of: dict[int, int],
                      prefix_len: dict[int, int], path: str, scores: Scores, progress: Reporter):
@@ -246,18 +252,15 @@ class Engine:
                           f"{half} + {n - half} rows, later batches at most {self.max_rows} rows")
             progress.event("oom", phase="score", rows=n, length=batch.length, split=[half, n - half])
             for part in (batch.rows[:half], batch.rows[half:]):  # each half one batch, whatever its rows
-                sub, = scoring.batches(part, prefix_len, max(self.max_rows, len(part)), self.max_tokens,
-                                       self.runner.exact_from)
+                sub, = self._batches(scoring, part, prefix_len, max(self.max_rows, len(part)))
                 launched = self._score_batch(enc, scoring, sub, slot_of, prefix_len, path, scores, progress)
                 self._finish_batch(scoring, launched, scores, progress)
             return None
         if not out.is_cuda:
             return batch, out.clone(), None  # the runner may reuse its output buffer for the next batch
         # one read back, queued behind the batch (so before a next replay overwrites the graph's output)
-        copied = torch.cuda.Event()
         host = out.to("cpu", non_blocking=True)
-        copied.record()
-        return batch, host, copied
+        return batch, host, torch.cuda.current_stream().record_event()
 
     def _finish_batch(self, scoring: Scoring, launched: tuple | None, scores: Scores, progress: Reporter) -> None:
         """The scores of a batch `_score_batch` launched (None: none to finish), once its copy to the host is done:

@@ -58,8 +58,6 @@ def compile_kernels(cfg: KevConfig, device: torch.device, path: str, dtype: torc
         attention = threading.Thread(target=long_attention, args=(cfg, device), name="kevscore-attention", daemon=True)
         attention.start()
 
-    finished = False
-
     def released() -> None:  # the job's first prefill group runs SDPA too: not beside this thread's builds
         if attention is not None:
             attention.join()
@@ -133,11 +131,10 @@ def shape_pass(cfg: KevConfig, device: torch.device, path: str, dtype: torch.dty
         encs = []
         for docs, branches in zip(PREFILL_GROUPS, ([b for b in BRANCHES if b[1] > 64], [b for b in BRANCHES if b[1] <= 64])):
             prefixes = [[1 + i % 500] * n for i, n in enumerate(docs)]
-            batches = [(d, rows, length) for d in range(len(docs)) for rows, length in branches]
-            lengths = [length for _, rows, length in batches for _ in range(rows)]
-            tails = [[(5, 6), ()] if length == LABELLED else [(), ()] for length in lengths]
-            encs.append(Encoded(prefixes, [d for d, rows, _ in batches for _ in range(rows)], [[7] * n for n in lengths],
-                                [["a", "b"]] * len(lengths), [[3, 4]] * len(lengths), tails))
+            rows = [(d, length) for d in range(len(docs)) for n, length in branches for _ in range(n)]  # (document, length)
+            tails = [[(5, 6), ()] if length == LABELLED else [(), ()] for _, length in rows]
+            encs.append(Encoded(prefixes, [d for d, _ in rows], [[7] * length for _, length in rows],
+                                [["a", "b"]] * len(rows), [[3, 4]] * len(rows), tails))
         for enc in encs:  # both groups' prefill first, then each group's whole run
             engine.prefill_wave(enc, list(range(len(enc.prefixes))), RunStats())
         after_prefill()

@@ -33,10 +33,6 @@ class KevConfig:
     tie_word_embeddings: bool = True
 
     @property
-    def num_layers(self) -> int:
-        return len(self.layer_types)
-
-    @property
     def value_dim(self) -> int:
         return self.linear_num_value_heads * self.linear_value_head_dim
 
@@ -75,8 +71,9 @@ class KevConfig:
         """A `qwen3_5_text` config.json dict that transformers' Qwen3_5TextConfig accepts."""
         d = asdict(self)
         rope = {"rope_type": "default", **{name: d.pop(name) for name in HF_ROPE}}
-        return d | {"layer_types": list(self.layer_types), "num_hidden_layers": self.num_layers, "rope_parameters": rope,
-                    "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "hidden_act": "silu"}
+        return d | {"layer_types": list(self.layer_types), "num_hidden_layers": len(self.layer_types),
+                    "rope_parameters": rope, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
+                    "hidden_act": "silu"}
 
 
 def _shape(hidden: int, mlp: int, layers: int, heads: tuple[int, int], lin: tuple[int, int], vocab: int) -> KevConfig:
