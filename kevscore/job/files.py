@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
+import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from kevscore import faults
@@ -118,12 +119,15 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
 
 
 def _reader(paths: list[str], fmt: str, rename: dict[str, str], fs: pafs.FileSystem | None):
-    """A record-batch reader (with .schema) over the files, one pyarrow dataset for every format; a CSV's text
-    columns read as strings."""
-    theirs = {v: k for k, v in rename.items()}
-    text = pacsv.ConvertOptions(column_types={theirs.get(c, c): pa.string() for c in TEXT_COLUMNS})
-    form = {"parquet": "parquet", "jsonl": ds.JsonFileFormat(), "csv": ds.CsvFileFormat(convert_options=text)}[fmt]
-    return ds.dataset(paths, format=form, filesystem=fs).scanner(use_threads=False).to_reader()
+    """A record-batch reader (with .schema) over the files."""
+    if fmt == "parquet":
+        return ds.dataset(paths, format="parquet", filesystem=fs).scanner(use_threads=False).to_reader()
+    stream = fs.open_input_stream(paths[0]) if fs is not None else paths[0]
+    if fmt == "jsonl":
+        return pajson.open_json(stream)
+    source = {v: k for k, v in rename.items()}
+    types = {source.get(c, c): pa.string() for c in TEXT_COLUMNS}
+    return pacsv.open_csv(stream, convert_options=pacsv.ConvertOptions(column_types=types))
 
 
 def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
