@@ -214,6 +214,19 @@ def test_csv_labels_that_are_no_json_array_name_their_row(tmp_path: Path, source
     assert len(result.stderr.strip().splitlines()) == 1 and listing(tmp_path) == ["q.csv"]
 
 
+@pytest.mark.parametrize("name, text, error, detail", [
+    ("q.csv", 'document,question\n"unterminated,x\n', "not readable as CSV (CSV parse error: ", "Expected 2 columns"),
+    ("q.jsonl", '{"document": "d", "question": \n', "not readable as JSON Lines (JSON parse error: ", "Invalid value")])
+def test_an_unparsable_file_is_one_line_naming_the_parsers_error(tmp_path: Path, name: str, text: str, error: str,
+                                                                 detail: str) -> None:
+    """A file its format's parser refuses: one line with the file and the parser's own words (no wrapper's)."""
+    (tmp_path / name).write_text(text)
+    result = kevscore("run", tmp_path / name, "-o", tmp_path / "out.parquet")
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and line.startswith(f"error: {tmp_path / name}: {error}") and detail in line, line
+    assert len(line.splitlines()) == 1 and listing(tmp_path) == [name]
+
+
 def test_several_gpus_write_parquet_only(tmp_path: Path) -> None:
     result = kevscore("run", EXAMPLES / "questions.parquet", "--gpus", "2", "-o", tmp_path / "out.csv")
     assert result.exit_code == 2 and "give -o a .parquet name" in result.stderr, result.stderr
