@@ -24,7 +24,7 @@ import torch
 
 from kevscore.baselines import naive_call
 from kevscore.durable import write_atomic, write_json
-from kevscore.engine.backend import build_runner, resolve_device
+from kevscore.engine.backend import build_runner, resolve_device, resolve_dtype
 from kevscore.engine.pipeline import Engine, RunStats, Scores
 from kevscore.errors import KevscoreError, rows_phrase
 from kevscore.job.data import argmax, read_input
@@ -228,8 +228,7 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
         build_runner(ckpt, device, doc_tokens, dtype=torch.float32), max_rows=opts.batch_rows)
     load_s = time.perf_counter() - t0
     hf = None if opts.baseline != "hf" else partial(  # the transformers baseline's call on a case's rows
-        naive_call, reference_model(ckpt, str(device), torch.bfloat16 if device.type == "cuda" else torch.float32),
-        device=device, batch=16)
+        naive_call, reference_model(ckpt, str(device), resolve_dtype("auto", device)), device=device, batch=16)
     results = []
     for k, c in enumerate(cases, start=1):
         enc, warm, definition = workloads[c]
