@@ -274,6 +274,7 @@ def bank_inspect(
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON to stdout."),
 ) -> None:
     """List a bank's entries: models, sizes per component, last use; with --verify, checksum status.
+
     Exits 1 when --verify finds a bad entry."""
     with _failing():
         report = inspect_bank(directory, entry, verify)
@@ -287,8 +288,9 @@ def info(
     output: Path = typer.Argument(..., metavar="FILE", help="A Parquet output of kevscore run."),
     as_json: bool = typer.Option(False, "--json", help="Print the whole record as JSON to stdout."),
 ) -> None:
-    """How a Parquet output was made: kevscore's version, the inputs and their SHA-256s, the template, the
-    model and its fingerprint, the device, dtype, state-read mode, labels and options."""
+    """How a Parquet output was made: kevscore's version, inputs, template, model, device and options.
+
+    The inputs with their SHA-256s, the model with its fingerprint, the dtype, state-read mode and labels."""
     with _failing():
         record = output_provenance(output)
     _show(record, as_json, lambda out: out.print(display.provenance_table(record)))
@@ -317,8 +319,9 @@ def compare(
                                      "rows whose prediction differs from bf16's."),
 ) -> None:
     """Run the gathered and indexed paths on the same weights and inputs; time them and check parity.
-    Exits 1 when any case shows a probability difference, a decision flip or a changed bank (the fp32
-    baseline's flips are reported, with their rows in --json, not failures)."""
+
+    Exits 1 when a case shows a probability difference, a decision flip or a changed bank.
+    The fp32 baseline's flips are reported (their rows in --json), not failures."""
     opts = options_of(comparing.CompareOptions, locals(), cases=cases.split(",") if cases else None)
     with _failing():
         report = comparing.compare(opts, log=lambda s: console.print(f"[dim]{escape(s)}[/]", highlight=False))

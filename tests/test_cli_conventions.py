@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import fcntl
+import inspect
 import os
 import shutil
 from pathlib import Path
 
+import typer
 from typer.testing import CliRunner
 
 from kevscore import __version__
@@ -37,6 +39,15 @@ def test_help_names_choices_and_values_not_types() -> None:
     for choice in ("[cpu|cuda|auto]", "[indexed|gathered]"):
         assert choice in run
     assert "<input stem>.scores.parquet" in " ".join(run.replace("│", " ").split())
+
+
+def test_help_texts_flow_without_breaks_inside_a_sentence() -> None:
+    """typer's rich help keeps a docstring's line breaks: a command's first paragraph (its line in the commands
+    list) is one line, and each later line ends a sentence, so no help breaks mid-sentence at any width."""
+    for name, command in typer.main.get_command(app).commands.items():
+        first, *rest = inspect.cleandoc(command.help).split("\n\n")
+        assert "\n" not in first, name
+        assert all(line.endswith(".") for paragraph in rest for line in paragraph.splitlines()), name
 
 
 def test_exit_status_2_for_usage_and_input_errors(tmp_path: Path) -> None:
