@@ -11,7 +11,7 @@ import time
 
 from rich.console import Console
 from rich.markup import escape as markup_escape
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
 from rich.table import Column, Table
 from rich.text import Text
 
@@ -31,12 +31,20 @@ def table_console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=None if Console(stderr=stderr).is_terminal else 80)
 
 
+def phase_rate(task) -> float | None:
+    """Rows (or documents) per second over this run's part of the phase so far. Not rich's `speed`, which
+    averages its last few samples only: two batches read back together would make it thousands of times too high."""
+    done, elapsed = task.completed - task.fields.get("resumed", 0), task.finished_time or task.elapsed
+    return done / elapsed if task.fields.get("unit") and done > 0 and elapsed else None
+
+
 class RateColumn(ProgressColumn):
-    """Rows (or documents) per second of the phase, or seconds per one when slower; nothing for the bank."""
+    """The phase's rate, or seconds per one when slower; nothing for the bank."""
 
     def render(self, task) -> Text:
-        if not (unit := task.fields.get("unit")) or not (speed := task.speed):
+        if not (speed := phase_rate(task)):
             return Text("")
+        unit = task.fields["unit"]
         rate = f"{speed:,.1f} {unit}s/s" if speed >= 1 else f"{1 / speed:,.1f} s/{unit}"
         return Text(rate, style="progress.data.speed")
 
@@ -48,9 +56,16 @@ class CountColumn(ProgressColumn):
         return Text(f"{int(task.completed):,}/{int(task.total or 0):,}", style="progress.download")
 
 
-class EtaColumn(TimeRemainingColumn):
+class EtaColumn(ProgressColumn):
+    """The phase's time left at its rate so far; nothing for the bank."""
+
     def render(self, task) -> Text:
-        return super().render(task) if task.fields.get("unit") else Text("")
+        if not task.fields.get("unit"):
+            return Text("")
+        if (speed := phase_rate(task)) is None:
+            return Text("-:--:--", style="progress.remaining")
+        minutes, seconds = divmod(int((task.total - task.completed) / speed), 60)
+        return Text(f"{minutes // 60:d}:{minutes % 60:02d}:{seconds:02d}", style="progress.remaining")
 
 
 class RichProgress(Reporter):
@@ -63,7 +78,7 @@ class RichProgress(Reporter):
     def start(self, phase: str, total: int, done: int = 0) -> None:
         self.loaded()
         unit = "row" if phase == "score" else "doc"
-        self.tasks[phase] = self.bar.add_task(phase, total=total, completed=done, unit=unit, info="")
+        self.tasks[phase] = self.bar.add_task(phase, total=total, completed=done, resumed=done, unit=unit, info="")
 
     def advance(self, phase: str, n: int) -> None:
         self.bar.advance(self.tasks[phase], n)
@@ -281,7 +296,7 @@ def provenance_table(record: dict) -> Table:
             "options": ", ".join(f"{k} {v}" for k, v in opts.items()
                                  if k not in ("device", "dtype", "state_read", "path", "labels")),
             "job": str(record.get("job"))}
-    return key_value_table(None, {name: markup_escape(value) for name, value in rows.items()}, "bold", box=None,
+    return key_value_table(None, {name: escape(value) for name, value in rows.items()}, "bold", box=None,
                            pad_edge=False)
 
 

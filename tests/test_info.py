@@ -55,6 +55,15 @@ def test_info_prints_it_at_80_columns_or_as_json(tmp_path):
     assert res.exit_code == 0 and json.loads(res.output) == output_provenance(out)
 
 
+def test_info_shows_control_characters_in_recorded_names_escaped(tmp_path):
+    record = output_provenance(scored(tmp_path))
+    record["input"]["name"] = "q\x1b[2J[bold].parquet"  # a file name with a terminal code and rich markup
+    console = Console(width=80, record=True)
+    console.print(provenance_table(record))
+    text = console.export_text()
+    assert "\x1b" not in text and "q\\x1b[2J[bold].parquet" in text
+
+
 def test_info_on_other_files_is_one_line(tmp_path):
     csv = scored(tmp_path, suffix=".csv")
     for path, words in ((csv, "only Parquet outputs record"), (EXAMPLE, "records no provenance"),

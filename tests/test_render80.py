@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from kevscore.display import (
+    EtaColumn,
     RateColumn,
     RichProgress,
     compare_table,
@@ -83,9 +84,34 @@ def test_progress_bars() -> None:
 
 
 def test_rate_below_one_per_second_is_seconds_per_one() -> None:
-    assert str(RateColumn().render(SimpleNamespace(fields={"unit": "doc"}, speed=0.25))) == "4.0 s/doc"
-    assert str(RateColumn().render(SimpleNamespace(fields={"unit": "row"}, speed=1234.5))) == "1,234.5 rows/s"
-    assert str(RateColumn().render(SimpleNamespace(fields={"unit": "doc"}, speed=0.0))) == ""
+    def task(done: int, seconds: float, unit: str = "doc") -> SimpleNamespace:
+        return SimpleNamespace(fields={"unit": unit}, completed=done, finished_time=None, elapsed=seconds)
+
+    assert str(RateColumn().render(task(1, 4.0))) == "4.0 s/doc"
+    assert str(RateColumn().render(task(12_345, 10.0, "row"))) == "1,234.5 rows/s"
+    assert str(RateColumn().render(task(0, 4.0))) == ""
+
+
+def test_a_phases_rate_is_its_rows_over_its_time() -> None:
+    """Two batches read back together do not make the rate absurd (rich's own `speed` would), an earlier run's
+    rows do not count, and the time left follows the same rate."""
+    clock = [0.0]
+    bar = progress_bars(console())
+    bar.get_time = lambda: clock[0]
+    display = RichProgress(bar)
+    display.start("score", 1_400, 1_000)  # 1,000 rows done by an earlier run
+    clock[0] = 1.0
+    display.advance("score", 128)
+    clock[0] = 1.0005
+    display.advance("score", 72)
+    task = bar.tasks[-1]
+    assert task.speed > 100_000  # rich's: the last 72 rows over half a millisecond
+    assert str(RateColumn().render(task)) == "199.9 rows/s"
+    assert str(EtaColumn().render(task)) == "0:00:01"
+    clock[0] = 3.0
+    display.advance("score", 200)  # done: the rate stays the phase's, not decaying as the clock goes on
+    clock[0] = 60.0
+    assert (str(RateColumn().render(task)), str(EtaColumn().render(task))) == ("133.3 rows/s", "0:00:00")
 
 
 def bank_report(models: int) -> dict:
