@@ -8,6 +8,7 @@ import dataclasses
 import json
 import re
 import time
+from datetime import timedelta
 
 from rich.console import Console
 from rich.markup import escape as markup_escape
@@ -60,12 +61,9 @@ class EtaColumn(ProgressColumn):
     """The phase's time left at its rate so far; nothing for the bank."""
 
     def render(self, task) -> Text:
-        if not task.fields.get("unit"):
-            return Text("")
-        if (speed := phase_rate(task)) is None:
-            return Text("-:--:--", style="progress.remaining")
-        minutes, seconds = divmod(int((task.total - task.completed) / speed), 60)
-        return Text(f"{minutes // 60:d}:{minutes % 60:02d}:{seconds:02d}", style="progress.remaining")
+        speed = phase_rate(task)
+        left = "-:--:--" if speed is None else str(timedelta(seconds=int((task.total - task.completed) / speed)))
+        return Text(left if task.fields.get("unit") else "", style="progress.remaining")
 
 
 class RichProgress(Reporter):
