@@ -8,7 +8,6 @@ import dataclasses
 import json
 import re
 import time
-from datetime import timedelta
 
 from rich.console import Console
 from rich.markup import escape as markup_escape
@@ -62,7 +61,8 @@ class EtaColumn(ProgressColumn):
 
     def render(self, task) -> Text:
         speed = phase_rate(task)
-        left = "-:--:--" if speed is None else str(timedelta(seconds=int((task.total - task.completed) / speed)))
+        s = None if speed is None else int((task.total - task.completed) / speed)  # seconds
+        left = "-:--:--" if s is None else f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
         return Text(left if task.fields.get("unit") else "", style="progress.remaining")
 
 
