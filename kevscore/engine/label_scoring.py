@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kevscore.engine.plan import Batch
@@ -98,7 +97,7 @@ class Continuations(Scoring):
         self.targets = [t for _, targets in plans.values() for t in targets]
         self.left = {r: len(branches) for r, (branches, _) in plans.items()}  # row -> its units not yet scored
         # row -> its labels' summed log-probabilities so far
-        self.logprob = {r: np.zeros(len(enc.label_ids[r])) for r in rows}
+        self.logprob = {r: [0.0] * len(enc.label_ids[r]) for r in rows}
         self.units = list(range(len(self.unit_row)))
 
     def row(self, unit: int) -> int:
@@ -135,14 +134,14 @@ class Continuations(Scoring):
             for label, _, _ in self.targets[u]:
                 self.logprob[r][label] += next(logprob)
             if (summed := self._settle(u)) is not None:
-                summed = torch.from_numpy(summed)
+                summed = torch.tensor(summed, dtype=torch.float64)
                 done.append((r, torch.softmax(summed, 0).tolist(), float(torch.exp(torch.logsumexp(summed, 0)))))
         return done
 
     def fail(self, unit: int) -> int:
         return int(self._settle(unit) is not None)
 
-    def _settle(self, unit: int) -> np.ndarray | None:
+    def _settle(self, unit: int) -> list[float] | None:
         """Count a unit of its row as scored; when it was the row's last, the row's summed log-probabilities."""
         r = self.unit_row[unit]
         self.left[r] -= 1
