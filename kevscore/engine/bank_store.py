@@ -102,10 +102,9 @@ class BankStore(AbstractContextManager):
         base = self.root / bank_dir.TMP
         for owner in {p.name.removesuffix(".lock") for p in base.iterdir()}:
             lock, owned = base / f"{owner}.lock", base / owner
-            if lock.exists():
-                if (held := lock_file(lock, wait=False)) is None:
-                    continue  # its process is alive
-                held.close()
+            if (held := lock_file(lock, wait=False)) is None:  # a missing lock is made here, and removed below
+                continue  # its process is alive
+            held.close()
             if owned.is_dir():
                 shutil.rmtree(owned, ignore_errors=True)
             else:
