@@ -109,8 +109,7 @@ class LightTokenizer:
                 batch or isinstance(text, str)):
             return self.transformers_tokenizer()(text, *args, add_special_tokens=add_special_tokens, **kwargs)
         # verbose: transformers only warns of long texts
-        ids = [e.ids for e in self._backend.encode_batch(text if batch else [text], add_special_tokens=False,
-                                                         is_pretokenized=False)]
+        ids = [e.ids for e in self._backend.encode_batch(text if batch else [text], add_special_tokens=False)]
         return {"input_ids": ids if batch else ids[0]}
 
     def apply_chat_template(self, conversation, *args, **kwargs):
