@@ -187,11 +187,10 @@ class BankStore(AbstractContextManager):
         with bank_dir.bank_lock(self.root, True, "commit"):
             faults.point("bank-commit-locked")
             index = self._load_index(reconcile=False)
-            dirs = set()
             for key, tmp, _ in written:
                 (final := self._path(key)).parent.mkdir(exist_ok=True)
                 os.replace(tmp, final)
-                dirs.add(final.parent)
+            dirs = {self._path(key).parent for key, _, _ in written}
             for d in [*dirs, self.root / bank_dir.ENTRIES] if dirs else []:  # the renames made durable
                 fsync_dir(d)
             faults.point("bank-renamed")
