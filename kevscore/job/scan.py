@@ -208,8 +208,8 @@ def _indexed(path: Path, required: tuple[str, str], reject: str | None, keep_tex
     _check_types(path, file, ("document", "doc_id"))
     columns = [c for c in ("document", "doc_id") if c in names]
     doc_of_row = np.full(file.metadata.num_rows, -1, dtype=np.int32)  # -1: a row whose doc_id or text is null
-    index: dict = {}  # document key -> its index
-    digests, chars, first_rows, nulls = [], [], [], {}
+    documents: dict = {}  # document key -> (its index, its text's digest and length, its first row)
+    nulls: dict[str, list[int]] = {}
     clashes: dict[int, None] = {}  # documents given two different texts, in first-seen order
     for start, cols in batches(path, file, columns, nulls):
         ids, texts = cols.get("doc_id"), cols.get("document")
@@ -218,21 +218,19 @@ def _indexed(path: Path, required: tuple[str, str], reject: str | None, keep_tex
             if text is None or (ids is not None and ids[j] is None):
                 continue
             digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-            d = index.setdefault(ids[j] if ids is not None else text if keep_texts else digest, len(index))
-            if d == len(digests):
-                digests.append(digest)
-                chars.append(len(text))
-                first_rows.append(i)
-            elif digests[d] != digest:
+            key = ids[j] if ids is not None else text if keep_texts else digest
+            d, first_digest, _, _ = documents.setdefault(key, (len(documents), digest, len(text), i))
+            if first_digest != digest:
                 clashes[d] = None
             doc_of_row[i] = d
-    keys = [k if isinstance(k, str) else k.hex() for k in index]
+    keys = [k if isinstance(k, str) else k.hex() for k in documents]
     _nulls(path, "doc_id", nulls)
     if clashes:
         rows = np.flatnonzero(np.isin(doc_of_row, np.asarray(list(clashes), np.int32))).tolist()
         raise KevscoreError(f"{path}: column 'doc_id' maps {few(keys[d] for d in clashes)} to "
                             f"different 'document' texts at {rows_phrase(rows)}")
-    scan = InputScan(path, None, doc_of_row, keys, np.asarray(chars, np.int64), np.asarray(first_rows, np.int64))
+    chars, first_rows = np.array([doc[2:] for doc in documents.values()], np.int64).reshape(-1, 2).T
+    scan = InputScan(path, None, doc_of_row, keys, chars, first_rows)
     _nulls(path, "document", nulls, scan if skip_invalid else None)
     return file, scan
 
