@@ -47,10 +47,9 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
         loaded = loaded or LoadedModel()
         job = prepare(opts, inputs, loaded)
         runner = job_runner(job, loaded)  # the GPU warm-up joined too
-        live = job.windows.of_row >= 0
-        docs = np.unique(job.scan.doc_of_row[live])
+        docs = np.unique(job.scan.doc_of_row[job.windows.of_row >= 0])
         layout = runner.bank.layout
-        plan = Plan(job.ckpt.name, str(job.device), int(live.sum()), len(job.scan.invalid), len(docs),
+        plan = Plan(job.ckpt.name, str(job.device), int(job.windows.rows.sum()), len(job.scan.invalid), len(docs),
                     int(job.doc_tokens[docs].sum()), len(job.windows), count_waves(job, layout.entries, layout.tokens),
                     layout.entries, sum(job.laps.phases.values()))
         if plan.rows:
