@@ -142,6 +142,17 @@ def test_job_windows_use_the_row_and_token_bounds(tmp_path, template, monkeypatc
     assert job.WINDOW_TOKENS == 1 << 20 and job.WINDOW_ROWS == 65536
 
 
+def test_a_rerun_reports_the_documents_the_run_did(tmp_path, template, monkeypatch):
+    """A document with more rows than a window holds is split over windows, and is still one document: in the
+    job's result and in a rerun's that finds the job complete."""
+    from kevscore.job import run as job
+
+    src, out = make_input(tmp_path / "q.parquet", 6, 2), tmp_path / "out.parquet"
+    monkeypatch.setattr(job, "WINDOW_ROWS", 1)
+    first, again = (run_job(opts(src, out, template, window=100)) for _ in range(2))
+    assert again.already_complete and (first.windows, first.documents, again.documents) == (12, 6, 6)
+
+
 @pytest.mark.parametrize("two_file", [False, True])
 def test_reader_takes_any_rows_of_a_shuffled_file(tmp_path, two_file):
     src = make_input(tmp_path / "q.parquet", 30, 7, order="shuffled", row_group_size=16)

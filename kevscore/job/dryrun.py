@@ -47,7 +47,7 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
         loaded = loaded or LoadedModel()
         job = prepare(opts, inputs, loaded)
         runner = job_runner(job, loaded)  # the GPU warm-up joined too
-        docs = np.unique(job.scan.doc_of_row[job.windows.of_row >= 0])
+        docs = job.documents()
         layout = runner.bank.layout
         plan = Plan(job.ckpt.name, str(job.device), int(job.windows.rows.sum()), len(job.scan.invalid), len(docs),
                     int(job.doc_tokens[docs].sum()), len(job.windows), count_waves(job, layout.entries, layout.tokens),

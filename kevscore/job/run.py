@@ -163,6 +163,10 @@ class Job:
     identity: dict | None = None  # what the results depend on (job_identity)
     first_window: Future | None = None  # window 0's read_window, begun while the runner was built (a new job's)
 
+    def documents(self) -> np.ndarray:
+        """The documents of the rows it scores, each once (one split over several windows too)."""
+        return np.unique(self.scan.doc_of_row[self.windows.of_row >= 0])
+
 
 def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path | None = None, ranks: int = 1) -> Job:
     """Scan and check the input (and the output, when given), load the model into `loaded` (unless it holds it),
@@ -281,10 +285,9 @@ def new_result(job: Job, parts: PartStore, rank: int = 0) -> RunResult:
     """A RunResult for `rank`'s windows before scoring: what was loaded, which windows are done."""
     mine = job.windows.of_rank(rank)
     done = [w for w in mine if w in parts.done]
-    docs = len(np.unique(job.scan.doc_of_row[job.windows.of_row >= 0]))
-    return RunResult(job.output, RunStats(), docs, str(job.device), job.ckpt.name, time.perf_counter() - job.laps.t0,
-                     windows=len(mine), resumed=len(done), resumed_rows=sum(parts.done[w] for w in done),
-                     load_phases=job.laps.phases, warm_up=job.warm_up)
+    return RunResult(job.output, RunStats(), len(job.documents()), str(job.device), job.ckpt.name,
+                     time.perf_counter() - job.laps.t0, windows=len(mine), resumed=len(done),
+                     resumed_rows=sum(parts.done[w] for w in done), load_phases=job.laps.phases, warm_up=job.warm_up)
 
 
 def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> RunResult:
@@ -339,7 +342,7 @@ def finished_job(job: Job) -> RunResult:
     if job.finished != job_digest(job.identity) or (job.opts.skip_invalid and not errors_path(output).is_file()):
         raise KevscoreError(f"{output}: already exists (the output of another job); pass --overwrite to replace it")
     rows, windows = pq.read_metadata(output).num_rows, len(job.windows)
-    return RunResult(output, RunStats(rows=rows), int(job.windows.docs.sum()), str(job.device), job.ckpt.name, 0.0,
+    return RunResult(output, RunStats(rows=rows), len(job.documents()), str(job.device), job.ckpt.name, 0.0,
                      windows=windows, resumed=windows, resumed_rows=rows, already_complete=True)
 
 
