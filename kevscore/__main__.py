@@ -6,6 +6,7 @@ import sys
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         # the CLI's imports (every command's modules: numpy, pyarrow, torch) take a second or more before the
         # progress display can start
@@ -13,15 +14,19 @@ def main() -> None:
             print(line, end="", file=sys.stderr, flush=True)
         # A SIGINT inside a C extension's import can surface as an ImportError that a library catches and works
         # around: the heavy imports run with it blocked, and one that arrived is delivered once they are done.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             from kevscore.cli import app
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         app()
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         raise SystemExit(130) from None
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM (a scheduler's stop) ends a command as Ctrl-C does
 
 
 def starting_line(args: list[str], terminal: bool) -> str | None:

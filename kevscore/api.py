@@ -33,7 +33,7 @@ from kevscore.job.dryrun import Plan, dry_run
 from kevscore.job.labels import parse_labels
 from kevscore.job.options import BATCH_ROWS, WINDOW_DOCS, RunOptions, check_options
 from kevscore.job.run import LoadedModel, RunResult, run_job
-from kevscore.job.scan import COLUMNS
+from kevscore.job.scan import renames
 
 PathLike = Union[str, "os.PathLike[str]"]
 Tabular = Any  # a pyarrow Table or RecordBatch, or a pandas DataFrame (pandas is not a dependency)
@@ -134,7 +134,7 @@ class Scorer(AbstractContextManager):
         input, output, documents, columns and CALL_OPTIONS."""
         return dataclasses.replace(self.options, input=str(call["input"]), output=call.get("output"),
                                    documents=None if call["documents"] is None else str(call["documents"]),
-                                   rename=_rename(call["columns"] or {}),
+                                   rename=renames(call["columns"] or {}),
                                    **{name: call[name] for name in CALL_OPTIONS if name in call})
 
     def close(self) -> None:
@@ -156,13 +156,6 @@ def one_line() -> Iterator[None]:
         yield
     except OSError as exc:
         raise reported(exc) from exc
-
-
-def _rename(columns: Mapping[str, str]) -> dict[str, str]:
-    """kevscore's column name -> the input's, as RunOptions.rename holds it (the input's -> kevscore's)."""
-    if unknown := [name for name in columns if name not in COLUMNS]:
-        raise KevscoreError(f"columns: {unknown[0]!r} is not a column kevscore reads ({', '.join(COLUMNS)})")
-    return {theirs: ours for ours, theirs in columns.items()}
 
 
 def _as_input(data: Tabular | PathLike | None, tmp: Path, role: str) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -191,7 +192,7 @@ def run(
     with _failing():
         # rename: the input's column name -> kevscore's
         opts = options_of(RunOptions, given, labels=parse_labels(labels),
-                          rename={given[f"{name}_column"]: name for name in scan.COLUMNS})
+                          rename=scan.renames({name: given[f"{name}_column"] for name in scan.COLUMNS}))
         if str(output) == "-" and log_json:
             _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
         if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
@@ -199,10 +200,12 @@ def run(
             if log_json:
                 return typer.echo(json.dumps({"event": "plan", **display.rounded(plan)}))
             return display.table_console().print(display.plan_table(plan))
+    if gpus < 1:
+        _fail(f"--gpus {gpus}: must be at least 1", 2)
     if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
             _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
-        return _launch(gpus) if world_from_env() is None else _run_rank(opts, quiet)
+        return _launch(gpus) if world_from_env() is None else _run_rank(opts, quiet, log_json)
     log = display.JsonProgress() if log_json else None
     with _failing(None, log=log), display.progress_bars(console, disable=quiet or log_json) as live:
         bars = display.RichProgress(live)  # drawn unless --quiet or --log-json
@@ -223,15 +226,18 @@ def run(
 def _launch(gpus: int) -> None:
     """Re-run this command under torch's launcher with `gpus` processes; each one, a rank (`world_from_env`),
     scores its share whatever its --gpus says."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
     try:
         torchrun(["--standalone", "--nproc-per-node", str(gpus), "-m", "kevscore", *sys.argv[1:]])
+    except SignalException as exc:  # Ctrl-C or SIGTERM, passed on to the ranks
+        _fail(f"interrupted ({signal.Signals(exc.sigval).name}); the ranks' lines above say what was kept", 130)
     except Exception as exc:  # torch's ChildFailedError: the ranks printed their errors above
         _fail(f"{gpus} processes launched, at least one failed ({type(exc).__name__}); see the rank errors above")
 
 
-def _run_rank(opts, quiet: bool) -> None:
+def _run_rank(opts, quiet: bool, log_json: bool) -> None:
     """This process is one rank of a torchrun job: score its share; rank 0 merges and reports.
 
     The process then leaves through `os._exit`, its streams flushed and its files already closed and
@@ -242,7 +248,9 @@ def _run_rank(opts, quiet: bool) -> None:
     try:
         with _failing("interrupted; no output was written", f"rank {rank}: " if rank else ""):
             result = run_distributed(opts)
-            if rank == 0 and not quiet:
+            if rank == 0 and log_json:  # the job's figures and each rank's, as one `done` line
+                typer.echo(json.dumps({"event": "done", **display.rounded(result)}, default=str))
+            elif rank == 0 and not quiet:
                 console.print(display.ranks_table(result))
     except typer.Exit as exc:
         code = exc.exit_code
@@ -293,7 +301,7 @@ def info(
     The inputs with their SHA-256s, the model with its fingerprint, the dtype, state-read mode and labels."""
     with _failing():
         record = output_provenance(output)
-    _show(record, as_json, lambda out: out.print(display.provenance_table(record)))
+        _show(record, as_json, lambda out: out.print(display.provenance_table(record)))
 
 
 @app.command(cls=Command)

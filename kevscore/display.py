@@ -180,6 +180,7 @@ def summary_fields(result) -> dict:
             "peak_rss_bytes": result.peak_rss, "peak_gpu_bytes": result.peak_gpu,
             "already_complete": result.already_complete,
             **({"errors": str(result.errors), "set_aside": result.set_aside} if result.errors is not None else {}),
+            **({"bank": rounded(result.bank)} if result.bank is not None else {}),
             **(result.labels or {})}  # label mass and predictions
 
 
@@ -289,7 +290,7 @@ def provenance_table(record: dict) -> Table:
             "model": f"{model.get('name')} (fingerprint {str(model.get('fingerprint'))[:16]})",
             "device": f"{opts.get('device')}, {record.get('dtype')}, state read "
                       f"{opts.get('state_read', opts.get('path'))}",
-            "labels": ", ".join(repr(label) for label in opts.get("labels", [])),
+            "labels": ", ".join(repr(label) for label in opts.get("labels") or []),
             "rows": f"{plan.get('rows', 0):,} in {_count(plan.get('windows', 0), 'window')}",
             "options": ", ".join(f"{k} {v}" for k, v in opts.items()
                                  if k not in ("device", "dtype", "state_read", "path", "labels")),

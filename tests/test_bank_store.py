@@ -292,6 +292,7 @@ def test_bank_option_errors(tmp_path, src):
     for args, parts in [
         (["--bank-max-gb", "1"], ["--bank-max-gb needs --bank"]),
         (["--bank", str(tmp_path / "b"), "--bank-max-gb", "0"], ["--bank-max-gb 0.0", "more than 0"]),
+        (["--bank", str(tmp_path / "b"), "--bank-max-gb", "inf"], ["--bank-max-gb inf", "more than 0"]),
         (["--bank", str(tmp_path / "a-file")], [str(tmp_path / "a-file"), "not a directory"]),
         (["--bank", str(tmp_path / "stuff")], [str(tmp_path / "stuff"), "not a kevscore bank", "notes.txt"]),
     ]:
@@ -344,6 +345,9 @@ def test_eviction_keeps_the_bank_under_the_limit_lru_first(tmp_path, rows, warm)
                               str(limit / 1e9)])
     assert result.exit_code == 0, (result.stderr, result.exception)
     assert "0 loaded, 2 prefilled, 2 saved, 2 evicted" in result.stderr
+    again = cli.invoke(app, ["run", str(new), "--device", "cpu", "--bank", str(bank), "--log-json", "--overwrite"])
+    done = json.loads(again.stdout.splitlines()[-1])  # the log's last line has the bank's figures too
+    assert done["event"] == "done" and (done["bank"]["loaded"], done["bank"]["saved"]) == (2, 0), done
     files = entry_files(bank)
     assert sum(files.values()) <= limit
     assert set(files) == set(index(bank)["entries"])

@@ -90,8 +90,10 @@ def test_skip_invalid_merges_the_ranks_errors(tmp_path, single):
     src = tmp_path / "q.parquet"
     pq.write_table(pa.Table.from_pylist(rows), src)
     out = tmp_path / "out.parquet"
-    res = launch(str(src), "--device", "cpu", "--batch-invariant", "--skip-invalid", "-o", str(out))
+    res = launch(str(src), "--device", "cpu", "--batch-invariant", "--skip-invalid", "-o", str(out), "--log-json")
     assert res.returncode == 0, res.stderr[-3000:]
+    done = json.loads(res.stdout.splitlines()[-1])  # --log-json: rank 0's `done` line, the ranks within it
+    assert done["event"] == "done" and done["rows"] == len(rows) - 2 and len(done["ranks"]) == 2, res.stdout
     errors = pq.read_table(tmp_path / "out.errors.parquet").to_pylist()
     assert [e["row"] for e in errors] == [1, 4]
     assert "null" in errors[0]["reason"] and "positions" in errors[1]["reason"]
@@ -100,3 +102,23 @@ def test_skip_invalid_merges_the_ranks_errors(tmp_path, single):
     assert scored.column("row").to_pylist() == keep
     assert scored.column("probs").to_pylist() == [single.column("probs")[r].as_py() for r in keep]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.errors.parquet", "out.parquet", "q.parquet"]
+
+
+def test_an_interrupted_launch_is_an_interrupt(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM reaches torch's launcher as its SignalException: exit 130, not a failed job."""
+    import signal
+
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from typer.testing import CliRunner
+
+    from kevscore.cli import app
+
+    def stopped(args):
+        raise SignalException("Process 1 got signal: 2", signal.SIGINT)
+
+    monkeypatch.setattr(torch.distributed.run, "main", stopped)
+    res = CliRunner().invoke(app, ["run", str(EXAMPLES / "questions.parquet"), "--gpus", "2", "-o",
+                                   str(tmp_path / "out.parquet")])
+    assert res.exit_code == 130 and res.stderr.strip() == \
+        "error: interrupted (SIGINT); the ranks' lines above say what was kept", res.stderr

@@ -230,6 +230,8 @@ def test_an_unparsable_file_is_one_line_naming_the_parsers_error(tmp_path: Path,
 def test_several_gpus_write_parquet_only(tmp_path: Path) -> None:
     result = kevscore("run", EXAMPLES / "questions.parquet", "--gpus", "2", "-o", tmp_path / "out.csv")
     assert result.exit_code == 2 and "give -o a .parquet name" in result.stderr, result.stderr
+    none = kevscore("run", EXAMPLES / "questions.parquet", "--gpus", "0", "-o", tmp_path / "out.parquet")
+    assert none.exit_code == 2 and "--gpus 0: must be at least 1" in none.stderr, none.stderr
     assert listing(tmp_path) == []
 
 
@@ -243,3 +245,128 @@ def test_stdout_reader_that_stops_early_is_not_an_error(tmp_path: Path, monkeypa
         monkeypatch.setattr(sys, "stdout", pipe)
         to_stdout(tmp_path / "big.jsonl")  # no BrokenPipeError
         pipe.write("more")  # and later writes go nowhere, quietly
+
+
+# ---------------------------------------------------------------- what users' files hold, as they hold it
+
+def test_csv_columns_are_carried_as_written(tmp_path: Path) -> None:
+    """CSV has no types: a carried cell comes out as its text (leading zeros, 'NA', a 23-digit id), not a guess."""
+    (tmp_path / "q.csv").write_text("document,question,zip,flag,note,big\n"
+                                    "The eggs cost 49 pounds.,Is it?,00123,True,NA,12345678901234567890123\n")
+    run_ok(tmp_path / "q.csv", "-o", tmp_path / "out.parquet")
+    out = pq.read_table(tmp_path / "out.parquet").select(["zip", "flag", "note", "big"])
+    assert out.to_pylist() == [{"zip": "00123", "flag": "True", "note": "NA", "big": "12345678901234567890123"}]
+
+
+def test_parquet_with_integer_ids_or_json_labels_is_read_as_any_option_reads_it(tmp_path: Path, source: pa.Table,
+                                                                                 base: pa.Table) -> None:
+    """pandas writes integer ids; a labels column may hold JSON text: the same file scores with and without --limit."""
+    ids = {d: i for i, d in enumerate(dict.fromkeys(source.column("doc_id").to_pylist()))}
+    table = source.set_column(source.schema.get_field_index("doc_id"), "doc_id",
+                              pa.array([ids[d] for d in source.column("doc_id").to_pylist()], pa.int64()))
+    table = table.append_column("labels", pa.array(['["Yes", "No"]'] * table.num_rows))
+    pq.write_table(table, tmp_path / "q.parquet")
+    for args in ((), ("--limit", 1000)):
+        run_ok(tmp_path / "q.parquet", "-o", tmp_path / "out.parquet", "--overwrite", *args)
+        out = pq.read_table(tmp_path / "out.parquet")
+        assert out.column("doc_id").to_pylist() == [str(ids[d]) for d in source.column("doc_id").to_pylist()]
+        assert out.column("probs").equals(base.column("probs"))
+
+
+def test_jsonl_whose_key_first_appears_late_is_read(tmp_path: Path) -> None:
+    """Keys and types are found over more than the first MiB: a key seen first near the end, or null until then."""
+    rows = [{"document": f"Document {i % 50} " + "word " * 20, "question": "Is it?", "note": None}
+            for i in range(12_000)]
+    rows[-1]["note"], rows[-2]["late"] = "x", "y"
+    with open(tmp_path / "q.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    assert (tmp_path / "q.jsonl").stat().st_size > 1 << 20
+    result = kevscore("run", tmp_path / "q.jsonl", "-o", tmp_path / "out.parquet", "--device", "cpu", "--dry-run")
+    assert result.exit_code == 0, result.stderr
+
+
+def test_column_options_that_name_no_column_or_one_twice_are_refused(tmp_path: Path, source: pa.Table) -> None:
+    pq.write_table(source.append_column("text", source.column("question")), tmp_path / "q.parquet")
+    typo = kevscore("run", tmp_path / "q.parquet", "--device", "cpu", "--question-column", "qustion")
+    assert typo.exit_code == 2 and "no column 'qustion' to read as 'question'; columns present: 'doc_id'" in \
+        typo.stderr, typo.stderr
+    twice = kevscore("run", tmp_path / "q.parquet", "--device", "cpu", "--question-column", "doc_id")
+    assert twice.exit_code == 2 and "column 'doc_id' cannot be read as both" in twice.stderr, twice.stderr
+    onto = kevscore("run", tmp_path / "q.parquet", "--device", "cpu", "--question-column", "text")
+    assert onto.exit_code == 2 and "'text' is to be read as 'question', but there is a column 'question' too" in \
+        onto.stderr, onto.stderr
+    assert listing(tmp_path) == ["q.parquet"]
+
+
+def test_errors_about_a_copied_input_name_the_file_as_given(tmp_path: Path) -> None:
+    (tmp_path / "q.csv").write_text("document,question\n" + "word " * 6000 + ",Is it?\n")
+    result = kevscore("run", tmp_path / "q.csv", "-o", tmp_path / "out.parquet", "--device", "cpu")
+    assert result.exit_code == 2 and f"error: {tmp_path / 'q.csv'}: prompt" in result.stderr, result.stderr
+    assert "staged" not in result.stderr
+
+
+def test_values_json_and_csv_cannot_hold_are_written_as_they_can(tmp_path: Path, source: pa.Table) -> None:
+    """JSON Lines: NaN and infinities as null (strict JSON); CSV: a struct column as JSON text."""
+    n = source.num_rows
+    floats = pa.array([float("nan"), float("inf"), 1.5] + [None] * (n - 3))
+    pq.write_table(source.append_column("f", floats).append_column("s", pa.array([{"a": i} for i in range(n)])),
+                   tmp_path / "q.parquet")
+    run_ok(tmp_path / "q.parquet", "-o", tmp_path / "out.jsonl")
+
+    def strict(constant: str):
+        raise ValueError(constant)
+
+    rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["f"] for r in rows[:4]] == [None, None, 1.5, None]
+    run_ok(tmp_path / "q.parquet", "-o", tmp_path / "out.csv")
+    assert pacsv.read_csv(tmp_path / "out.csv").column("s").to_pylist()[:2] == ['{"a": 0}', '{"a": 1}']
+
+
+def test_an_empty_csv_labels_cell_is_a_null_one(tmp_path: Path, source: pa.Table) -> None:
+    """An empty labels cell is a row without labels, as a null list in Parquet: named, or set aside."""
+    labels = [json.dumps(["No", "Yes"])] * source.num_rows
+    labels[1] = ""
+    pacsv.write_csv(source.append_column("labels", pa.array(labels)), tmp_path / "q.csv")
+    result = kevscore("run", tmp_path / "q.csv", "-o", tmp_path / "out.parquet", "--device", "cpu", "--quiet")
+    assert result.exit_code == 2 and "column 'labels' (list<element: string>) has null or empty lists at row 1" in \
+        result.stderr, result.stderr
+    run_ok(tmp_path / "q.csv", "-o", tmp_path / "out.parquet", "--skip-invalid")
+    assert pq.read_table(tmp_path / "out.errors.parquet").column("row").to_pylist() == [1]
+
+
+def test_outputs_refused_before_any_work(tmp_path: Path, source: pa.Table) -> None:
+    """An extension kevscore does not write, an empty -o, the input itself under --dry-run, an output inside an
+    input directory, and --skip-invalid with -o -: each one line, exit 2, nothing written."""
+    (tmp_path / "in").mkdir()
+    pq.write_table(source, tmp_path / "in" / "q.parquet")
+    src = tmp_path / "in" / "q.parquet"
+    for args, words in (((src, "-o", tmp_path / "out.txt"), "kevscore writes .parquet, .csv or .jsonl"),
+                        ((src, "-o", ""), "give the output a file name"),
+                        ((src, "-o", src, "--dry-run"), "the output is the input file"),
+                        ((tmp_path / "in", "-o", tmp_path / "in" / "out.parquet"), "which this run reads"),
+                        ((src, "-o", "-", "--skip-invalid"), "give -o a file")):
+        result = kevscore("run", *args, "--device", "cpu")
+        assert result.exit_code == 2 and words in result.stderr, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert listing(tmp_path) == ["in"] and listing(tmp_path / "in") == ["q.parquet"]
+
+
+def test_odd_input_paths(tmp_path: Path, source: pa.Table, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose name holds glob characters is that file; '' is no input; '.' writes beside its directory."""
+    (tmp_path / "d").mkdir()
+    pq.write_table(source, tmp_path / "d" / "data[1].parquet")
+    run_ok(tmp_path / "d" / "data[1].parquet")
+    assert listing(tmp_path / "d") == ["data[1].parquet", "data[1].scores.parquet"]
+    assert "the input's path is empty" in kevscore("run", "", "-o", tmp_path / "x.parquet").stderr
+    (tmp_path / "d" / "data[1].scores.parquet").unlink()
+    monkeypatch.chdir(tmp_path / "d")
+    run_ok(".")
+    assert listing(tmp_path) == ["d", "d.scores.parquet"]
+
+
+def test_duplicate_column_names_are_refused_before_scoring(tmp_path: Path, source: pa.Table) -> None:
+    table = source.append_column("extra", pa.array(["a"] * source.num_rows))
+    pq.write_table(table.append_column("extra", pa.array(["b"] * source.num_rows)), tmp_path / "q.parquet")
+    result = kevscore("run", tmp_path / "q.parquet", "--device", "cpu")
+    assert result.exit_code == 2 and "'extra' appear more than once" in result.stderr, result.stderr
+    assert listing(tmp_path) == ["q.parquet"]

@@ -22,7 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kevscore import faults
-from kevscore.cli import app
+from kevscore.cli import INTERRUPTED_RUN, app
 from kevscore.engine.bank_dir import INDEX
 from kevscore.engine.bank_entry import EntryError, read_header
 from kevscore.job.options import RunOptions
@@ -139,7 +139,7 @@ def test_output_that_is_not_a_regular_file_is_refused_even_with_overwrite(tmp_pa
 
 
 def test_output_that_is_the_template_is_refused(tmp_path, src, template):
-    t = tmp_path / "t.txt"
+    t = tmp_path / "template"  # no extension: an output's name kevscore would write (as Parquet)
     shutil.copy(template, t)
     refused(tmp_path, 2, [str(t), "is the input file"], src, "-o", t, "--overwrite", "--template", t)
 
@@ -358,6 +358,30 @@ def test_ctrl_c_while_starting_ends_on_one_line(tmp_path, src):
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: interrupted"), (delay, err)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["q.parquet"]
+
+
+def test_sigterm_outside_the_scoring_ends_on_one_line(tmp_path, src):
+    """A scheduler's SIGTERM where no stop is awaited (here in the merge) ends the run as Ctrl-C does: exit 130,
+    one line, the input's temporary copy removed, the windows kept for the rerun."""
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "marks").mkdir()
+    pq.write_table(pq.read_table(src), tmp_path / "q.parquet")
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"), KEVSCORE_TEST_MARKS=str(tmp_path / "marks"),
+               KEVSCORE_TEST_PAUSE="merge")
+    # --limit: the input read through a temporary copy
+    args = [sys.executable, "-m", "kevscore", "run", str(tmp_path / "q.parquet"), "--device", "cpu", "--limit", "40",
+            "-o", str(tmp_path / "out.parquet"), "--quiet"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "marks" / "merge").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.strip().splitlines() == [f"error: {INTERRUPTED_RUN}"], err
+    assert list((tmp_path / "tmp").iterdir()) == [] and parts_dir(tmp_path / "out.parquet").is_dir()
+    resumed = subprocess.run(args, cwd=ROOT, env=dict(env, KEVSCORE_TEST_PAUSE=""), capture_output=True, text=True)
+    assert resumed.returncode == 0 and "resuming: 1 of 1 windows" in resumed.stderr, resumed.stderr
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == pq.read_table(src).num_rows
 
 
 def test_rerun_of_a_finished_job_is_already_complete(tmp_path, src, template):

@@ -5,6 +5,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -36,7 +38,6 @@ def test_an_output_records_how_it_was_made(tmp_path):
         ("cpu", "indexed", ["No", "Yes"], 5, 12)
     assert record["plan"]["rows"] == 12
     # the metadata keys are part of the file format: outputs of earlier versions must stay readable
-    import pyarrow.parquet as pq
 
     meta = pq.read_schema(out).metadata
     assert meta[b"kevscore.job"].decode() == record["job"] and b"kevscore.provenance" in meta
@@ -62,6 +63,20 @@ def test_info_shows_control_characters_in_recorded_names_escaped(tmp_path):
     console.print(provenance_table(record))
     text = console.export_text()
     assert "\x1b" not in text and "q\\x1b[2J[bold].parquet" in text
+
+
+@pytest.mark.parametrize("record", ['[]', '"x"', '{"options": 5}', 'not json'])
+def test_info_on_a_record_kevscore_did_not_write_is_one_line(tmp_path, record):
+    table = pq.read_table(scored(tmp_path))
+    pq.write_table(table.replace_schema_metadata({b"kevscore.provenance": record.encode()}), tmp_path / "odd.parquet")
+    res = CliRunner().invoke(app, ["info", str(tmp_path / "odd.parquet")])
+    assert res.exit_code == 2 and res.stderr.strip() == \
+        f"error: {tmp_path / 'odd.parquet'}: its kevscore.provenance record is not one kevscore writes", res.stderr
+    record = output_provenance(scored(tmp_path, suffix=".x.parquet"))
+    record["options"]["labels"] = None
+    console = Console(width=80, record=True)
+    console.print(provenance_table(record))  # what a record of fewer fields shows: nothing, not an error
+    assert "labels" in console.export_text()
 
 
 def test_info_on_other_files_is_one_line(tmp_path):

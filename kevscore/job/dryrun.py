@@ -10,7 +10,7 @@ import numpy as np
 
 from kevscore.engine.pipeline import Engine
 from kevscore.engine.plan import plan_waves
-from kevscore.job.files import opened_inputs
+from kevscore.job.files import STDOUT, file_format, opened_inputs, output_path
 from kevscore.job.options import RunOptions, check_options
 from kevscore.job.rows import RowReader
 from kevscore.job.run import Job, LoadedModel, job_runner, prepare
@@ -43,9 +43,11 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
     """Check the whole input as a run would, plan it, and time a few documents of its first window (on the
     model `loaded` holds, when given)."""
     check_options(opts)
+    output = None if str(opts.output) == STDOUT else output_path(opts)  # refused now as the run would refuse it
+    file_format(output or "", written=True)
     with opened_inputs(opts) as inputs:
         loaded = loaded or LoadedModel()
-        job = prepare(opts, inputs, loaded)
+        job = prepare(opts, inputs, loaded, output)
         runner = job_runner(job, loaded)  # the GPU warm-up joined too
         docs = job.documents()
         layout = runner.bank.layout

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
@@ -34,18 +35,17 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "js
 STDOUT = "-"  # `-o -`: JSON Lines on stdout
 
 
-def file_format(path: Path | str) -> str:
-    """parquet, csv or jsonl from the file's extension (parquet for another one)."""
+def file_format(path: Path | str, written: bool = False) -> str:
+    """parquet, csv or jsonl from the file's extension (parquet for another one read, or none written)."""
     suffix = Path(str(path)).suffix.lower()
     if suffix == ".json":
         raise KevscoreError(f"{path}: .json is not a format kevscore reads or writes; use .jsonl (JSON Lines)")
+    if written and suffix and suffix not in FORMATS:
+        raise KevscoreError(f"{path}: kevscore writes .parquet, .csv or .jsonl (JSON Lines), not {suffix}")
     return FORMATS.get(suffix, "parquet")
 
 
 # ---------------------------------------------------------------- reading
-
-TEXT_COLUMNS = ("document", "question", "doc_id", "question_id")
-
 
 @dataclass(slots=True)
 class Source:
@@ -54,13 +54,16 @@ class Source:
     given: str          # what the user passed, for messages
     files: list[Path]   # the files it names, sorted
     path: Path          # the Parquet file to stream: one of `files`, or a copy staged from them
+    columns: list[str]  # the column names as given
     rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
 
 
 def input_files(given: str) -> list[Path]:
     """The files an input names: a file, every *.parquet file under a directory, or a glob's matches."""
     path = Path(given)
-    if any(ch in given for ch in "*?["):
+    if not given:
+        raise KevscoreError("the input's path is empty")
+    if not path.exists() and any(ch in given for ch in "*?["):
         found, none = [Path(p) for p in glob.glob(given, recursive=True)], "no file matches"
     elif path.is_dir():
         found, none = list(path.rglob("*.parquet")), "a directory with no .parquet file"
@@ -95,39 +98,54 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
     rename = {k: v for k, v in (rename or {}).items() if k != v}
     if "://" in given:
         fs, paths = remote_files(given)
-        return Source(given, [], _stage(given, paths, fs, rename, limit, stage_dir), rename)
+        return Source(given, [], *_stage(given, paths, fs, rename, limit, stage_dir), rename)
     files = input_files(given)
     if len(files) == 1 and file_format(files[0]) == "parquet" and not rename and limit is None:
-        return Source(given, files, files[0], rename)
-    return Source(given, files, _stage(given, [str(f) for f in files], None, rename, limit, stage_dir), rename)
+        if (columns := _kevscore_typed(files[0])) is not None:
+            return Source(given, files, files[0], columns, rename)
+    return Source(given, files, *_stage(given, [str(f) for f in files], None, rename, limit, stage_dir), rename)
+
+
+def _kevscore_typed(path: Path) -> list[str] | None:
+    """A Parquet file's column names when a job can stream it as it is; None when its ids are integers or its
+    labels JSON text, which a staged copy turns into kevscore's types (none when it cannot be read: the scan says why)."""
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError):
+        return []
+    converted = [f for f in schema if f.name in ("doc_id", "question_id") and pa.types.is_integer(f.type)
+                 or f.name == "labels" and pa.types.is_string(f.type)]
+    return None if converted else schema.names
 
 
 def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dict[str, str], limit: int | None,
-           stage_dir: Path) -> Path:
-    """The files (one CSV or JSON Lines file, or Parquet files) as one Parquet file in stage_dir."""
+           stage_dir: Path) -> tuple[Path, list[str]]:
+    """The files (one CSV or JSON Lines file, or Parquet files) as one Parquet file in stage_dir, and their column
+    names as given."""
     fmt = file_format(paths[0]) if len(paths) == 1 else "parquet"
     stage_dir.mkdir(exist_ok=True)
     staged = stage_dir / f"{Path(paths[0]).name if len(paths) == 1 else 'input'}.staged.parquet"
     try:
-        tables = _tables(_reader(paths, fmt, rename, fs), limit)
+        reader = _reader(paths, fmt, fs)
+        tables = _tables(reader, limit)
         with open(staged, "xb") as f:
             table_filler(_as_kevscore(tables, rename), "parquet", {})(f)
     except (pa.ArrowException, OSError, ValueError) as e:
         what = {"parquet": "Parquet", "csv": "CSV", "jsonl": "JSON Lines"}[fmt]
         raise KevscoreError(f"{given}: not readable as {what} ({first_line(e)})") from e
-    return staged
+    return staged, reader.schema.names
 
 
-def _reader(paths: list[str], fmt: str, rename: dict[str, str], fs: pafs.FileSystem | None):
-    """A record-batch reader (with .schema) over the files."""
+def _reader(paths: list[str], fmt: str, fs: pafs.FileSystem | None):
+    """A record-batch reader (with .schema) over the files; a CSV file's every column as text, as written."""
     if fmt == "parquet":
         return ds.dataset(paths, format="parquet", filesystem=fs).scanner(use_threads=False).to_reader()
-    stream = fs.open_input_stream(paths[0]) if fs is not None else paths[0]
-    if fmt == "jsonl":
-        return pajson.open_json(stream)
-    source = {v: k for k, v in rename.items()}
-    types = {source.get(c, c): pa.string() for c in TEXT_COLUMNS}
-    return pacsv.open_csv(stream, convert_options=pacsv.ConvertOptions(column_types=types))
+    stream = (lambda: fs.open_input_stream(paths[0])) if fs is not None else (lambda: paths[0])
+    if fmt == "jsonl":  # its keys and types found in blocks of up to 1 GiB, not 1 MiB: a key may first appear late
+        size = fs.get_file_info(paths[0]).size if fs is not None else os.path.getsize(paths[0])
+        return pajson.open_json(stream(), read_options=pajson.ReadOptions(block_size=min(max(size, 1 << 20), 1 << 30)))
+    types = {name: pa.string() for name in pacsv.open_csv(stream()).schema.names}  # its header, read first
+    return pacsv.open_csv(stream(), convert_options=pacsv.ConvertOptions(column_types=types))
 
 
 def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
@@ -160,7 +178,7 @@ def _as_kevscore(tables: Iterable[pa.Table], rename: dict[str, str]) -> Iterator
 def _label_list(text: str | None, row: int) -> list[str] | None:
     """A CSV's labels cell (a JSON array of strings) as a list; ValueError naming the row when it is not one."""
     try:
-        labels = None if text is None else json.loads(text)
+        labels = json.loads(text) if text else None  # an empty cell: no labels, as a null
     except ValueError:
         labels = text
     if labels is not None and not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)):
@@ -175,15 +193,18 @@ class Inputs:
     documents: Source | None
     stage: Path                   # a temporary directory for staged copies (and `-o -`'s output)
 
+    def sources(self) -> list[Source]:
+        return [s for s in (self.questions, self.documents) if s is not None]
+
     @property
     def files(self) -> list[Path]:
-        return [f for s in (self.questions, self.documents) if s is not None for f in s.files]
+        return [f for s in self.sources() for f in s.files]
 
     def message(self, text: str) -> str:
         """An error message about staged copies and renamed columns, told about the input as given."""
-        for source in (self.questions, self.documents):
-            if source is not None and source.path not in source.files:  # a staged copy
-                text = text.replace(str(source.path), source.given)
+        for source in self.sources():
+            if source.path not in source.files:  # a staged copy, by its path or its name
+                text = text.replace(str(source.path), source.given).replace(source.path.name, source.given)
         for theirs, ours in self.questions.rename.items():
             text = text.replace(f"column {ours!r}", f"column {theirs!r}")
         return text
@@ -198,6 +219,14 @@ def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
         questions = open_source(opts.input, stage / "input", opts.rename, opts.limit)
         documents = open_source(opts.documents, stage / "documents", opts.rename) if opts.documents else None
         inputs = Inputs(questions, documents, stage)
+        given = [c for source in inputs.sources() for c in source.columns]
+        for theirs, ours in questions.rename.items():
+            if theirs not in given:
+                present = ", ".join(repr(c) for c in dict.fromkeys(given)) or "none"
+                raise KevscoreError(f"{opts.input}: no column {theirs!r} to read as {ours!r}; columns present: {present}")
+            if ours in given:
+                raise KevscoreError(f"{opts.input}: column {theirs!r} is to be read as {ours!r}, but there is a column "
+                                    f"{ours!r} too; rename or drop one of them")
         try:
             yield inputs
         except KevscoreError as exc:
@@ -209,10 +238,14 @@ def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
 def output_path(opts: RunOptions) -> Path:
     """The output file: -o, else <input stem>.scores.parquet beside the input."""
     if opts.output is not None:
+        if Path(opts.output).name in ("", ".."):  # '', '.', '..', '/'
+            raise KevscoreError(f"-o {str(opts.output)!r}: give the output a file name")
         return Path(opts.output)
-    if any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
+    source = Path(opts.input)
+    if not source.exists() and any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
         raise KevscoreError(f"{opts.input}: a glob or URI input needs -o/--output")
-    return Path(opts.input).with_name(f"{Path(opts.input).stem}.scores.parquet")
+    source = Path(os.path.abspath(source)) if source.name in ("", "..") else source  # '.', '..': by its name
+    return source.with_name(f"{source.stem}.scores.parquet")
 
 
 def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, within: Sequence[Path] = ()) -> None:
@@ -245,7 +278,8 @@ def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dic
         with ExitStack() as stack:  # the writer, once made, is closed however the write ends
             for table in tables:
                 if fmt == "jsonl":
-                    lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in table.to_pylist())
+                    rows = finite(table).to_pylist()
+                    lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
                     file.write(lines.encode("utf-8"))
                 else:
                     table = lists_as_json(table) if fmt == "csv" else table
@@ -259,10 +293,18 @@ def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dic
     return fill
 
 
-def lists_as_json(table: pa.Table) -> pa.Table:
-    """List columns turned into JSON array strings (what CSV can hold)."""
+def finite(table: pa.Table) -> pa.Table:
+    """Float columns with their NaNs and infinities as nulls (JSON has no words for them)."""
     for i, f in enumerate(table.schema):
-        if pa.types.is_list(f.type) or pa.types.is_large_list(f.type):
+        if pa.types.is_floating(f.type):
+            table = table.set_column(i, f, pc.if_else(pc.is_finite(table.column(i)), table.column(i), None))
+    return table
+
+
+def lists_as_json(table: pa.Table) -> pa.Table:
+    """List, struct and map columns turned into JSON strings (what CSV can hold)."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_nested(f.type):
             text = [None if v is None else json.dumps(v, ensure_ascii=False) for v in table.column(i).to_pylist()]
             table = table.set_column(i, pa.field(f.name, pa.string()), pa.array(text, pa.string()))
     return table

@@ -55,10 +55,12 @@ def check_options(opts: RunOptions) -> None:
         raise KevscoreError(f"--labels {labels}: give at least two labels (one label always gets probability 1)")
     if not all(opts.labels) or len(set(opts.labels)) != len(opts.labels):
         raise KevscoreError(f"--labels {labels}: give distinct, non-empty labels")
+    if opts.skip_invalid and str(opts.output) == "-":
+        raise KevscoreError("--skip-invalid keeps the rows it sets aside in a file beside the output: give -o a file")
     if opts.bank_max_gb is not None and opts.bank is None:
         raise KevscoreError("--bank-max-gb needs --bank DIR")
-    if opts.bank_max_gb is not None and not opts.bank_max_gb > 0:
-        raise KevscoreError(f"--bank-max-gb {opts.bank_max_gb}: must be more than 0")
+    if opts.bank_max_gb is not None and not 0 < opts.bank_max_gb < float("inf"):
+        raise KevscoreError(f"--bank-max-gb {opts.bank_max_gb}: must be a number of GB more than 0")
     if opts.bank is not None:
         check_bank_dir(Path(opts.bank), create=True)
 

@@ -52,11 +52,18 @@ def output_provenance(output: Path) -> dict:
     if (fmt := file_format(output)) != "parquet":
         raise KevscoreError(f"{output}: a {fmt} file; only Parquet outputs record how they were made")
     try:
-        return json.loads((pq.read_schema(output).metadata or {})[PROVENANCE_KEY])
+        text = (pq.read_schema(output).metadata or {})[PROVENANCE_KEY]
     except KeyError:
         raise KevscoreError(f"{output}: records no provenance (not written by kevscore run, or not as Parquet)") from None
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise KevscoreError(f"{output}: not a readable Parquet file ({first_line(exc)})") from exc
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or not all(isinstance(record.get(k, {}), dict) for k in ("options", "model", "plan")):
+        raise KevscoreError(f"{output}: its {PROVENANCE_KEY.decode()} record is not one kevscore writes")
+    return record
 
 
 def differences(old: dict, new: dict) -> list[str]:

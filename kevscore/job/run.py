@@ -95,7 +95,7 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
         check_options(opts)
         stdout = str(opts.output) == STDOUT
         output = None if stdout else output_path(opts)
-        file_format(output or "")  # an extension kevscore cannot write stops the run now, not at the end
+        file_format(output or "", written=True)  # an extension kevscore cannot write stops the run now
         with opened_inputs(opts) as inputs:
             job = start_job(opts, inputs, output or inputs.stage / "stdout.jsonl", loaded or LoadedModel())
             result = finished_job(job) if job.finished is not None else score_and_merge(job, progress)
@@ -181,7 +181,7 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
                       opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1)
-    finished = check_outputs(opts, inputs.files, output) if output is not None else None
+    finished = check_outputs(opts, inputs, output) if output is not None else None
     laps.lap("scan")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -268,6 +268,8 @@ def score_and_merge(job: Job, progress: Reporter) -> RunResult:
             raise
         if not parts.dir.exists():
             raise Interrupted(f"interrupted ({exc}) before any window was complete; nothing was written") from None
+        if job.output.parent == job.inputs.stage:  # -o -: its parts were in a temporary directory
+            raise Interrupted(f"interrupted ({exc}); nothing was written (-o - writes at the end)") from None
         done = sum(parts.done.values())
         raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(job.windows)} windows ({done:,} rows) are "
                           f"kept in {parts.dir}; rerun the same command to resume") from None
@@ -321,18 +323,19 @@ def merge_job(job: Job, parts: PartStore, result: RunResult, progress: Reporter)
     progress.event("merged", output=str(job.output), rows=result.stats.rows)
 
 
-def check_outputs(opts: RunOptions, sources: list[Path], output: Path) -> str | None:
+def check_outputs(opts: RunOptions, inputs: Inputs, output: Path) -> str | None:
     """The output, its errors file and its parts directory must not be (or hold) anything this run reads:
-    the input files, the template, files of the model or bank directory. An existing output is refused unless
+    the input files, the template, files of the model, bank or input directory. An existing output is refused unless
     --overwrite, or it is this job's merge left with its parts, or it records a job: that job's digest is
     returned (`finished_job` tells whether it is this job)."""
     ours = merged_output(output)  # a run killed after renaming its output, before removing its parts
     finished = None if opts.overwrite or ours or not output.is_file() else output_job(output)
-    inputs = sources + ([Path(opts.template)] if opts.template else [])
-    within = [d for d in (None if opts.model in MODEL_NAMES else Path(opts.model), opts.bank) if d is not None]
+    sources = inputs.files + ([Path(opts.template)] if opts.template else [])
+    model = None if opts.model in MODEL_NAMES else Path(opts.model)
+    within = [d for d in (model, opts.bank, *(s.given for s in inputs.sources())) if d is not None]
     for path in [output, errors_path(output)] if opts.skip_invalid else [output]:
-        check_output_path(path, inputs, opts.overwrite or ours or finished is not None, within)
-    check_parts_dir(output, inputs)
+        check_output_path(path, sources, opts.overwrite or ours or finished is not None, within)
+    check_parts_dir(output, sources)
     return finished
 
 

@@ -14,7 +14,7 @@ duplicate ids, one `doc_id` with two texts) always stop it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,8 +69,21 @@ def open_parquet(path: Path) -> pq.ParquetFile:
         raise KevscoreError(f"{path}: not a readable Parquet file ({first_line(e)})") from e
 
 
+def renames(columns: Mapping[str, str]) -> dict[str, str]:
+    """kevscore's column name -> the input's (the --*-column options, the API's `columns`) as RunOptions.rename
+    holds it: the input's -> kevscore's. One input column cannot be two of kevscore's."""
+    if unknown := [name for name in columns if name not in COLUMNS]:
+        raise KevscoreError(f"columns: {unknown[0]!r} is not a column kevscore reads ({', '.join(COLUMNS)})")
+    rename: dict[str, str] = {}
+    for ours, theirs in columns.items():
+        if (other := rename.setdefault(theirs, ours)) != ours:
+            raise KevscoreError(f"column {theirs!r} cannot be read as both {other!r} and {ours!r}: name another "
+                                "column for one of them")
+    return rename
+
+
 def check_names(path: Path, names: list[str], required: Sequence[str], reject: str | None) -> None:
-    if twice := [c for c in dict.fromkeys(names) if c in COLUMNS and names.count(c) > 1]:
+    if twice := [c for c in dict.fromkeys(names) if names.count(c) > 1]:
         raise KevscoreError(f"{path}: column name(s) {', '.join(repr(c) for c in twice)} appear more than once; "
                             "rename or drop the duplicates")
     if missing := [c for c in required if c not in names]:
