@@ -63,7 +63,8 @@ class Scorer(AbstractContextManager):
         (bf16 on a GPU, fp32 on the CPU), bf16 (GPU only) or fp32; `labels`: a list, or a string as `--labels`
         takes it; the others as `kevscore run`'s options of the same names."""
         with one_line():
-            labels = parse_labels(labels) if isinstance(labels, str) else list(labels)
+            labels = parse_labels(labels) if isinstance(labels, str) else list(labels) if isinstance(
+                labels, (list, tuple)) else labels  # anything else: refused by check_options
             model = str(model)
             given = locals()
             self.options = RunOptions(input=Path(), **{name: given[name] for name in SCORER_OPTIONS})

@@ -181,6 +181,18 @@ def test_tables_are_named_in_messages(scorer):
         Scorer(device="tpu")
 
 
+@pytest.mark.parametrize("make, words", [
+    (lambda s, t: Scorer(labels=None), "labels None: give a list of strings"),
+    (lambda s, t: Scorer(labels=[1, 2]), "labels [1, 2]: give a list of strings"),
+    (lambda s, t: Scorer(batch_rows="8"), "--batch-rows '8': must be at least 1"),
+    (lambda s, t: s.score(t, limit=2.5), "--limit 2.5: must be at least 1"),
+    (lambda s, t: s.score(t, columns=["question"]), "columns ['question']: give a mapping")])
+def test_arguments_of_the_wrong_type_are_the_apis_own_errors(scorer, make, words):
+    """Not a TypeError from deep inside: the KevscoreError naming the argument and what it takes."""
+    with pytest.raises(kevscore.KevscoreError, match=re.escape(words)):
+        make(scorer, pq.read_table(QUESTIONS))
+
+
 def test_the_model_loads_once(monkeypatch, expected):
     loads = []
 

@@ -293,6 +293,7 @@ def test_bank_option_errors(tmp_path, src):
         (["--bank-max-gb", "1"], ["--bank-max-gb needs --bank"]),
         (["--bank", str(tmp_path / "b"), "--bank-max-gb", "0"], ["--bank-max-gb 0.0", "more than 0"]),
         (["--bank", str(tmp_path / "b"), "--bank-max-gb", "inf"], ["--bank-max-gb inf", "more than 0"]),
+        (["--bank-capacity", str(10**9)], ["a state bank of 1,000,000,000 entries does not fit", "--bank-capacity"]),
         (["--bank", str(tmp_path / "a-file")], [str(tmp_path / "a-file"), "not a directory"]),
         (["--bank", str(tmp_path / "stuff")], [str(tmp_path / "stuff"), "not a kevscore bank", "notes.txt"]),
     ]:

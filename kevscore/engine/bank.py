@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kevscore.errors import KevscoreError
+from kevscore.errors import KevscoreError, first_line
 from kevscore.model.config import KevConfig
 from kevscore.model.kev import bank_tensors
 
@@ -51,9 +51,13 @@ class StateBank:
     def __init__(self, cfg: KevConfig, layout: BankLayout, device, dtype: torch.dtype):
         self.layout = layout
         self.declared = [t for t, _ in bank_tensors(cfg)]
-        for t, layers in bank_tensors(cfg):
-            shape = t.shape(cfg, layout.tokens) if t.token_axis is not None else (layout.entries, *t.shape(cfg))
-            setattr(self, t.name, torch.zeros(layers, *shape, dtype=t.dtype(dtype), device=device))
+        try:
+            for t, layers in bank_tensors(cfg):
+                shape = t.shape(cfg, layout.tokens) if t.token_axis is not None else (layout.entries, *t.shape(cfg))
+                setattr(self, t.name, torch.zeros(layers, *shape, dtype=t.dtype(dtype), device=device))
+        except RuntimeError as exc:  # out of memory (torch.OutOfMemoryError on a GPU): a --bank-capacity too large
+            raise KevscoreError(f"a state bank of {layout.entries:,} entries does not fit in the memory of {device}; "
+                                f"lower --bank-capacity ({first_line(exc)})") from exc
         self.start = torch.zeros(layout.entries, dtype=torch.long, device=device)  # first K/V token slot
         self.reset()
 

@@ -48,8 +48,10 @@ def check_options(opts: RunOptions) -> None:
         raise KevscoreError(f"--dtype {opts.dtype}: choose auto, bf16 or fp32")
     for flag, value in (("--batch-rows", opts.batch_rows), ("--bank-capacity", opts.bank_capacity),
                         ("--limit", opts.limit), ("--window", opts.window)):
-        if value is not None and value < 1:
-            raise KevscoreError(f"{flag} {value}: must be at least 1")
+        if value is not None and (type(value) is not int or value < 1):  # the API's callers give any type
+            raise KevscoreError(f"{flag} {value!r}: must be at least 1 (a whole number)")
+    if not isinstance(opts.labels, list) or not all(isinstance(label, str) for label in opts.labels):
+        raise KevscoreError(f"labels {opts.labels!r}: give a list of strings")
     labels = ",".join(opts.labels)  # at least two, distinct and non-empty
     if len(opts.labels) < 2:
         raise KevscoreError(f"--labels {labels}: give at least two labels (one label always gets probability 1)")

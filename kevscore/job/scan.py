@@ -72,6 +72,8 @@ def open_parquet(path: Path) -> pq.ParquetFile:
 def renames(columns: Mapping[str, str]) -> dict[str, str]:
     """kevscore's column name -> the input's (the --*-column options, the API's `columns`) as RunOptions.rename
     holds it: the input's -> kevscore's. One input column cannot be two of kevscore's."""
+    if not isinstance(columns, Mapping):
+        raise KevscoreError(f"columns {columns!r}: give a mapping of kevscore's column names to the input's")
     if unknown := [name for name in columns if name not in COLUMNS]:
         raise KevscoreError(f"columns: {unknown[0]!r} is not a column kevscore reads ({', '.join(COLUMNS)})")
     rename: dict[str, str] = {}
