@@ -370,3 +370,16 @@ def test_duplicate_column_names_are_refused_before_scoring(tmp_path: Path, sourc
     result = kevscore("run", tmp_path / "q.parquet", "--device", "cpu")
     assert result.exit_code == 2 and "'extra' appear more than once" in result.stderr, result.stderr
     assert listing(tmp_path) == ["q.parquet"]
+
+
+def test_a_directory_of_files_of_different_columns_is_read_as_one(tmp_path: Path, source: pa.Table) -> None:
+    """The files' columns together: one a file lacks (or holds only as nulls) is null in its rows."""
+    (tmp_path / "parts").mkdir()
+    first = source.slice(0, 6).drop_columns(["expected"]).append_column("note", pa.nulls(6))
+    pq.write_table(first, tmp_path / "parts" / "a.parquet")
+    pq.write_table(source.slice(6).append_column("note", pa.array(["n"] * (source.num_rows - 6))),
+                   tmp_path / "parts" / "b.parquet")
+    run_ok(tmp_path / "parts", "-o", tmp_path / "out.parquet")
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.column("expected").to_pylist() == [None] * 6 + source.column("expected").to_pylist()[6:]
+    assert out.column("note").to_pylist() == [None] * 6 + ["n"] * (source.num_rows - 6)

@@ -138,8 +138,9 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
 
 def _reader(paths: list[str], fmt: str, fs: pafs.FileSystem | None):
     """A record-batch reader (with .schema) over the files; a CSV file's every column as text, as written."""
-    if fmt == "parquet":
-        return ds.dataset(paths, format="parquet", filesystem=fs).scanner(use_threads=False).to_reader()
+    if fmt == "parquet":  # the files' columns together: a column a file lacks is null there
+        schema = pa.unify_schemas([pq.read_schema(p, filesystem=fs) for p in paths], promote_options="permissive")
+        return ds.dataset(paths, schema=schema, format="parquet", filesystem=fs).scanner(use_threads=False).to_reader()
     stream = (lambda: fs.open_input_stream(paths[0])) if fs is not None else (lambda: paths[0])
     if fmt == "jsonl":  # its keys and types found in blocks of up to 1 GiB, not 1 MiB: a key may first appear late
         size = fs.get_file_info(paths[0]).size if fs is not None else os.path.getsize(paths[0])
