@@ -107,8 +107,8 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
 
 
 def _kevscore_typed(path: Path) -> list[str] | None:
-    """A Parquet file's column names when a job can stream it as it is; None when its ids are integers or its
-    labels JSON text, which a staged copy turns into kevscore's types (none when it cannot be read: the scan says why)."""
+    """A Parquet file's column names when a job can stream it as it is (none when it cannot be read: the scan says
+    why); None when its ids are integers or its labels JSON text, which a staged copy turns into kevscore's types."""
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError):
