@@ -17,7 +17,7 @@ import dataclasses
 import os
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Union
@@ -64,7 +64,7 @@ class Scorer(AbstractContextManager):
         takes it; the others as `kevscore run`'s options of the same names."""
         with one_line():
             labels = parse_labels(labels) if isinstance(labels, str) else list(labels) if isinstance(
-                labels, (list, tuple)) else labels  # anything else: refused by check_options
+                labels, Iterable) else labels  # anything else: refused by check_options
             model = str(model)
             given = locals()
             self.options = RunOptions(input=Path(), **{name: given[name] for name in SCORER_OPTIONS})

@@ -188,6 +188,8 @@ def run(
     if path is not None:
         console.print("[yellow]warning:[/] --path is deprecated; use --state-read", highlight=False)
         state_read = path
+    if gpus < 1:
+        _fail(f"--gpus {gpus}: must be at least 1", 2)
     given = locals()
     with _failing():
         # rename: the input's column name -> kevscore's
@@ -200,8 +202,6 @@ def run(
             if log_json:
                 return typer.echo(json.dumps({"event": "plan", **display.rounded(plan)}))
             return display.table_console().print(display.plan_table(plan))
-    if gpus < 1:
-        _fail(f"--gpus {gpus}: must be at least 1", 2)
     if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
             _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)

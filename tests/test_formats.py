@@ -2,6 +2,7 @@
 globs of Parquet files, `-o -`, column names of their own, --limit and --dry-run; all through the CLI."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -309,8 +310,8 @@ def test_values_json_and_csv_cannot_hold_are_written_as_they_can(tmp_path: Path,
     """JSON Lines: NaN and infinities as null (strict JSON); CSV: a struct column as JSON text."""
     n = source.num_rows
     floats = pa.array([float("nan"), float("inf"), 1.5] + [None] * (n - 3))
-    pq.write_table(source.append_column("f", floats).append_column("s", pa.array([{"a": i} for i in range(n)])),
-                   tmp_path / "q.parquet")
+    structs = pa.array([{"a": i, "d": datetime.date(2020, 1, 1)} for i in range(n)])  # a date: JSON's as text
+    pq.write_table(source.append_column("f", floats).append_column("s", structs), tmp_path / "q.parquet")
     run_ok(tmp_path / "q.parquet", "-o", tmp_path / "out.jsonl")
 
     def strict(constant: str):
@@ -319,7 +320,8 @@ def test_values_json_and_csv_cannot_hold_are_written_as_they_can(tmp_path: Path,
     rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["f"] for r in rows[:4]] == [None, None, 1.5, None]
     run_ok(tmp_path / "q.parquet", "-o", tmp_path / "out.csv")
-    assert pacsv.read_csv(tmp_path / "out.csv").column("s").to_pylist()[:2] == ['{"a": 0}', '{"a": 1}']
+    assert pacsv.read_csv(tmp_path / "out.csv").column("s").to_pylist()[:2] == [
+        '{"a": 0, "d": "2020-01-01"}', '{"a": 1, "d": "2020-01-01"}']
 
 
 def test_an_empty_csv_labels_cell_is_a_null_one(tmp_path: Path, source: pa.Table) -> None:
@@ -383,3 +385,30 @@ def test_a_directory_of_files_of_different_columns_is_read_as_one(tmp_path: Path
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("expected").to_pylist() == [None] * 6 + source.column("expected").to_pylist()[6:]
     assert out.column("note").to_pylist() == [None] * 6 + ["n"] * (source.num_rows - 6)
+
+
+def test_renames_that_swap_names_or_live_in_one_file_are_read(tmp_path: Path, source: pa.Table,
+                                                               base: pa.Table) -> None:
+    """Two columns' names swapped, and a renamed id column in the documents file alone: no clash."""
+    swapped = source.rename_columns([{"question": "document", "document": "question"}.get(n, n)
+                                     for n in source.column_names])
+    pq.write_table(swapped, tmp_path / "swap.parquet")
+    run_ok(tmp_path / "swap.parquet", "-o", tmp_path / "swap.out.parquet", "--question-column", "document",
+           "--document-column", "question")
+    assert pq.read_table(tmp_path / "swap.out.parquet").column("probs").equals(base.column("probs"))
+    two = EXAMPLES / "two-file"
+    documents = pq.read_table(two / "documents.parquet")
+    pq.write_table(documents.rename_columns(["id" if n == "doc_id" else n for n in documents.column_names]),
+                   tmp_path / "docs.parquet")
+    run_ok(two / "questions.parquet", "--documents", tmp_path / "docs.parquet", "--doc-id-column", "id",
+           "-o", tmp_path / "two.out.parquet")
+
+
+def test_a_glob_inputs_output_is_not_one_it_would_read(tmp_path: Path, source: pa.Table) -> None:
+    pq.write_table(source, tmp_path / "a.parquet")
+    pattern = str(tmp_path / "*.parquet")
+    result = kevscore("run", pattern, "-o", tmp_path / "out.parquet", "--device", "cpu")
+    assert result.exit_code == 2 and f"the input {pattern} would read it" in result.stderr, result.stderr
+    plan = kevscore("run", pattern, "--dry-run", "--device", "cpu")  # no -o: a dry run writes nothing
+    assert plan.exit_code == 0, plan.stderr
+    assert "give -o/--output" in kevscore("run", "/", "--device", "cpu").stderr

@@ -225,9 +225,10 @@ def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
             if theirs not in given:
                 present = ", ".join(repr(c) for c in dict.fromkeys(given)) or "none"
                 raise KevscoreError(f"{opts.input}: no column {theirs!r} to read as {ours!r}; columns present: {present}")
-            if ours in given:
-                raise KevscoreError(f"{opts.input}: column {theirs!r} is to be read as {ours!r}, but there is a column "
-                                    f"{ours!r} too; rename or drop one of them")
+            for source in inputs.sources():  # a file with both names, unless its `ours` is renamed away too
+                if {theirs, ours} <= set(source.columns) and ours not in questions.rename:
+                    raise KevscoreError(f"{source.given}: column {theirs!r} is to be read as {ours!r}, but there is a "
+                                        f"column {ours!r} too; rename or drop one of them")
         try:
             yield inputs
         except KevscoreError as exc:
@@ -246,6 +247,8 @@ def output_path(opts: RunOptions) -> Path:
     if not source.exists() and any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
         raise KevscoreError(f"{opts.input}: a glob or URI input needs -o/--output")
     source = Path(os.path.abspath(source)) if source.name in ("", "..") else source  # '.', '..': by its name
+    if not source.name:  # '/'
+        raise KevscoreError(f"{opts.input}: give -o/--output")
     return source.with_name(f"{source.stem}.scores.parquet")
 
 
@@ -306,7 +309,8 @@ def lists_as_json(table: pa.Table) -> pa.Table:
     """List, struct and map columns turned into JSON strings (what CSV can hold)."""
     for i, f in enumerate(table.schema):
         if pa.types.is_nested(f.type):
-            text = [None if v is None else json.dumps(v, ensure_ascii=False) for v in table.column(i).to_pylist()]
+            text = [None if v is None else json.dumps(v, ensure_ascii=False, default=str)
+                    for v in table.column(i).to_pylist()]
             table = table.set_column(i, pa.field(f.name, pa.string()), pa.array(text, pa.string()))
     return table
 
