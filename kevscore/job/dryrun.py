@@ -43,7 +43,8 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
     """Check the whole input as a run would, plan it, and time a few documents of its first window (on the
     model `loaded` holds, when given)."""
     check_options(opts)
-    output = None if str(opts.output or STDOUT) == STDOUT else output_path(opts)  # -o refused as a run refuses it
+    # a -o given is refused now as the run would refuse it
+    output = output_path(opts) if opts.output is not None and str(opts.output) != STDOUT else None
     file_format(output or "", written=True)
     with opened_inputs(opts) as inputs:
         loaded = loaded or LoadedModel()

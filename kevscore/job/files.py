@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import BinaryIO
 
@@ -58,12 +59,17 @@ class Source:
     rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
 
 
+def is_glob(given: str) -> bool:
+    """Whether an input names files by a pattern: glob characters, and no file of that very name."""
+    return not Path(given).exists() and any(ch in given for ch in "*?[")
+
+
 def input_files(given: str) -> list[Path]:
     """The files an input names: a file, every *.parquet file under a directory, or a glob's matches."""
     path = Path(given)
     if not given:
         raise KevscoreError("the input's path is empty")
-    if not path.exists() and any(ch in given for ch in "*?["):
+    if is_glob(given):
         found, none = [Path(p) for p in glob.glob(given, recursive=True)], "no file matches"
     elif path.is_dir():
         found, none = list(path.rglob("*.parquet")), "a directory with no .parquet file"
@@ -244,7 +250,7 @@ def output_path(opts: RunOptions) -> Path:
             raise KevscoreError(f"-o {str(opts.output)!r}: give the output a file name")
         return Path(opts.output)
     source = Path(opts.input)
-    if not source.exists() and any(ch in str(opts.input) for ch in "*?[") or "://" in str(opts.input):
+    if is_glob(str(opts.input)) or "://" in str(opts.input):
         raise KevscoreError(f"{opts.input}: a glob or URI input needs -o/--output")
     source = Path(os.path.abspath(source)) if source.name in ("", "..") else source  # '.', '..': by its name
     if not source.name:  # '/'
@@ -252,13 +258,16 @@ def output_path(opts: RunOptions) -> Path:
     return source.with_name(f"{source.stem}.scores.parquet")
 
 
-def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, within: Sequence[Path] = ()) -> None:
-    """Refuse an output that is an input (a file of `inputs`, or anything inside a directory of `within`:
-    the model's, the bank's), that is not a regular file, that exists (unless overwrite) or has no directory."""
+def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, within: Sequence[Path | str] = ()) -> None:
+    """Refuse an output that is an input (a file of `inputs`, anything inside a directory of `within`: the
+    model's, the bank's, the input's, or a file a glob of `within` matches), that is not a regular file, that
+    exists (unless overwrite) or has no directory."""
     for source in inputs:
         if output.exists() and source.exists() and os.path.samefile(output, source):
             raise KevscoreError(f"{output}: the output is the input file {source}; choose another --output")
     for directory in map(Path, within):
+        if is_glob(str(directory)) and fnmatch(os.path.abspath(output), os.path.abspath(directory)):
+            raise KevscoreError(f"{output}: the input {directory} would read it; choose another --output")
         if directory.is_dir() and output.resolve().is_relative_to(directory.resolve()):
             raise KevscoreError(f"{output}: the output is inside {directory}, which this run reads; choose another --output")
     if not output.parent.is_dir():

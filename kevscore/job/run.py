@@ -11,7 +11,6 @@ the plan; GPU memory by the bank (waves inside a window when it does not fit).
 from __future__ import annotations
 
 import gc
-import os
 import resource
 import sys
 import threading
@@ -20,7 +19,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from fnmatch import fnmatch
 from functools import partial
 from pathlib import Path
 
@@ -338,9 +336,6 @@ def check_outputs(opts: RunOptions, inputs: Inputs, output: Path) -> str | None:
     for path in [output, errors_path(output)] if opts.skip_invalid else [output]:
         check_output_path(path, sources, opts.overwrite or ours or finished is not None, within)
     check_parts_dir(output, sources)
-    for pattern in (s.given for s in inputs.sources() if not Path(s.given).exists()):  # a glob, a URI
-        if fnmatch(os.path.abspath(output), os.path.abspath(pattern)):
-            raise KevscoreError(f"{output}: the input {pattern} would read it; choose another --output")
     return finished
 
 
