@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import typer
 from rich.console import Console
@@ -28,6 +29,7 @@ from kevscore.job.files import file_format
 from kevscore.job.labels import parse_labels
 from kevscore.job.options import BATCH_ROWS, RunOptions
 from kevscore.job.provenance import output_provenance
+from kevscore.job.run import completed
 
 
 class ValueHelp:
@@ -50,10 +52,27 @@ class Command(ValueHelp, TyperCommand):
 
 
 class Group(ValueHelp, TyperGroup):
-    pass
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:  # outside a command's own handling (`_failing`), where typer would exit silently
+            _fail("interrupted", 130)
 
 
 app = typer.Typer(cls=Group, no_args_is_help=True)  # its help: _group's docstring
+
+
+def main(args: list[str] | None = None) -> int:
+    """Run a command (`args`, else the process's); returns its exit status. A usage error (an unknown option, a
+    missing argument, a bad value) is one `error:` line naming the command's --help, not typer's boxed panel."""
+    try:
+        code = app(args, standalone_mode=False)
+    except typer.TyperException as e:  # the public base of typer's usage errors (typer >= 0.27.2)
+        hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) else ""
+        if type(e).__name__ != "NoArgsIsHelpError":  # `kevscore` alone: typer has shown the help (it tells it by name)
+            _error_line(e.format_message() + hint)
+        return e.exit_code
+    return code if isinstance(code, int) else 0
 
 
 def _version(value: bool) -> None:
@@ -69,20 +88,26 @@ def _group(version: bool = typer.Option(False, "--version", callback=_version, i
     """Score many questions against many documents with Kev (Qwen3.5-architecture) models."""
 
 
+def _error_line(message: str) -> None:
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def _fail(message: str, code: int = 1) -> None:
     """One `error:` line on stderr, then exit: 2 for usage and input errors, 1 for runtime failures, 130
     for an interrupt."""
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    _error_line(message)
     raise typer.Exit(code)
 
 
 @contextmanager
 def _failing(interrupted: str | None = "interrupted", prefix: str = "",
-             log: display.JsonProgress | None = None) -> Iterator[None]:
+             log: display.JsonProgress | None = None) -> Iterator[SimpleNamespace]:
     """A command's errors as its one `error:` line (`prefix` first) and exit status, and as an event in `log`.
-    Ctrl-C: `interrupted`, or (None) what the run says was kept."""
+    Ctrl-C: `interrupted`, or (None) what the run says was kept; the block may change it as it goes
+    (`.interrupted` of what it yields)."""
+    said = SimpleNamespace(interrupted=interrupted)
     try:
-        yield
+        yield said
     except (typer.Exit, typer.Abort):  # already said
         raise
     except Exception as exc:  # noqa: BLE001 - ours, the OS's and a bug's: each one line (errors.reported)
@@ -93,7 +118,7 @@ def _failing(interrupted: str | None = "interrupted", prefix: str = "",
             log.emit("error", message=str(error), exit_code=error.exit_code)
         _fail(prefix + str(error), error.exit_code)
     except KeyboardInterrupt as exc:
-        message = interrupted or str(exc) or INTERRUPTED_RUN
+        message = said.interrupted or str(exc) or INTERRUPTED_RUN
         if log:
             log.emit("interrupted", message=message)
         _fail(message, 130)
@@ -207,20 +232,22 @@ def run(
             _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
         return _launch(gpus) if world_from_env() is None else _run_rank(opts, quiet, log_json)
     log = display.JsonProgress() if log_json else None
-    with _failing(None, log=log), display.progress_bars(console, disable=quiet or log_json) as live:
-        bars = display.RichProgress(live)  # drawn unless --quiet or --log-json
-        try:
-            result = Scorer.from_options(opts).run(opts, log or bars)
-        finally:
-            bars.loaded()
-    # the run's last words: the `done` event, the summary table, or a line when nothing was to do
-    if log:
-        log.emit("done", **display.summary_fields(result))
-    elif result.already_complete and not quiet:
-        console.print(f"{escape(str(result.output))}: already complete (this job's output, {result.stats.rows:,} rows); "
-                      "nothing to do", highlight=False, soft_wrap=True)
-    elif not quiet:
-        console.print(display.summary_table(result))
+    with _failing(None, log=log) as said:
+        with display.progress_bars(console, disable=quiet or log_json) as live:
+            bars = display.RichProgress(live)  # drawn unless --quiet or --log-json
+            try:
+                result = Scorer.from_options(opts).run(opts, log or bars)
+            finally:
+                bars.loaded()
+            said.interrupted = completed(result.output)  # from here on (the bars' last draw, the summary)
+        # the run's last words: the `done` event, the summary table, or a line when nothing was to do
+        if log:
+            log.emit("done", **display.summary_fields(result))
+        elif result.already_complete and not quiet:
+            console.print(f"{escape(str(result.output))}: already complete (this job's output, "
+                          f"{result.stats.rows:,} rows); nothing to do", highlight=False, soft_wrap=True)
+        elif not quiet:
+            console.print(display.summary_table(result))
 
 
 def _launch(gpus: int) -> None:
@@ -259,7 +286,7 @@ def _run_rank(opts, quiet: bool, log_json: bool) -> None:
     except KeyboardInterrupt:
         code = 130
     except BaseException as exc:  # noqa: BLE001 - a bug outside the rank's work (`_failing`): its line, then leave
-        console.print(f"[bold red]error:[/] {escape(str(reported(exc)))}", highlight=False, soft_wrap=True)
+        _error_line(str(reported(exc)))
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -184,10 +184,21 @@ def summary_fields(result) -> dict:
             **(result.labels or {})}  # label mass and predictions
 
 
-def progress_bars(out: Console, disable: bool = False) -> Progress:
+class Bars(Progress):
+    """rich's Progress, leaving no blank line when it stops with no bar (a run that failed before its phases
+    began): on a file or pipe, rich ends its display with one."""
+
+    def stop(self) -> None:
+        if self.tasks:
+            super().stop()
+        else:
+            self.live.stop()
+
+
+def progress_bars(out: Console, disable: bool = False) -> Bars:
     """The live display, for 80 columns: phase, bar, done/total, rate, time left, and a note."""
     whole = Column(no_wrap=True)  # figures are never cut; the note folds instead
-    return Progress(TextColumn("{task.description:>7}"), BarColumn(bar_width=10), CountColumn(table_column=whole),
+    return Bars(TextColumn("{task.description:>7}"), BarColumn(bar_width=10), CountColumn(table_column=whole),
                     RateColumn(table_column=whole), EtaColumn(table_column=whole),
                     TextColumn("{task.fields[info]}", table_column=Column(overflow="fold")),
                     console=out, disable=disable, transient=False)

@@ -5,6 +5,8 @@ import fcntl
 import inspect
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import typer
@@ -14,7 +16,8 @@ from kevscore import __version__
 from kevscore.cli import app
 from kevscore.job.parts import LOCK, parts_dir
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 
 
 def kevscore(*args, width: int = 80):
@@ -80,3 +83,34 @@ def test_run_shows_a_line_at_once_on_a_terminal():
                  ["bank-inspect", "DIR"], []):
         assert starting_line(args, True) is None, args
     assert starting_line(["run", "q.parquet"], False) is None
+
+
+def test_usage_errors_are_one_line(capsys) -> None:
+    """A mistyped option, a missing argument, a bad value, an unknown command: one `error:` line on stderr naming
+    the command's --help (not typer's boxed panel), exit status 2; `kevscore` alone still shows its help."""
+    from kevscore.cli import main
+
+    for args, message in ((["run", "--foo"], "No such option: --foo"), (["run"], "Missing argument 'INPUT'."),
+                          (["run", "q.parquet", "--limit", "many"], "Invalid value for '--limit'"),
+                          (["nocmd"], "No such command 'nocmd'.")):
+        assert main(args) == 2, args
+        out, err = capsys.readouterr()
+        assert out == "" and err.startswith(f"error: {message}") and err.count("\n") == 1, (args, err)
+        assert err.endswith(f"{' run' if args[0] == 'run' else ''} --help')\n"), err
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert "Usage:" in out and "run" in out and err == ""
+    assert main(["run", "--help"]) == 0 and "run [OPTIONS] INPUT" in capsys.readouterr().out
+    # the command itself, and typer's installed version
+    done = subprocess.run([sys.executable, "-m", "kevscore", "run", "--foo"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "error: No such option: --foo (see 'python -m kevscore run --help')\n", done.stderr
+
+
+def test_a_run_failing_before_its_phases_starts_its_stderr_with_the_error(tmp_path: Path) -> None:
+    """stderr a pipe: the progress display, stopped with no bar shown, leaves no blank line before `error:`."""
+    done = subprocess.run([sys.executable, "-m", "kevscore", "run", str(tmp_path / "missing.parquet"), "--device", "cpu"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {tmp_path / 'missing.parquet'}"), repr(done.stderr)
+    assert done.stderr.count("\n") == 1

@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from kevscore import faults
+from kevscore import cli as cli_module
+from kevscore import display, faults
 from kevscore.cli import INTERRUPTED_RUN, app
 from kevscore.engine.bank_dir import INDEX
 from kevscore.engine.bank_entry import EntryError, read_header
@@ -382,6 +383,47 @@ def test_sigterm_outside_the_scoring_ends_on_one_line(tmp_path, src):
     resumed = subprocess.run(args, cwd=ROOT, env=dict(env, KEVSCORE_TEST_PAUSE=""), capture_output=True, text=True)
     assert resumed.returncode == 0 and "resuming: 1 of 1 windows" in resumed.stderr, resumed.stderr
     assert pq.read_table(tmp_path / "out.parquet").num_rows == pq.read_table(src).num_rows
+
+
+# `kevscore --version` with something left for the interpreter's exit: a thread it waits for (until a line on
+# stdin), or an object whose finalizer runs in the teardown after Python put back the OS's signal actions
+ENDING = """import os, sys, threading, time
+from kevscore.__main__ import main
+class Slow:
+    def __del__(self, write=os.write, sleep=time.sleep):
+        write(1, b"teardown\\n")
+        sleep(1)
+slow = Slow()
+if sys.argv[1] == "thread":
+    threading.Thread(target=sys.stdin.readline).start()
+sys.argv = ["kevscore", "--version"]
+main()"""
+
+
+@pytest.mark.parametrize("waiting", ["thread", "teardown"])
+def test_sigterm_after_the_command_ended_keeps_its_status(waiting):
+    """A SIGTERM once the command has ended (its output printed), while the interpreter exits: the process ends
+    with the command's status, no traceback, not killed by the signal (143)."""
+    proc = subprocess.Popen([sys.executable, "-c", ENDING, waiting], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("kevscore ")
+    if waiting == "teardown":
+        assert proc.stdout.readline() == "teardown\n"
+    else:
+        time.sleep(0.3)  # the exit is waiting for the thread
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and err == "", (proc.returncode, err)
+
+
+def test_an_interrupt_outside_a_commands_own_handling_is_one_line(monkeypatch):
+    """Ctrl-C (or SIGTERM) while a command prints its result: one line, exit status 130 (typer would end silently)."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_module, "inspect_bank", lambda *args: {"bad_entries": []})
+    monkeypatch.setattr(display, "print_inspect", interrupted)
+    one_error(invoke("bank-inspect", "DIR"), 130, ["interrupted"])
 
 
 def test_rerun_of_a_finished_job_is_already_complete(tmp_path, src, template):

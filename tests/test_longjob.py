@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 from test_shard import shard_rows
 from typer.testing import CliRunner
 
+from kevscore import display
 from kevscore.cli import app
 from kevscore.engine.pipeline import Reporter
 from kevscore.engine.plan import plan_windows
@@ -299,6 +301,31 @@ def test_interrupted_in_process_raises_interrupted(tmp_path, killable, template,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.parquet.parts"]
 
 
+def test_an_interrupt_once_the_output_is_complete_says_so(tmp_path, killable, template, monkeypatch):
+    """Ctrl-C once the merge has renamed the output into place (its parts not yet removed), or while the command
+    prints its summary: the output is whole, and the line says so (not "no output was written")."""
+    src, base = killable
+    out = tmp_path / "out.parquet"
+    monkeypatch.setenv("KEVSCORE_TEST_SIGINT", "merged")
+    with pytest.raises(KeyboardInterrupt) as stopped:  # an Interrupted, saying what is kept
+        run_job(opts(src, out, template))
+    assert str(stopped.value) == (f"interrupted after the output was complete: {out} is whole; {parts_dir(out)} is "
+                                  "left over and can be deleted")
+    assert out.read_bytes() == base.read_bytes()
+    monkeypatch.delenv("KEVSCORE_TEST_SIGINT")
+
+    def interrupted(result):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(display, "summary_table", interrupted)
+    small = make_input(tmp_path / "small.parquet", 2, 2)
+    result = cli.invoke(app, ["run", str(small), "--device", "cpu", "--template", str(template), "-o",
+                              str(tmp_path / "small.out.parquet")])
+    assert result.exit_code == 130 and result.stderr.strip().splitlines()[-1] == (
+        f"error: interrupted after the output was complete: {tmp_path / 'small.out.parquet'} is whole; there is "
+        "nothing to rerun"), result.stderr
+
+
 def test_resume_refuses_changed_options_or_input_and_restart_starts_over(tmp_path, killable, template):
     src0, base = killable
     src = tmp_path / "q.parquet"
@@ -469,6 +496,29 @@ def test_skip_invalid_sets_rows_aside_into_the_errors_file(tmp_path, template):
     (tmp_path / "other.errors.parquet").write_bytes(b"x")
     with pytest.raises(KevscoreError, match="other.errors.parquet: already exists"):
         run_job(opts(src, tmp_path / "other.parquet", template, skip_invalid=True))
+
+
+def test_a_removed_errors_file_is_named_as_such(tmp_path, template):
+    """The errors file of a complete --skip-invalid output removed between runs, or after a run was killed with
+    its output in place (the rerun only cleans up): the rerun names it and what to do, not "another job's output";
+    --overwrite then scores the job again and writes both."""
+    src = make_input(tmp_path / "q.parquet", 4, 3)
+    out = tmp_path / "out.parquet"
+    removed = re.escape(f"{out}: complete (this job's output), but its errors file {errors_path(out)} (the rows "
+                        "--skip-invalid set aside) was removed; pass --overwrite to score the job again and write both")
+    run_job(opts(src, out, template, skip_invalid=True))
+    errors_path(out).unlink()
+    with pytest.raises(KevscoreError, match=removed):
+        run_job(opts(src, out, template, skip_invalid=True))
+    out.unlink()
+    killed = spawn(src, "-o", out, "--template", template, "--window", 6, "--batch-rows", 16, "--skip-invalid",
+                   "--quiet", KEVSCORE_TEST_KILL="merged")
+    assert killed.returncode == -signal.SIGKILL and errors_path(out).is_file() and parts_dir(out).is_dir()
+    errors_path(out).unlink()
+    with pytest.raises(KevscoreError, match=removed):
+        run_job(opts(src, out, template, skip_invalid=True))
+    assert run_job(opts(src, out, template, skip_invalid=True, overwrite=True)).set_aside == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.errors.parquet", "out.parquet", "q.parquet"]
 
 
 # ---------------------------------------------------------------- the command line

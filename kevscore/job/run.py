@@ -99,20 +99,35 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
         with opened_inputs(opts) as inputs:
             job = start_job(opts, inputs, output or inputs.stage / "stdout.jsonl", loaded or LoadedModel())
             result = finished_job(job) if job.finished is not None else score_and_merge(job, progress)
-            if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
-                result.warnings.append(warning)
-                progress.warn(warning)
-            if opts.skip_invalid:
-                result.errors = errors_path(job.output)
-                result.set_aside = pq.read_metadata(result.errors).num_rows
-            result.wall_s = time.perf_counter() - started
-            result.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-            if device.type == "cuda":
-                result.peak_gpu = int(torch.cuda.max_memory_allocated(device))
-            if stdout:
-                to_stdout(result.output)
-                result.output = Path(STDOUT)
+            try:  # the output is complete (-o -: copied to stdout last)
+                if warning := low_mass_warning(result.labels or {}, result.stats.rows, list(opts.labels)):
+                    result.warnings.append(warning)
+                    progress.warn(warning)
+                if opts.skip_invalid:
+                    result.errors = errors_path(job.output)
+                    result.set_aside = errors_rows(job.output)
+                result.wall_s = time.perf_counter() - started
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                result.peak_rss = rss * (1 if sys.platform == "darwin" else 1024)
+                if device.type == "cuda":
+                    result.peak_gpu = int(torch.cuda.max_memory_allocated(device))
+                if stdout:
+                    to_stdout(result.output)
+                    result.output = Path(STDOUT)
+            except KeyboardInterrupt:
+                raise Interrupted(STDOUT_CUT if stdout else completed(output)) from None
         return result
+
+
+STDOUT_CUT = "interrupted while writing the scores to stdout: they may be cut short; rerun the same command"
+
+
+def completed(output: Path, parts: Path | None = None) -> str:
+    """What an interrupt says once the output is complete (only the clean-up or the summary was left); `parts`:
+    its parts directory, unless it was removed."""
+    where = "the scores written to stdout are" if str(output) == STDOUT else f"{output} is"
+    rest = f"{parts} is left over and can be deleted" if parts and parts.exists() else "there is nothing to rerun"
+    return f"interrupted after the output was complete: {where} whole; {rest}"
 
 
 class Laps:
@@ -262,18 +277,24 @@ def score_and_merge(job: Job, progress: Reporter) -> RunResult:
         else:
             result = score_job(job, parts, progress)
             merge_job(job, parts, result, progress)
+        parts.remove()
     except BaseException as exc:
         parts.abandon()  # a directory this run created, holding no part yet, is removed
-        if not isinstance(exc, Interrupted):
+        if not isinstance(exc, KeyboardInterrupt):
             raise
-        if not parts.dir.exists():
-            raise Interrupted(f"interrupted ({exc}) before any window was complete; nothing was written") from None
+        how = f"interrupted ({exc})" if str(exc) else "interrupted"  # an Interrupted names its signal
         if job.output.parent == job.inputs.stage:  # -o -: its parts were in a temporary directory
-            raise Interrupted(f"interrupted ({exc}); nothing was written (-o - writes at the end)") from None
+            raise Interrupted(f"{how}; nothing was written (-o - writes at the end)") from None
+        # the merge renamed into place (its record kept in memory: the parts may be half removed)
+        if merged_output(job.output, parts.manifest.get("merged")):
+            raise Interrupted(completed(job.output, parts.dir)) from None
+        if not isinstance(exc, Interrupted):
+            raise  # outside the scoring and its merge's end: the CLI says it
+        if not parts.dir.exists():
+            raise Interrupted(f"{how} before any window was complete; nothing was written") from None
         done = sum(parts.done.values())
-        raise Interrupted(f"interrupted ({exc}): {len(parts.done)} of {len(job.windows)} windows ({done:,} rows) are "
+        raise Interrupted(f"{how}: {len(parts.done)} of {len(job.windows)} windows ({done:,} rows) are "
                           f"kept in {parts.dir}; rerun the same command to resume") from None
-    parts.remove()
     return result
 
 
@@ -342,11 +363,21 @@ def check_outputs(opts: RunOptions, inputs: Inputs, output: Path) -> str | None:
 def finished_job(job: Job) -> RunResult:
     """The job's output exists, merged by a job: this very job (nothing to do), or another one (refused)."""
     output = job.output
-    if job.finished != job_digest(job.identity) or (job.opts.skip_invalid and not errors_path(output).is_file()):
+    if job.finished != job_digest(job.identity):
         raise KevscoreError(f"{output}: already exists (the output of another job); pass --overwrite to replace it")
+    if job.opts.skip_invalid:
+        errors_rows(output)  # its errors file is there
     rows, windows = pq.read_metadata(output).num_rows, len(job.windows)
     return RunResult(output, RunStats(rows=rows), len(job.documents()), str(job.device), job.ckpt.name, 0.0,
                      windows=windows, resumed=windows, resumed_rows=rows, already_complete=True)
+
+
+def errors_rows(output: Path) -> int:
+    """The rows in the errors file of a complete output of this job (--skip-invalid), which must be there."""
+    if not errors_path(output).is_file():
+        raise KevscoreError(f"{output}: complete (this job's output), but its errors file {errors_path(output)} (the rows "
+                            "--skip-invalid set aside) was removed; pass --overwrite to score the job again and write both")
+    return pq.read_metadata(errors_path(output)).num_rows
 
 
 def shard_documents(scan: InputScan, rank: int, world: int) -> np.ndarray:
