@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import signal
@@ -60,6 +61,8 @@ class Group(ValueHelp, TyperGroup):
 
 
 app = typer.Typer(cls=Group, no_args_is_help=True)  # its help: _group's docstring
+# the base of typer's usage errors: its own from typer 0.27.2, click's before (typer then ran on click)
+USAGE_ERRORS = getattr(typer, "TyperException", None) or importlib.import_module("click").ClickException
 
 
 def main(args: list[str] | None = None) -> int:
@@ -67,7 +70,7 @@ def main(args: list[str] | None = None) -> int:
     missing argument, a bad value) is one `error:` line naming the command's --help, not typer's boxed panel."""
     try:
         code = app(args, standalone_mode=False)
-    except typer.TyperException as e:  # the public base of typer's usage errors (typer >= 0.27.2)
+    except USAGE_ERRORS as e:
         hint = f" (see '{e.ctx.command_path} --help')" if getattr(e, "ctx", None) else ""
         if type(e).__name__ != "NoArgsIsHelpError":  # `kevscore` alone: typer has shown the help (it tells it by name)
             _error_line(e.format_message() + hint)
