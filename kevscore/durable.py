@@ -31,8 +31,10 @@ def cache_root() -> Path:
 
 
 def temp_path(path: Path, tmp_dir: Path | None = None) -> Path:
-    """A fresh hidden temporary name for a write of `path`, in `tmp_dir` (default: path's directory)."""
-    return Path(tmp_dir or path.parent) / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    """A fresh hidden temporary name for a write of `path`, in `tmp_dir` (default: path's directory); a long name
+    stands as its digest, so the temporary name fits where `path`'s does."""
+    name = path.name if len(path.name.encode()) <= 200 else hashlib.sha256(path.name.encode()).hexdigest()[:32]
+    return Path(tmp_dir or path.parent) / f".{name}.{secrets.token_hex(4)}.tmp"
 
 
 def fsync_dir(directory: Path) -> None:

@@ -203,7 +203,7 @@ def test_nulls_in_questions_doc_id(tmp_path: Path, docs: Path) -> None:
     ("question", [b"a", b"b"], "binary"),
     ("doc_id", [1.5, 2.5], "double"),
     ("question_id", [3, 4], "int64"),
-    ("labels", ["a", "b"], "string"),
+    ("labels", [1, 2], "int64"),
     ("labels", [[1, 2], [3]], "list<element: int64>"),  # Parquet names list items "element"
 ])
 def test_wrong_types(tmp_path: Path, column: str, values: list, type_name: str) -> None:
@@ -223,6 +223,19 @@ def test_bad_labels_rows(tmp_path: Path, labels: list, what: str, rows: str) -> 
     path = put(tmp_path / "in.parquet", {"document": ["d"] * 4, "question": ["q"] * 4,
                                          "labels": pa.array(labels, pa.list_(pa.string()))})
     fails([str(path), "column 'labels'", "string>", what, rows], path)
+
+
+def test_labels_as_json_text(tmp_path: Path) -> None:
+    """A labels column of text holds JSON arrays of strings (an empty text: no labels); other text names its rows."""
+    cols = {"document": ["d"] * 4, "question": ["q"] * 4, "labels": ['["Yes", "No"]', "", '["A", "B", "C"]', None]}
+    fails([str(tmp_path / "in.parquet"), "column 'labels' (string) has null or empty lists at rows 1, 3"],
+          put(tmp_path / "in.parquet", cols))
+    cols["labels"][1::2] = ["Yes,No", '["Yes", 3]']
+    fails([str(tmp_path / "in.parquet"), "column 'labels' (string) has text that is no JSON array of strings at "
+                                         "rows 1, 3"], put(tmp_path / "in.parquet", cols))
+    cols["labels"][1::2] = ['["a", "b"]', ' ["c", "d"] ']
+    assert read_input(put(tmp_path / "in.parquet", cols)).labels == [["Yes", "No"], ["a", "b"], ["A", "B", "C"],
+                                                                     ["c", "d"]]
 
 
 # ---------------------------------------------------------------- joins and ids

@@ -205,14 +205,21 @@ def test_csv_labels_column_holds_json_arrays(tmp_path: Path, source: pa.Table) -
 
 
 @pytest.mark.parametrize("bad", ["not json", "5", '["Yes", 3]'])
-def test_csv_labels_that_are_no_json_array_name_their_row(tmp_path: Path, source: pa.Table, bad: str) -> None:
+def test_csv_labels_that_are_no_json_array_name_their_rows_or_are_set_aside(tmp_path: Path, source: pa.Table,
+                                                                           bad: str) -> None:
     labels = [json.dumps(["Yes", "No"])] * source.num_rows
-    labels[2] = bad
+    labels[2] = labels[7] = bad
     pacsv.write_csv(source.append_column("labels", pa.array(labels)), tmp_path / "q.csv")
-    result = kevscore("run", tmp_path / "q.csv", "-o", tmp_path / "out.parquet")
-    assert result.exit_code == 2 and "q.csv" in result.stderr and "column 'labels' at row 2" in result.stderr, \
-        result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and listing(tmp_path) == ["q.csv"]
+    result = kevscore("run", tmp_path / "q.csv", "-o", tmp_path / "out.parquet", "--device", "cpu")
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and line == (f"error: {tmp_path / 'q.csv'}: column 'labels' (string) has text that "
+                                              "is no JSON array of strings at rows 2, 7"), line
+    assert listing(tmp_path) == ["q.csv"]
+    run_ok(tmp_path / "q.csv", "-o", tmp_path / "out.parquet", "--skip-invalid")
+    errors = pq.read_table(tmp_path / "out.errors.parquet").to_pylist()
+    assert [(e["row"], e["reason"]) for e in errors] == [(r, "column 'labels' has text that is no JSON array of "
+                                                             "strings") for r in (2, 7)]
+    assert 2 not in pq.read_table(tmp_path / "out.parquet").column("row").to_pylist()
 
 
 @pytest.mark.parametrize("name, text, error, detail", [
@@ -307,11 +314,15 @@ def test_errors_about_a_copied_input_name_the_file_as_given(tmp_path: Path) -> N
 
 
 def test_values_json_and_csv_cannot_hold_are_written_as_they_can(tmp_path: Path, source: pa.Table) -> None:
-    """JSON Lines: NaN and infinities as null (strict JSON); CSV: a struct column as JSON text."""
+    """JSON Lines: NaN and infinities as null (strict JSON), inside lists and structs too; CSV: a struct column as
+    JSON text, as strict."""
     n = source.num_rows
-    floats = pa.array([float("nan"), float("inf"), 1.5] + [None] * (n - 3))
-    structs = pa.array([{"a": i, "d": datetime.date(2020, 1, 1)} for i in range(n)])  # a date: JSON's as text
-    pq.write_table(source.append_column("f", floats).append_column("s", structs), tmp_path / "q.parquet")
+    nan, inf = float("nan"), float("inf")
+    floats = pa.array([nan, inf, 1.5] + [None] * (n - 3))
+    structs = pa.array([{"a": i, "d": datetime.date(2020, 1, 1), "x": -inf if i else 0.5} for i in range(n)])
+    lists = pa.array([[nan, 1.0, inf]] + [[2.0]] * (n - 1))
+    pq.write_table(source.append_column("f", floats).append_column("s", structs).append_column("l", lists),
+                   tmp_path / "q.parquet")
     run_ok(tmp_path / "q.parquet", "-o", tmp_path / "out.jsonl")
 
     def strict(constant: str):
@@ -319,9 +330,12 @@ def test_values_json_and_csv_cannot_hold_are_written_as_they_can(tmp_path: Path,
 
     rows = [json.loads(line, parse_constant=strict) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [r["f"] for r in rows[:4]] == [None, None, 1.5, None]
+    assert [rows[0]["l"], rows[1]["l"], rows[0]["s"]["x"], rows[1]["s"]["x"]] == [[None, 1.0, None], [2.0], 0.5, None]
     run_ok(tmp_path / "q.parquet", "-o", tmp_path / "out.csv")
-    assert pacsv.read_csv(tmp_path / "out.csv").column("s").to_pylist()[:2] == [
-        '{"a": 0, "d": "2020-01-01"}', '{"a": 1, "d": "2020-01-01"}']
+    out = pacsv.read_csv(tmp_path / "out.csv")
+    assert out.column("s").to_pylist()[:2] == ['{"a": 0, "d": "2020-01-01", "x": 0.5}',
+                                                '{"a": 1, "d": "2020-01-01", "x": null}']
+    assert json.loads(out.column("l")[0].as_py(), parse_constant=strict) == [None, 1.0, None]
 
 
 def test_an_empty_csv_labels_cell_is_a_null_one(tmp_path: Path, source: pa.Table) -> None:
@@ -330,7 +344,7 @@ def test_an_empty_csv_labels_cell_is_a_null_one(tmp_path: Path, source: pa.Table
     labels[1] = ""
     pacsv.write_csv(source.append_column("labels", pa.array(labels)), tmp_path / "q.csv")
     result = kevscore("run", tmp_path / "q.csv", "-o", tmp_path / "out.parquet", "--device", "cpu", "--quiet")
-    assert result.exit_code == 2 and "column 'labels' (list<element: string>) has null or empty lists at row 1" in \
+    assert result.exit_code == 2 and "column 'labels' (string) has null or empty lists at row 1" in \
         result.stderr, result.stderr
     run_ok(tmp_path / "q.csv", "-o", tmp_path / "out.parquet", "--skip-invalid")
     assert pq.read_table(tmp_path / "out.errors.parquet").column("row").to_pylist() == [1]
@@ -385,6 +399,24 @@ def test_a_directory_of_files_of_different_columns_is_read_as_one(tmp_path: Path
     out = pq.read_table(tmp_path / "out.parquet")
     assert out.column("expected").to_pylist() == [None] * 6 + source.column("expected").to_pylist()[6:]
     assert out.column("note").to_pylist() == [None] * 6 + ["n"] * (source.num_rows - 6)
+
+
+def test_a_directory_of_files_with_integer_and_text_ids_reads_them_as_text(tmp_path: Path, source: pa.Table,
+                                                                          base: pa.Table) -> None:
+    """One file's ids are integers (as pandas writes them), another's text: every id is read as its text."""
+    (tmp_path / "parts").mkdir()
+    first = source.slice(0, 6)
+    numbers = {d: i for i, d in enumerate(dict.fromkeys(first.column("doc_id").to_pylist()))}
+    first = first.set_column(0, "id", pa.array([numbers[d] for d in first.column("doc_id").to_pylist()], pa.int64()))
+    first = first.set_column(1, "question_id", pa.array(range(100, 106), pa.int32()))
+    pq.write_table(first, tmp_path / "parts" / "a.parquet")
+    pq.write_table(source.slice(6).rename_columns(["id", *source.column_names[1:]]), tmp_path / "parts" / "b.parquet")
+    run_ok(tmp_path / "parts", "-o", tmp_path / "out.parquet", "--doc-id-column", "id")
+    out = pq.read_table(tmp_path / "out.parquet")
+    assert out.column("doc_id").to_pylist() == ["0"] * 3 + ["1"] * 3 + source.column("doc_id").to_pylist()[6:]
+    assert out.column("question_id").to_pylist() == [str(i) for i in range(100, 106)] + \
+        source.column("question_id").to_pylist()[6:]
+    assert out.column("probs").equals(base.column("probs"))
 
 
 def test_renames_that_swap_names_or_live_in_one_file_are_read(tmp_path: Path, source: pa.Table,

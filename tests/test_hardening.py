@@ -330,6 +330,31 @@ def test_invalid_utf8_in_the_documents_file(tmp_path):
             tmp_path / "two" / "questions.parquet", "--documents", path)
 
 
+def test_invalid_utf8_in_a_carried_column_is_found_before_any_work(tmp_path, example_rows, template):
+    """A column only carried into the output (here text inside a list) is checked with the input, not at the merge
+    after all the scoring; --no-carry does not read it."""
+    table = pa.Table.from_pylist(example_rows).append_column("note", pa.array(["n"] * len(example_rows)))
+    path = put(tmp_path / "in.parquet", table.append_column("tags", not_utf8([["a"]] * len(example_rows), 4,
+                                                                             pa.list_(pa.string()))))
+    refused(tmp_path, 2, [str(path), "column 'tags'", "not valid UTF-8", "row 4"], path, "--template", template)
+    result = invoke("run", path, "--device", "cpu", "--template", template, "--quiet", "--no-carry")
+    assert result.exit_code == 0 and (tmp_path / "in.scores.parquet").exists(), result.stderr
+
+
+def test_output_names_too_long_for_what_is_written_beside_them(tmp_path, src, template):
+    """A name that fits, though its parts directory's and temporary files' names are longer, is written; one whose
+    own, parts directory's or errors file's name would pass 255 bytes is refused on one line before any work."""
+    fits = tmp_path / ("x" * 241 + ".parquet")  # 249 bytes: its parts directory's name is 255
+    result = invoke("run", src, "-o", fits, "--device", "cpu", "--template", template, "--quiet")
+    assert result.exit_code == 0 and sorted(os.listdir(tmp_path)) == sorted(["q.parquet", fits.name]), result.stderr
+    for name, args, words in [("y" * 242 + ".parquet", (), "the name of its parts directory would be 256 bytes"),
+                              ("y" * 248 + ".parquet", (), "its name would be 256 bytes long"),
+                              ("é" * 130, (), "its name would be 260 bytes long"),
+                              (fits.name, ("--skip-invalid", "--overwrite"), "errors.parquet: its name would be 256")]:
+        refused(tmp_path, 2, [words, "choose a shorter --output"], src, "-o", tmp_path / name, "--template",
+                template, *args)
+
+
 def test_template_that_is_not_utf8(tmp_path, src):
     t = tmp_path / "t.txt"
     t.write_bytes(b"{document}\n\xff{question}")

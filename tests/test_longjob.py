@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ import pytest
 from test_shard import shard_rows
 from typer.testing import CliRunner
 
-from kevscore import display
+from kevscore import display, faults
 from kevscore.cli import app
 from kevscore.engine.pipeline import Reporter
 from kevscore.engine.plan import plan_windows
@@ -354,6 +355,86 @@ def test_resume_refuses_changed_options_or_input_and_restart_starts_over(tmp_pat
     for i, (a, b) in enumerate(zip(changed, before)):
         assert i == 7 or a == pytest.approx(b, abs=1e-6)
     assert not parts_dir(out).exists()
+
+
+class Warnings(Reporter):
+    def __init__(self):
+        self.warnings: list[str] = []
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+
+
+def failed_at_the_merge(src: Path, out: Path, template: Path, monkeypatch) -> list[str]:
+    """Run the job into a full disk at the merge: every window's part is kept. Returns the parts directory's files."""
+    monkeypatch.setattr(faults, "_reached", Counter())
+    monkeypatch.setenv("KEVSCORE_TEST_ENOSPC", "merge:1")
+    with pytest.raises(KevscoreError, match="No space left on device"):
+        run_job(opts(src, out, template))
+    monkeypatch.delenv("KEVSCORE_TEST_ENOSPC")
+    return sorted(p.name for p in parts_dir(out).iterdir())
+
+
+def test_a_damaged_manifest_resumes_the_parts_that_name_this_job_or_is_refused(tmp_path, killable, template,
+                                                                               monkeypatch):
+    """Each part names its job: with a manifest that is not one kevscore writes, parts that are all this job's are
+    resumed (with a warning); any other part stops the run on one line that says what to do, and --restart
+    starts over."""
+    src, base = killable
+    out = tmp_path / "out.parquet"
+    names = failed_at_the_merge(src, out, template, monkeypatch)
+    manifest = parts_dir(out) / "manifest.json"
+    (parts_dir(out) / "part-000009.parquet").write_bytes(b"not a part")
+    for damage in ("{not json", '["a list"]', '{"format": "kevscore-parts", "version": 1, "identity": 5}',
+                   '{"format": "kevscore-parts", "version": 1, "identity": {}, "merged": "x"}'):
+        manifest.write_text(damage)
+        with pytest.raises(KevscoreError) as info:
+            run_job(opts(src, out, template))
+        assert str(info.value) == (f"{manifest}: damaged (not a manifest kevscore writes), and 1 of the 5 part(s) "
+                                   "beside it are not this job's; rerun with --restart to discard them, or choose "
+                                   "another --output")
+        assert sorted(p.name for p in parts_dir(out).iterdir()) == sorted(names + ["part-000009.parquet"])
+    (parts_dir(out) / "part-000009.parquet").unlink()
+    progress = Warnings()
+    assert run_job(opts(src, out, template), progress).resumed == 4
+    assert progress.warnings == [f"{manifest}: damaged; resuming the 4 part(s) that name this job"]
+    assert out.read_bytes() == base.read_bytes() and not parts_dir(out).exists()
+    out.unlink()
+    failed_at_the_merge(src, out, template, monkeypatch)
+    manifest.write_text("{not json")
+    (parts_dir(out) / "part-000009.parquet").write_bytes(b"not a part")
+    assert run_job(opts(src, out, template, restart=True)).resumed == 0
+    assert out.read_bytes() == base.read_bytes() and not parts_dir(out).exists()
+
+
+@pytest.mark.parametrize("when", ["scoring", "merge"])
+def test_an_input_changed_during_the_run_stops_it_before_the_output(tmp_path, killable, template, monkeypatch, when):
+    """The input replaced by another file while its windows are read, or rewritten in place before the merge reads its
+    carried columns: one line, no output, the parts kept; with the input as it was, the rerun resumes to the
+    uninterrupted output."""
+    src0, base = killable
+    src, out = tmp_path / "q.parquet", tmp_path / "out.parquet"
+    shutil.copy(src0, src)
+    table = pq.read_table(src)
+    changed = table.set_column(table.schema.get_field_index("question"), "question",
+                               pa.array(["Is it changed?"] * table.num_rows))
+    method = {"scoring": "write", "merge": "merge"}[when]
+    original = getattr(PartStore, method)
+
+    def replace_then(store, *args, **kwargs):
+        pq.write_table(changed, tmp_path / "new.parquet" if when == "scoring" else src, row_group_size=32)
+        if when == "scoring":
+            os.replace(tmp_path / "new.parquet", src)
+        return original(store, *args, **kwargs)
+
+    monkeypatch.setattr(PartStore, method, replace_then)
+    with pytest.raises(KevscoreError, match=f"^{re.escape(str(src))}: changed while this run read it") as info:
+        run_job(opts(src, out, template, carry=True))
+    assert info.value.exit_code == 1 and not out.exists() and len(list(parts_dir(out).glob("part-*"))) >= 1
+    monkeypatch.undo()
+    shutil.copy(src0, src)
+    assert run_job(opts(src, out, template, carry=True)).resumed >= 1
+    assert pq.read_table(out).select(OUTPUT_SCHEMA.names).equals(read(base))
 
 
 def test_leftovers_with_nothing_completed_are_replaced_silently(tmp_path, killable, template):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
@@ -29,9 +29,12 @@ import pyarrow.parquet as pq
 from kevscore import faults
 from kevscore.durable import Filler
 from kevscore.errors import KevscoreError, first_line
-from kevscore.job.options import RunOptions
+from kevscore.job.options import RunOptions, carries
 from kevscore.job.rows import Cursor
+from kevscore.job.scan import check_text, stamp
 
+NAME_MAX = 255  # bytes of a file name, the most that common filesystems take
+IDS = ("doc_id", "question_id")  # columns whose integers are read as their text
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 STDOUT = "-"  # `-o -`: JSON Lines on stdout
 
@@ -57,6 +60,7 @@ class Source:
     path: Path          # the Parquet file to stream: one of `files`, or a copy staged from them
     columns: list[str]  # the column names as given
     rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
+    stamp: tuple | None = None  # a file streamed as it is (not staged): its `stamp` (kevscore.job.scan) when opened
 
 
 def is_glob(given: str) -> bool:
@@ -107,21 +111,20 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
         return Source(given, [], *_stage(given, paths, fs, rename, limit, stage_dir), rename)
     files = input_files(given)
     if len(files) == 1 and file_format(files[0]) == "parquet" and not rename and limit is None:
+        version = stamp(files[0])
         if (columns := _kevscore_typed(files[0])) is not None:
-            return Source(given, files, files[0], columns, rename)
+            return Source(given, files, files[0], columns, rename, version)
     return Source(given, files, *_stage(given, [str(f) for f in files], None, rename, limit, stage_dir), rename)
 
 
 def _kevscore_typed(path: Path) -> list[str] | None:
     """A Parquet file's column names when a job can stream it as it is (none when it cannot be read: the scan says
-    why); None when its ids are integers or its labels JSON text, which a staged copy turns into kevscore's types."""
+    why); None when its ids are integers, which a staged copy turns into their text."""
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError):
         return []
-    converted = [f for f in schema if f.name in ("doc_id", "question_id") and pa.types.is_integer(f.type)
-                 or f.name == "labels" and pa.types.is_string(f.type)]
-    return None if converted else schema.names
+    return None if any(f.name in IDS and pa.types.is_integer(f.type) for f in schema) else schema.names
 
 
 def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dict[str, str], limit: int | None,
@@ -130,9 +133,10 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
     names as given."""
     fmt = file_format(paths[0]) if len(paths) == 1 else "parquet"
     stage_dir.mkdir(exist_ok=True)
-    staged = stage_dir / f"{Path(paths[0]).name if len(paths) == 1 else 'input'}.staged.parquet"
+    name = Path(paths[0]).name if len(paths) == 1 else "input"
+    staged = stage_dir / f"{name if len(name.encode()) <= NAME_MAX - 15 else 'input'}.staged.parquet"
     try:
-        reader = _reader(paths, fmt, fs)
+        reader = _reader(paths, fmt, fs, rename)
         tables = _tables(reader, limit)
         with open(staged, "xb") as f:
             table_filler(_as_kevscore(tables, rename), "parquet", {})(f)
@@ -142,10 +146,14 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
     return staged, reader.schema.names
 
 
-def _reader(paths: list[str], fmt: str, fs: pafs.FileSystem | None):
-    """A record-batch reader (with .schema) over the files; a CSV file's every column as text, as written."""
+def _reader(paths: list[str], fmt: str, fs: pafs.FileSystem | None, rename: dict[str, str]):
+    """A record-batch reader (with .schema) over the files; a CSV file's every column as text, as written, and the
+    Parquet files' id columns (`rename`d or not) as text where one file's are integers (another's may be text)."""
     if fmt == "parquet":  # the files' columns together: a column a file lacks is null there
-        schema = pa.unify_schemas([pq.read_schema(p, filesystem=fs) for p in paths], promote_options="permissive")
+        schemas = [pq.read_schema(p, filesystem=fs) for p in paths]
+        text = {f.name for s in schemas for f in s if rename.get(f.name, f.name) in IDS and pa.types.is_integer(f.type)}
+        schemas = [pa.schema([f.with_type(pa.string()) if f.name in text else f for f in s]) for s in schemas]
+        schema = pa.unify_schemas(schemas, promote_options="permissive")
         return ds.dataset(paths, schema=schema, format="parquet", filesystem=fs).scanner(use_threads=False).to_reader()
     stream = (lambda: fs.open_input_stream(paths[0])) if fs is not None else (lambda: paths[0])
     if fmt == "jsonl":  # its keys and types found in blocks of up to 1 GiB, not 1 MiB: a key may first appear late
@@ -167,30 +175,14 @@ def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
 
 
 def _as_kevscore(tables: Iterable[pa.Table], rename: dict[str, str]) -> Iterator[pa.Table]:
-    """Columns renamed to kevscore's names, integer ids as strings, a CSV's labels (JSON arrays) as lists (a label
-    cell that is not a JSON array of strings names its row)."""
-    start = 0  # the table's first row in the input
+    """Columns renamed to kevscore's names, integer ids as strings (a labels column of JSON text is read as
+    lists by the scan: kevscore.job.scan.json_labels)."""
     for table in tables:
         table = table.rename_columns([rename.get(n, n) for n in table.column_names])
         for i, f in enumerate(table.schema):
-            if f.name in ("doc_id", "question_id") and pa.types.is_integer(f.type):
+            if f.name in IDS and pa.types.is_integer(f.type):
                 table = table.set_column(i, f.name, table.column(i).cast(pa.string()))
-            elif f.name == "labels" and pa.types.is_string(f.type):
-                lists = [_label_list(v, start + j) for j, v in enumerate(table.column(i).to_pylist())]
-                table = table.set_column(i, f.name, pa.array(lists, pa.list_(pa.string())))
-        start += table.num_rows
         yield table
-
-
-def _label_list(text: str | None, row: int) -> list[str] | None:
-    """A CSV's labels cell (a JSON array of strings) as a list; ValueError naming the row when it is not one."""
-    try:
-        labels = json.loads(text) if text else None  # an empty cell: no labels, as a null
-    except ValueError:
-        labels = text
-    if labels is not None and not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)):
-        raise ValueError(f"column 'labels' at row {row}: {text[:40]!r} is not a JSON array of strings")
-    return labels
 
 
 @dataclass(slots=True)
@@ -236,6 +228,8 @@ def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
                     raise KevscoreError(f"{source.given}: column {theirs!r} is to be read as {ours!r}, but there is a "
                                         f"column {ours!r} too; rename or drop one of them")
         try:
+            if carries(opts):  # the columns carried into the output are read only at the merge: their text checked now
+                check_text(questions.path)
             yield inputs
         except KevscoreError as exc:
             raise type(exc)(inputs.message(str(exc))) from exc
@@ -243,11 +237,20 @@ def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
 
 # ---------------------------------------------------------------- writing
 
+def check_name(output: Path, name: str, what: str) -> None:
+    """Refuse an output whose own name, or the name of a file or directory made beside it (`what`), is too long
+    for a file name: before any work, not at the merge."""
+    if (size := len(name.encode())) > NAME_MAX:
+        raise KevscoreError(f"{output}: {what} would be {size} bytes long, and a file name takes at most {NAME_MAX}; "
+                            "choose a shorter --output")
+
+
 def output_path(opts: RunOptions) -> Path:
     """The output file: -o, else <input stem>.scores.parquet beside the input."""
     if opts.output is not None:
         if Path(opts.output).name in ("", ".."):  # '', '.', '..', '/'
             raise KevscoreError(f"-o {str(opts.output)!r}: give the output a file name")
+        check_name(Path(opts.output), Path(opts.output).name, "its name")
         return Path(opts.output)
     source = Path(opts.input)
     if is_glob(str(opts.input)) or "://" in str(opts.input):
@@ -261,7 +264,8 @@ def output_path(opts: RunOptions) -> Path:
 def check_output_path(output: Path, inputs: Sequence[Path], overwrite: bool, within: Sequence[Path | str] = ()) -> None:
     """Refuse an output that is an input (a file of `inputs`, anything inside a directory of `within`: the
     model's, the bank's, the input's, or a file a glob of `within` matches), that is not a regular file, that
-    exists (unless overwrite) or has no directory."""
+    exists (unless overwrite), has no directory, or a name too long for a file."""
+    check_name(output, output.name, "its name")
     for source in inputs:
         if output.exists() and source.exists() and os.path.samefile(output, source):
             raise KevscoreError(f"{output}: the output is the input file {source}; choose another --output")
@@ -291,9 +295,7 @@ def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dic
         with ExitStack() as stack:  # the writer, once made, is closed however the write ends
             for table in tables:
                 if fmt == "jsonl":
-                    rows = finite(table).to_pylist()
-                    lines = "".join(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
-                    file.write(lines.encode("utf-8"))
+                    file.write("".join(json_text(row) + "\n" for row in table.to_pylist()).encode("utf-8"))
                 else:
                     table = lists_as_json(table) if fmt == "csv" else table
                     if writer is None:
@@ -306,20 +308,29 @@ def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dic
     return fill
 
 
-def finite(table: pa.Table) -> pa.Table:
-    """Float columns with their NaNs and infinities as nulls (JSON has no words for them)."""
-    for i, f in enumerate(table.schema):
-        if pa.types.is_floating(f.type):
-            table = table.set_column(i, f, pc.if_else(pc.is_finite(table.column(i)), table.column(i), None))
-    return table
+def json_text(value) -> str:
+    """A value as strict JSON: NaNs and infinities, at any depth, as null (JSON has no words for them); a value
+    JSON has no type for (a date) as its text."""
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str, allow_nan=False)
+    except ValueError:  # a float that is not finite, somewhere inside
+        return json.dumps(finite(value), ensure_ascii=False, default=str)
+
+
+def finite(value):
+    """`value` with its floats that are not finite, in lists, tuples and dicts too, as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    return [finite(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def lists_as_json(table: pa.Table) -> pa.Table:
     """List, struct and map columns turned into JSON strings (what CSV can hold)."""
     for i, f in enumerate(table.schema):
         if pa.types.is_nested(f.type):
-            text = [None if v is None else json.dumps(v, ensure_ascii=False, default=str)
-                    for v in table.column(i).to_pylist()]
+            text = [None if v is None else json_text(v) for v in table.column(i).to_pylist()]
             table = table.set_column(i, pa.field(f.name, pa.string()), pa.array(text, pa.string()))
     return table
 
@@ -349,7 +360,7 @@ class Carry:
                 warn(f"{source.given}: column {name!r} is not copied into the output, which has its own")
                 continue
             self.columns.append((f.name, f.with_name(name)))
-        self.cursor = Cursor(source.path, [c for c, _ in self.columns]) if self.columns else None
+        self.cursor = Cursor(source.path, [c for c, _ in self.columns], source.stamp) if self.columns else None
 
     def add(self, chunk: pa.Table) -> pa.Table:
         values = self.cursor.take(chunk.column("row").to_numpy()) if self.cursor is not None else {}

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from kevscore import durable, faults
 from kevscore.errors import KevscoreError, KevscoreFailure, os_failure
 from kevscore.job.data import OUTPUT_SCHEMA
-from kevscore.job.files import check_output_path, file_format, table_filler
+from kevscore.job.files import check_name, check_output_path, file_format, table_filler
 from kevscore.job.provenance import JOB_KEY, PROVENANCE_KEY, differences, job_digest, provenance
 from kevscore.job.rows import Cursor
 
@@ -53,8 +53,10 @@ def parts_dir(output: Path) -> Path:
 
 
 def check_parts_dir(output: Path, inputs: Iterable[Path]) -> None:
-    """OUT.parts must be a directory or absent, and hold none of the run's inputs (its leftovers are removed)."""
+    """OUT.parts must be a directory or absent, have a name that fits, and hold none of the run's inputs (its
+    leftovers are removed)."""
     where = parts_dir(output)
+    check_name(output, where.name, "the name of its parts directory")
     if where.is_symlink() or (where.exists() and not where.is_dir()):
         raise KevscoreError(f"{output}: {where} (where its parts go) exists and is not a directory; "
                             "move it or choose another --output")
@@ -69,11 +71,29 @@ def errors_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.errors.parquet")
 
 
+def read_manifest(directory: Path) -> dict | None:
+    """A parts directory's manifest: None when there is none, {} when it is damaged (unreadable, or not of the
+    shape this version writes: its format, version, identity and a merge's record of names and digests)."""
+    manifest = durable.read_json_object(directory / MANIFEST)
+    if not manifest:
+        return manifest
+    merged = manifest.get("merged") or {"tmp": {}, "sha256": {}, "rows": 0}
+
+    def texts(names: object) -> bool:
+        return isinstance(names, dict) and all(isinstance(v, str) for v in names.values())
+
+    sound = ((manifest.get("format"), manifest.get("version")) == (FORMAT, VERSION)
+             and isinstance(manifest.get("identity"), dict) and isinstance(merged, dict)
+             and texts(merged.get("tmp")) and texts(merged.get("sha256")) and type(merged.get("rows")) is int
+             and set(merged["tmp"].values()) <= set(merged["sha256"]))
+    return manifest if sound else {}
+
+
 def merged_output(output: Path, merged: dict | None = None) -> bool:
     """True when the file at OUT is the merge that OUT.parts's manifest records (`merged`: its record, when
     read already), renamed into place: a run killed after renaming its output and before removing its parts
     (the rerun only cleans up)."""
-    merged = merged or (durable.read_json_object(parts_dir(output) / MANIFEST) or {}).get("merged") or {}
+    merged = merged or (read_manifest(parts_dir(output)) or {}).get("merged") or {}
     name = (merged.get("tmp") or {}).get("output")
     return bool(name) and output.is_file() and durable.file_sha256(output) == (merged.get("sha256") or {}).get(name)
 
@@ -97,7 +117,7 @@ class PartStore:
         self.member, self._lock = member, None
         self.created = not member and not self.dir.exists()
         if member:
-            self.manifest = durable.read_json_object(self.dir / MANIFEST) or {}
+            self.manifest = read_manifest(self.dir) or {}
             if self.manifest.get("identity") != identity:
                 raise KevscoreFailure(f"{self.dir}: rank 0 did not open it for this job")
             self.done = self._completed(remove_others=False)
@@ -123,9 +143,11 @@ class PartStore:
     def _open(self, restart: bool) -> None:
         for p in self.dir.glob(".*.tmp"):
             p.unlink(missing_ok=True)  # writes of a run that was killed
-        manifest = durable.read_json_object(self.dir / MANIFEST)
-        resume = manifest is not None and not restart and (
-            manifest.get("format"), manifest.get("version"), manifest.get("identity")) == (FORMAT, VERSION, self.identity)
+        manifest = read_manifest(self.dir)
+        if manifest == {} and self._parts() and not restart:
+            self._check_damaged()
+            manifest = None  # its parts are resumed as if it had none
+        resume = manifest is not None and not restart and manifest.get("identity") == self.identity
         if manifest is not None and not resume:
             if (done := self._parts()) and not restart:
                 what = "; ".join(differences(manifest.get("identity") or {}, self.identity))
@@ -141,6 +163,16 @@ class PartStore:
                              "created": time.time(), "done": []}
             self._write_manifest()
         self.done = self._completed(remove_others=True)
+
+    def _check_damaged(self) -> None:
+        """A damaged manifest is replaced when every part beside it is a complete part of this job (each part names
+        its job); else whose they are cannot be told, and the run stops."""
+        parts = self._parts()
+        if others := [p for w, p in parts.items() if self._check_part(w, p) is None]:
+            raise KevscoreError(f"{self.dir / MANIFEST}: damaged (not a manifest kevscore writes), and {len(others)} of "
+                                f"the {len(parts)} part(s) beside it are not this job's; rerun with --restart to "
+                                "discard them, or choose another --output")
+        self.warn(f"{self.dir / MANIFEST}: damaged; resuming the {len(parts)} part(s) that name this job")
 
     def _write_manifest(self) -> None:
         durable.write_json(self.dir / MANIFEST, self.manifest, "manifest-write", indent=1)

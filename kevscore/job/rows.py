@@ -11,15 +11,16 @@ import numpy as np
 import pyarrow as pa
 
 from kevscore.errors import KevscoreError
-from kevscore.job.scan import InputScan, InputTable, decoded, open_parquet, record_batches
+from kevscore.job.scan import InputScan, InputTable, check_unchanged, decoded, open_parquet, record_batches
 
 
 class Cursor:
     """Reads chosen rows of one Parquet file in ascending order, a record batch at a time, continuing
-    from the batch it stopped in when the next rows lie ahead."""
+    from the batch it stopped in when the next rows lie ahead. Given `since` (the file's `stamp` when it was
+    scanned), every batch read is checked to come from that version of the file (`check_unchanged`)."""
 
-    def __init__(self, path: Path, columns: Sequence[str]):
-        self.path, self.columns = path, list(columns)
+    def __init__(self, path: Path, columns: Sequence[str], since: tuple | None = None):
+        self.path, self.columns, self.since = path, list(columns), since
         self.file = open_parquet(path)
         meta = self.file.metadata
         self.starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
@@ -39,7 +40,10 @@ class Cursor:
                                      row_groups=list(range(group, len(self.starts) - 1)))
             self.end = int(self.starts[group])
         while row >= self.end:
-            self.batch = next(self.it, None)
+            try:
+                self.batch = next(self.it, None)
+            finally:  # a changed file is what to report, whatever its read made of it
+                check_unchanged(self.path, self.since)
             if self.batch is None:
                 raise KevscoreError(f"{self.path}: fewer rows than when it was scanned; was it changed?")
             self.end += self.batch.num_rows
@@ -67,8 +71,9 @@ class RowReader:
 
     def __init__(self, scan: InputScan):
         self.scan = scan
-        self.docs = Cursor(scan.documents_path or scan.path, ["document"])
-        self.rows = Cursor(scan.path, ["question", *scan.columns])
+        texts = scan.documents_path or scan.path
+        self.docs = Cursor(texts, ["document"], scan.stamps.get(texts))
+        self.rows = Cursor(scan.path, ["question", *scan.columns], scan.stamps.get(scan.path))
 
     def read(self, rows: np.ndarray):
         """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""

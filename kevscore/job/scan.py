@@ -4,9 +4,10 @@
 each row's document (an int32 index), and per document its key, its text length and its questions'
 summed length. Every check of the input is made here, each with a one-line message (file, column, input row
 numbers), so `read_input` is this scan plus reading every row.
+A `labels` column holds lists of strings, or JSON arrays of them as text (a CSV's, or a Parquet file's).
 With `skip_invalid`, rows that cannot be scored on their own (a null question or document, a `labels`
-value that is null, empty or repeats a label, a `doc_id` with no document) are set aside with a reason
-instead of stopping the run; problems of identity or structure (missing columns, wrong types, null or
+value that is null, empty, repeats a label or is no JSON array, a `doc_id` with no document) are set aside with
+a reason instead of stopping the run; problems of identity or structure (missing columns, wrong types, null or
 duplicate ids, one `doc_id` with two texts) always stop it.
 
 `kevscore.job.rows` then reads chosen rows (one window's) back as an `InputTable`.
@@ -14,6 +15,8 @@ duplicate ids, one `doc_id` with two texts) always stop it.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.errors import KevscoreError, first_line, listed, rows_phrase
+from kevscore.errors import KevscoreError, KevscoreFailure, first_line, listed, rows_phrase
 
 BATCH_ROWS = 1024        # rows per record batch read
 READ_BUFFER = 1 << 20    # bytes: stream column chunks instead of loading a whole row group
@@ -69,6 +72,20 @@ def open_parquet(path: Path) -> pq.ParquetFile:
         raise KevscoreError(f"{path}: not a readable Parquet file ({first_line(e)})") from e
 
 
+def stamp(path: Path) -> tuple[int, int, int]:
+    """What tells a file's versions apart without reading it: its size, modification time and inode."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def check_unchanged(path: Path, since: tuple[int, int, int] | None) -> None:
+    """Stop the run when `path` is not the file it was (`since`: its `stamp` then; None: nothing to check), so
+    rows read before and after a change never meet in one output; its parts are kept."""
+    if since is not None and stamp(path) != since:
+        raise KevscoreFailure(f"{path}: changed while this run read it (its size, time or inode differ from the "
+                              "scan's); the output is not written: rerun once the file is final")
+
+
 def renames(columns: Mapping[str, str]) -> dict[str, str]:
     """kevscore's column name -> the input's (the --*-column options, the API's `columns`) as RunOptions.rename
     holds it: the input's -> kevscore's. One input column cannot be two of kevscore's."""
@@ -99,15 +116,15 @@ def check_names(path: Path, names: list[str], required: Sequence[str], reject: s
 
 
 def _check_types(path: Path, file: pq.ParquetFile, names: Sequence[str]) -> None:
-    """Each of the columns `names` that the file has must be of its expected type: labels a list of strings,
-    any other column a string."""
+    """Each of the columns `names` that the file has must be of its expected type: labels a list of strings (or
+    their JSON text), any other column a string."""
     schema = file.schema_arrow
     for name in [n for n in names if n in schema.names]:
         found, labels = schema.field(name).type, name == "labels"
         listed = pa.types.is_list(found) or pa.types.is_large_list(found)
-        if labels != listed or not is_string(found.value_type if listed else found):
+        if listed and not labels or not is_string(found.value_type if listed else found):  # labels: JSON text too
             raise KevscoreError(f"{path}: column {name!r} has type {found}, expected "
-                                f"{'list<string>' if labels else 'string'}")
+                                f"{'list<string> or JSON text' if labels else 'string'}")
 
 
 def _nulls(path: Path, column: str, nulls: dict[str, list[int]], scan: InputScan | None = None) -> None:
@@ -141,21 +158,54 @@ def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str],
 
 
 def decoded(path: Path, data: pa.RecordBatch | pa.Table, columns: Sequence[str], row_of) -> dict[str, list]:
-    """{column: Python values}; a string that is not valid UTF-8 stops the run naming its column and input
-    row (`row_of(j)`: the input row of the j-th row of `data`)."""
+    """{column: Python values}, labels written as JSON text as lists (`json_labels`); a string that is not valid
+    UTF-8 stops the run naming its column and input row (`row_of(j)`: the input row of the j-th row of `data`)."""
     out = {}
     for c in columns:
         column = data.column(c)
         try:
             out[c] = column.to_pylist()
         except UnicodeDecodeError:
-            for j in range(len(column)):  # the first value that does not decode
-                try:
-                    column[j].as_py()
-                except UnicodeDecodeError:
-                    raise KevscoreError(f"{path}: column {c!r} holds text that is not valid UTF-8 at row "
-                                        f"{row_of(j)}") from None
+            not_utf8(path, c, column, row_of)
+        if c == "labels" and is_string(column.type):
+            out[c] = [json_labels(v) for v in out[c]]
     return out
+
+
+def not_utf8(path: Path, name: str, column: pa.Array | pa.ChunkedArray, row_of) -> None:
+    """Raise the one-line error naming the first value of `column` that is not valid UTF-8 and its input row."""
+    for j in range(len(column)):
+        try:
+            column[j].as_py()
+        except UnicodeDecodeError:
+            raise KevscoreError(f"{path}: column {name!r} holds text that is not valid UTF-8 at row {row_of(j)}") from None
+
+
+def check_text(path: Path) -> None:
+    """The text of the columns kevscore does not read (nested in lists and structs too) must be valid UTF-8: the
+    columns a run carries into its output, checked before any work, not at the merge (kevscore.job.files.Carry)."""
+    file, start = open_parquet(path), 0
+    columns = [c for c in file.schema_arrow.names if c not in COLUMNS]
+    if not columns or len(set(file.schema_arrow.names)) < len(file.schema_arrow.names):
+        return  # nothing to check, or names the scan refuses
+    for batch in record_batches(path, file, columns=columns):
+        for c in columns:
+            try:
+                batch.column(c).validate(full=True)
+            except pa.ArrowInvalid as e:
+                not_utf8(path, c, batch.column(c), lambda j: start + j)
+                raise KevscoreError(f"{path}: column {c!r} is not valid ({first_line(e)})") from e
+        start += batch.num_rows
+
+
+def json_labels(text: str | None) -> list[str] | str | None:
+    """A labels value written as JSON text: its list of strings (an empty text: None, no labels); text that is no
+    JSON array of strings is returned as it is, for the scan to name its row."""
+    try:
+        labels = json.loads(text) if text else None
+    except ValueError:
+        return text
+    return labels if labels is None or isinstance(labels, list) and all(isinstance(x, str) for x in labels) else text
 
 
 # ---------------------------------------------------------------- the scan
@@ -172,6 +222,7 @@ class InputScan:
     doc_row: np.ndarray                    # int64 per document: a row holding its text (input, or documents file)
     columns: list[str] = field(default_factory=list)  # the optional columns it has: doc_id, question_id, labels
     invalid: dict[int, str] = field(default_factory=dict)  # row -> why it is set aside (skip_invalid)
+    stamps: dict[Path, tuple] = field(default_factory=dict)  # its files' `stamp`s as the scan began
 
     def set_aside(self, rows: Iterable[int], reason: str) -> None:
         for r in rows:
@@ -183,12 +234,14 @@ def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = F
     """Validate the input (one file, or questions plus a documents file) and index its rows by document.
     `keep_texts`: without doc_id, key documents by their text (as kevscore.job.shard does), not a digest."""
     path = Path(path)
+    stamps = {p: stamp(p) for p in (path, documents and Path(documents)) if p is not None and p.is_file()}
     if documents is None:
         file, scan = _indexed(path, ("document", "question"), None, keep_texts, skip_invalid)
     else:
         file, scan = _indexed(path, ("question", "doc_id"), "document")  # the texts are in the documents file
         _join_documents(scan, Path(documents), skip_invalid)
     _scan_questions(scan, file, skip_invalid)
+    scan.stamps = stamps
     return scan
 
 
@@ -250,7 +303,9 @@ def _indexed(path: Path, required: tuple[str, str], reject: str | None, keep_tex
     return file, scan
 
 
-LABEL_PROBLEMS = (("null or empty lists", "a null or empty list", lambda v: not v),
+LABEL_PROBLEMS = (("text that is no JSON array of strings", "text that is no JSON array of strings",
+                   lambda v: isinstance(v, str)),
+                  ("null or empty lists", "a null or empty list", lambda v: not v),
                   ("null labels", "a null label", lambda v: None in v),
                   ("repeated labels", "a repeated label", lambda v: len(set(v)) < len(v)),
                   ("single-label lists", "a single label (one label always gets probability 1)", lambda v: len(v) < 2))
