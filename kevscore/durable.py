@@ -138,11 +138,16 @@ def read_json_object(path: Path) -> dict | None:
     return data if isinstance(data, dict) else {}
 
 
+def stamp(path: Path) -> tuple[int, int, int]:
+    """What tells a file's versions apart without reading it: its size, modification time and inode."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def cached_sha256(path: Path) -> str:
-    """file_sha256, remembered by (path, size, mtime, inode) (`remembered`), so a large file (a checkpoint's
+    """file_sha256, remembered by the path and its `stamp` (`remembered`), so a large file (a checkpoint's
     weights) is hashed once per version."""
-    st = path.stat()
-    ident = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    ident = ":".join(map(str, (path.resolve(), *stamp(path))))
     return remembered("weights-sha256.json", ident, lambda: file_sha256(path),
                       lambda key: os.path.exists(key.rsplit(":", 3)[0]))
 

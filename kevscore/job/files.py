@@ -29,9 +29,10 @@ import pyarrow.parquet as pq
 from kevscore import faults
 from kevscore.durable import Filler
 from kevscore.errors import KevscoreError, first_line
+from kevscore.job.data import OUTPUT_SCHEMA
 from kevscore.job.options import RunOptions, carries
 from kevscore.job.rows import Cursor
-from kevscore.job.scan import check_text, stamp
+from kevscore.job.scan import check_text
 
 NAME_MAX = 255  # bytes of a file name, the most that common filesystems take
 IDS = ("doc_id", "question_id")  # columns whose integers are read as their text
@@ -60,7 +61,6 @@ class Source:
     path: Path          # the Parquet file to stream: one of `files`, or a copy staged from them
     columns: list[str]  # the column names as given
     rename: dict[str, str] = field(default_factory=dict)  # the user's column name -> kevscore's
-    stamp: tuple | None = None  # a file streamed as it is (not staged): its `stamp` (kevscore.job.scan) when opened
 
 
 def is_glob(given: str) -> bool:
@@ -111,9 +111,8 @@ def open_source(given: str | Path, stage_dir: Path, rename: dict[str, str] | Non
         return Source(given, [], *_stage(given, paths, fs, rename, limit, stage_dir), rename)
     files = input_files(given)
     if len(files) == 1 and file_format(files[0]) == "parquet" and not rename and limit is None:
-        version = stamp(files[0])
         if (columns := _kevscore_typed(files[0])) is not None:
-            return Source(given, files, files[0], columns, rename, version)
+            return Source(given, files, files[0], columns, rename)
     return Source(given, files, *_stage(given, [str(f) for f in files], None, rename, limit, stage_dir), rename)
 
 
@@ -347,20 +346,21 @@ def to_stdout(path: Path) -> None:
 
 class Carry:
     """Adds the input's other columns to the output's chunks (rows ascending), read alongside them: every
-    input column but the document text and those the output has, under the user's names."""
+    input column but the document text and those the output has, under the user's names; read from the version
+    of the file the scan read (`stamps`: the scan's, kevscore.durable.stamp)."""
 
-    def __init__(self, source: Source, taken: Sequence[str], warn: Callable[[str], None]):
+    def __init__(self, source: Source, warn: Callable[[str], None], stamps: dict[Path, tuple]):
         theirs = {v: k for k, v in source.rename.items()}
         self.columns: list[tuple[str, pa.Field]] = []
         for f in pq.read_schema(source.path):
             name = theirs.get(f.name, f.name)
             if f.name in ("document", "doc_id", "question_id", "labels"):
                 continue  # the text is not repeated; the output has the others already
-            if name in taken:
+            if name in OUTPUT_SCHEMA.names:
                 warn(f"{source.given}: column {name!r} is not copied into the output, which has its own")
                 continue
             self.columns.append((f.name, f.with_name(name)))
-        self.cursor = Cursor(source.path, [c for c, _ in self.columns], source.stamp) if self.columns else None
+        self.cursor = Cursor(source.path, [c for c, _ in self.columns], stamps) if self.columns else None
 
     def add(self, chunk: pa.Table) -> pa.Table:
         values = self.cursor.take(chunk.column("row").to_numpy()) if self.cursor is not None else {}

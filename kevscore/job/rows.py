@@ -10,17 +10,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from kevscore.errors import KevscoreError
-from kevscore.job.scan import InputScan, InputTable, check_unchanged, decoded, open_parquet, record_batches
+from kevscore.durable import stamp
+from kevscore.errors import KevscoreError, KevscoreFailure
+from kevscore.job.scan import InputScan, InputTable, decoded, open_parquet, record_batches
 
 
 class Cursor:
     """Reads chosen rows of one Parquet file in ascending order, a record batch at a time, continuing
-    from the batch it stopped in when the next rows lie ahead. Given `since` (the file's `stamp` when it was
-    scanned), every batch read is checked to come from that version of the file (`check_unchanged`)."""
+    from the batch it stopped in when the next rows lie ahead. Given `stamps` (files' `stamp`s, kevscore.durable,
+    as the scan began), every batch read of a file among them is checked to come from that version of it: rows
+    read before and after a change never meet in one output (the run stops; its parts are kept)."""
 
-    def __init__(self, path: Path, columns: Sequence[str], since: tuple | None = None):
-        self.path, self.columns, self.since = path, list(columns), since
+    def __init__(self, path: Path, columns: Sequence[str], stamps: dict[Path, tuple] | None = None):
+        self.path, self.columns, self.since = path, list(columns), (stamps or {}).get(path)
         self.file = open_parquet(path)
         meta = self.file.metadata
         self.starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
@@ -43,7 +45,9 @@ class Cursor:
             try:
                 self.batch = next(self.it, None)
             finally:  # a changed file is what to report, whatever its read made of it
-                check_unchanged(self.path, self.since)
+                if self.since is not None and stamp(self.path) != self.since:
+                    raise KevscoreFailure(f"{self.path}: changed while this run read it (its size, time or inode "
+                                          "differ from the scan's); the output is not written: rerun once the file is final")
             if self.batch is None:
                 raise KevscoreError(f"{self.path}: fewer rows than when it was scanned; was it changed?")
             self.end += self.batch.num_rows
@@ -71,9 +75,8 @@ class RowReader:
 
     def __init__(self, scan: InputScan):
         self.scan = scan
-        texts = scan.documents_path or scan.path
-        self.docs = Cursor(texts, ["document"], scan.stamps.get(texts))
-        self.rows = Cursor(scan.path, ["question", *scan.columns], scan.stamps.get(scan.path))
+        self.docs = Cursor(scan.documents_path or scan.path, ["document"], scan.stamps)
+        self.rows = Cursor(scan.path, ["question", *scan.columns], scan.stamps)
 
     def read(self, rows: np.ndarray):
         """An InputTable of `rows` (ascending input row numbers), keeping their row numbers."""

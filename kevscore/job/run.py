@@ -36,7 +36,6 @@ from kevscore.engine.plan import Windows, join_windows, plan_windows
 from kevscore.engine.warmup import WarmUp, prepare_device
 from kevscore.errors import KevscoreError
 from kevscore.faults import Interrupted, StopSignals
-from kevscore.job.data import OUTPUT_SCHEMA
 from kevscore.job.files import STDOUT, Carry, Inputs, check_output_path, file_format, opened_inputs, output_path, to_stdout
 from kevscore.job.labels import LabelTally, low_mass_warning
 from kevscore.job.options import WINDOW_ROWS, WINDOW_TOKENS, RunOptions, carries, check_options
@@ -336,7 +335,7 @@ def merge_job(job: Job, parts: PartStore, result: RunResult, progress: Reporter)
     if opts.skip_invalid:  # the scan's rows set aside, reported once: by a shard job's rank 0
         set_aside = set_aside_table(job.scan) if (opts.shard or (0, 1))[0] == 0 else ERRORS_SCHEMA.empty_table()
     tally = LabelTally()
-    carry = Carry(job.inputs.questions, OUTPUT_SCHEMA.names, progress.warn) if carries(opts, job.ranks) else None
+    carry = Carry(job.inputs.questions, progress.warn, job.scan.stamps) if carries(opts, job.ranks) else None
     result.stats.rows = parts.merge(job.windows.of_row, set_aside, lambda chunks: map(
         tally.add, map(carry.add, chunks) if carry else chunks))
     result.stats.write_s += time.perf_counter() - t1

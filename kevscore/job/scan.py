@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kevscore.errors import KevscoreError, KevscoreFailure, first_line, listed, rows_phrase
+from kevscore.durable import stamp
+from kevscore.errors import KevscoreError, first_line, listed, rows_phrase
 
 BATCH_ROWS = 1024        # rows per record batch read
 READ_BUFFER = 1 << 20    # bytes: stream column chunks instead of loading a whole row group
@@ -70,20 +70,6 @@ def open_parquet(path: Path) -> pq.ParquetFile:
         return pq.ParquetFile(path, pre_buffer=False, buffer_size=READ_BUFFER)
     except (pa.ArrowException, OSError) as e:
         raise KevscoreError(f"{path}: not a readable Parquet file ({first_line(e)})") from e
-
-
-def stamp(path: Path) -> tuple[int, int, int]:
-    """What tells a file's versions apart without reading it: its size, modification time and inode."""
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
-def check_unchanged(path: Path, since: tuple[int, int, int] | None) -> None:
-    """Stop the run when `path` is not the file it was (`since`: its `stamp` then; None: nothing to check), so
-    rows read before and after a change never meet in one output; its parts are kept."""
-    if since is not None and stamp(path) != since:
-        raise KevscoreFailure(f"{path}: changed while this run read it (its size, time or inode differ from the "
-                              "scan's); the output is not written: rerun once the file is final")
 
 
 def renames(columns: Mapping[str, str]) -> dict[str, str]:
@@ -222,7 +208,7 @@ class InputScan:
     doc_row: np.ndarray                    # int64 per document: a row holding its text (input, or documents file)
     columns: list[str] = field(default_factory=list)  # the optional columns it has: doc_id, question_id, labels
     invalid: dict[int, str] = field(default_factory=dict)  # row -> why it is set aside (skip_invalid)
-    stamps: dict[Path, tuple] = field(default_factory=dict)  # its files' `stamp`s as the scan began
+    stamps: dict[Path, tuple] = field(default_factory=dict)  # its files' `stamp`s (kevscore.durable) as the scan began
 
     def set_aside(self, rows: Iterable[int], reason: str) -> None:
         for r in rows:
