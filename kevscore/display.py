@@ -306,8 +306,7 @@ def provenance_table(record: dict) -> Table:
             "options": ", ".join(f"{k} {v}" for k, v in opts.items()
                                  if k not in ("device", "dtype", "state_read", "path", "labels")),
             "job": str(record.get("job"))}
-    return key_value_table(None, {name: escape(value) for name, value in rows.items()}, "bold", box=None,
-                           pad_edge=False)
+    return key_value_table(None, {name: escape(value) for name, value in rows.items()}, "bold", box=None, pad_edge=False)
 
 
 def _when(t: float | None, short: bool = False) -> str:

@@ -75,27 +75,22 @@ def read_manifest(directory: Path) -> dict | None:
     """A parts directory's manifest: None when there is none, {} when it is damaged (unreadable, or not of the
     shape this version writes: its format, version, identity and a merge's record of names and digests)."""
     manifest = durable.read_json_object(directory / MANIFEST)
-    if not manifest:
-        return manifest
-    merged = manifest.get("merged") or {"tmp": {}, "sha256": {}, "rows": 0}
-
-    def texts(names: object) -> bool:
-        return isinstance(names, dict) and all(isinstance(v, str) for v in names.values())
-
-    sound = ((manifest.get("format"), manifest.get("version")) == (FORMAT, VERSION)
-             and isinstance(manifest.get("identity"), dict) and isinstance(merged, dict)
-             and texts(merged.get("tmp")) and texts(merged.get("sha256")) and type(merged.get("rows")) is int
-             and set(merged["tmp"].values()) <= set(merged["sha256"]))
-    return manifest if sound else {}
+    merged = (manifest or {}).get("merged") or {"tmp": {}, "sha256": {}, "rows": 0}
+    try:  # each field the code reads there, of its type (a merge's temporary names each with its digest)
+        sound = ((manifest["format"], manifest["version"]) == (FORMAT, VERSION) and isinstance(manifest["identity"], dict)
+                 and type(merged["rows"]) is int and all(type(merged["sha256"][n]) is str for n in merged["tmp"].values()))
+    except (KeyError, TypeError, AttributeError):
+        sound = False
+    return manifest if sound or not manifest else {}
 
 
 def merged_output(output: Path, merged: dict | None = None) -> bool:
     """True when the file at OUT is the merge that OUT.parts's manifest records (`merged`: its record, when
     read already), renamed into place: a run killed after renaming its output and before removing its parts
     (the rerun only cleans up)."""
-    merged = merged or (read_manifest(parts_dir(output)) or {}).get("merged") or {}
-    name = (merged.get("tmp") or {}).get("output")
-    return bool(name) and output.is_file() and durable.file_sha256(output) == (merged.get("sha256") or {}).get(name)
+    merged = merged or (read_manifest(parts_dir(output)) or {}).get("merged") or {"tmp": {}}  # of `read_manifest`'s shape
+    name = merged["tmp"].get("output")
+    return bool(name) and output.is_file() and durable.file_sha256(output) == merged["sha256"][name]
 
 
 class PartStore:
@@ -104,17 +99,16 @@ class PartStore:
     The ranks of a distributed job share one store: rank 0 opens it (and holds its lock), the others then
     join it as members, each writing the parts of its own windows; rank 0 merges them all."""
 
-    def __init__(self, output: Path, identity: dict, windows: np.ndarray, restart: bool = False,
-                 warn: Callable[[str], None] | None = None, member: bool = False, refuse: Sequence[Path] | None = None):
+    def __init__(self, output: Path, identity: dict, windows: np.ndarray, restart: bool, warn: Callable[[str], None],
+                 member: bool, refuse: Sequence[Path] | None):
         """`windows`: each window's planned row count. Raises KevscoreError when OUT.parts holds completed
         parts of another job (unless restart: they are discarded), and, given `refuse` (the run's inputs),
         when a file at OUT is not this job's merge (--restart of another job over an existing output).
         `member`: join the store another rank of this job has opened (no lock, no clean-up, no manifest
         writes)."""
-        self.output, self.dir = Path(output), parts_dir(Path(output))
+        self.output, self.dir = output, parts_dir(output)
         self.identity, self.job, self.planned = identity, job_digest(identity), windows
-        self.warn = warn or (lambda message: None)
-        self.member, self._lock = member, None
+        self.member, self._lock, self.warn = member, None, warn
         self.created = not member and not self.dir.exists()
         if member:
             self.manifest = read_manifest(self.dir) or {}
@@ -141,11 +135,18 @@ class PartStore:
     # ------------------------------------------------------------ opening
 
     def _open(self, restart: bool) -> None:
+        """Remove a killed run's temporary files, then resume this job's manifest or start a new one: parts of
+        another job stop the run (unless restart discards them). A damaged manifest is replaced when every part
+        beside it is a complete part of this job (each part names its job); else whose they are cannot be told."""
         for p in self.dir.glob(".*.tmp"):
             p.unlink(missing_ok=True)  # writes of a run that was killed
         manifest = read_manifest(self.dir)
-        if manifest == {} and self._parts() and not restart:
-            self._check_damaged()
+        if manifest == {} and (parts := self._parts()) and not restart:  # damaged: each part names its job
+            if others := [p for w, p in parts.items() if self._check_part(w, p) is None]:
+                raise KevscoreError(f"{self.dir / MANIFEST}: damaged (not a manifest kevscore writes), and {len(others)} "
+                                    f"of the {len(parts)} part(s) beside it are not this job's; rerun with --restart to "
+                                    "discard them, or choose another --output")
+            self.warn(f"{self.dir / MANIFEST}: damaged; resuming the {len(parts)} part(s) that name this job")
             manifest = None  # its parts are resumed as if it had none
         resume = manifest is not None and not restart and manifest.get("identity") == self.identity
         if manifest is not None and not resume:
@@ -163,16 +164,6 @@ class PartStore:
                              "created": time.time(), "done": []}
             self._write_manifest()
         self.done = self._completed(remove_others=True)
-
-    def _check_damaged(self) -> None:
-        """A damaged manifest is replaced when every part beside it is a complete part of this job (each part names
-        its job); else whose they are cannot be told, and the run stops."""
-        parts = self._parts()
-        if others := [p for w, p in parts.items() if self._check_part(w, p) is None]:
-            raise KevscoreError(f"{self.dir / MANIFEST}: damaged (not a manifest kevscore writes), and {len(others)} of "
-                                f"the {len(parts)} part(s) beside it are not this job's; rerun with --restart to "
-                                "discard them, or choose another --output")
-        self.warn(f"{self.dir / MANIFEST}: damaged; resuming the {len(parts)} part(s) that name this job")
 
     def _write_manifest(self) -> None:
         durable.write_json(self.dir / MANIFEST, self.manifest, "manifest-write", indent=1)
