@@ -111,9 +111,8 @@ class JsonProgress(Reporter):
     every = 10.0
 
     def __init__(self):
-        self.total, self.done = {}, {}  # per phase: its total, and how many are done
+        self.total, self.done, self.resumed = {}, {}, 0  # per phase: its total and how many are done; rows resumed
         self.began = self.last = time.monotonic()
-        self.resumed = 0
 
     def emit(self, event: str, **fields) -> None:
         print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
@@ -199,9 +198,9 @@ def progress_bars(out: Console, disable: bool = False) -> Bars:
     """The live display, for 80 columns: phase, bar, done/total, rate, time left, and a note."""
     whole = Column(no_wrap=True)  # figures are never cut; the note folds instead
     return Bars(TextColumn("{task.description:>7}"), BarColumn(bar_width=10), CountColumn(table_column=whole),
-                    RateColumn(table_column=whole), EtaColumn(table_column=whole),
-                    TextColumn("{task.fields[info]}", table_column=Column(overflow="fold")),
-                    console=out, disable=disable, transient=False)
+                RateColumn(table_column=whole), EtaColumn(table_column=whole),
+                TextColumn("{task.fields[info]}", table_column=Column(overflow="fold")),
+                console=out, disable=disable, transient=False)
 
 
 def key_value_table(title: str | None, rows: dict[str, str | None], name_style: str = "", **options) -> Table:

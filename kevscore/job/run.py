@@ -291,9 +291,8 @@ def score_and_merge(job: Job, progress: Reporter) -> RunResult:
             raise  # outside the scoring and its merge's end: the CLI says it
         if not parts.dir.exists():
             raise Interrupted(f"{how} before any window was complete; nothing was written") from None
-        done = sum(parts.done.values())
-        raise Interrupted(f"{how}: {len(parts.done)} of {len(job.windows)} windows ({done:,} rows) are "
-                          f"kept in {parts.dir}; rerun the same command to resume") from None
+        raise Interrupted(f"{how}: {len(parts.done)} of {len(job.windows)} windows ({sum(parts.done.values()):,} rows) "
+                          f"are kept in {parts.dir}; rerun the same command to resume") from None
     return result
 
 
@@ -329,8 +328,7 @@ def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> 
 def merge_job(job: Job, parts: PartStore, result: RunResult, progress: Reporter) -> None:
     """Merge every window's part into the output (and the rows set aside into its errors file), counting
     the label mass on the way."""
-    opts = job.opts
-    t1 = time.perf_counter()
+    opts, t1 = job.opts, time.perf_counter()
     set_aside = None
     if opts.skip_invalid:  # the scan's rows set aside, reported once: by a shard job's rank 0
         set_aside = set_aside_table(job.scan) if (opts.shard or (0, 1))[0] == 0 else ERRORS_SCHEMA.empty_table()
