@@ -12,7 +12,7 @@ STOPS = (signal.SIGINT, signal.SIGTERM)
 
 def main() -> None:
     # Before this line runs (interpreter start-up, `import kevscore`: ~25 ms) SIGTERM kills as the OS does (143).
-    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a scheduler's stop ends a command as Ctrl-C does
     for sig in STOPS:  # the last exit functions (registered before the CLI's imports register theirs): see `ended`
         atexit.register(signal.signal, sig, signal.SIG_IGN)
     try:
@@ -33,10 +33,6 @@ def main() -> None:
         code = 130
     ended(code)
     sys.exit(code)
-
-
-def _terminated(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM (a scheduler's stop) ends a command as Ctrl-C does
 
 
 def ended(code: int) -> None:

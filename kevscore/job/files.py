@@ -136,9 +136,8 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
     staged = stage_dir / f"{name if len(name.encode()) <= NAME_MAX - 15 else 'input'}.staged.parquet"
     try:
         reader = _reader(paths, fmt, fs, rename)
-        tables = _tables(reader, limit)
         with open(staged, "xb") as f:
-            table_filler(_as_kevscore(tables, rename), "parquet", {})(f)
+            table_filler(_as_kevscore(_tables(reader, limit), rename), "parquet", {})(f)
     except (pa.ArrowException, OSError, ValueError) as e:
         what = {"parquet": "Parquet", "csv": "CSV", "jsonl": "JSON Lines"}[fmt]
         raise KevscoreError(f"{given}: not readable as {what} ({first_line(e)})") from e
