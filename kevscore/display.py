@@ -70,8 +70,8 @@ class RichProgress(Reporter):
     """Prefill (documents) and score (rows) bars with rates and ETAs, and the bank's use in the current wave."""
 
     def __init__(self, bar: Progress):
-        self.bar, self.tasks, self.windows = bar, {}, 0
-        self.loading = bar.add_task("start", total=None, unit="", info="checking the input, loading the model")
+        self.bar, self.windows = bar, 0  # tasks: each phase's bar, the loading line's (`start`) until `loaded`
+        self.tasks = {"start": bar.add_task("start", total=None, unit="", info="checking the input, loading the model")}
 
     def start(self, phase: str, total: int, done: int = 0) -> None:
         self.loaded()
@@ -83,9 +83,8 @@ class RichProgress(Reporter):
 
     def loaded(self) -> None:
         """The run has started (or failed before it did): the loading line goes."""
-        if self.loading is not None:
-            self.bar.remove_task(self.loading)
-            self.loading = None
+        if (loading := self.tasks.pop("start", None)) is not None:
+            self.bar.remove_task(loading)
 
     def event(self, name: str, **f) -> None:
         if name == "start":
