@@ -1,4 +1,4 @@
-"""Files that survive a kill: atomic writes, file locks, SHA-256s of files, the cache directory and what it remembers.
+"""Files that survive a kill: atomic writes, file locks, file stamps and SHA-256s, the cache directory and what it remembers.
 
 A write goes to a temporary file (beside its target, or in a directory on the same filesystem), is
 fsynced, renamed over the target, and the directory is fsynced: a reader sees the old file or the new
