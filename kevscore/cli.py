@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 import typer
 from rich.console import Console
@@ -104,11 +103,11 @@ def _fail(message: str, code: int = 1) -> None:
 
 @contextmanager
 def _failing(interrupted: str | None = "interrupted", prefix: str = "",
-             log: display.JsonProgress | None = None) -> Iterator[SimpleNamespace]:
+             log: display.JsonProgress | None = None) -> Iterator[dict]:
     """A command's errors as its one `error:` line (`prefix` first) and exit status, and as an event in `log`.
     Ctrl-C: `interrupted`, or (None) what the run says was kept; the block may change it as it goes
-    (`.interrupted` of what it yields)."""
-    said = SimpleNamespace(interrupted=interrupted)
+    (`["interrupted"]` of what it yields)."""
+    said = {"interrupted": interrupted}
     try:
         yield said
     except (typer.Exit, typer.Abort):  # already said
@@ -121,7 +120,7 @@ def _failing(interrupted: str | None = "interrupted", prefix: str = "",
             log.emit("error", message=str(error), exit_code=error.exit_code)
         _fail(prefix + str(error), error.exit_code)
     except KeyboardInterrupt as exc:
-        message = said.interrupted or str(exc) or INTERRUPTED_RUN
+        message = said["interrupted"] or str(exc) or INTERRUPTED_RUN
         if log:
             log.emit("interrupted", message=message)
         _fail(message, 130)
@@ -242,7 +241,7 @@ def run(
                 result = Scorer.from_options(opts).run(opts, log or bars)
             finally:
                 bars.loaded()
-            said.interrupted = completed(result.output)  # from here on (the bars' last draw, the summary)
+            said["interrupted"] = completed(result.output)  # from here on (the bars' last draw, the summary)
         # the run's last words: the `done` event, the summary table, or a line when nothing was to do
         if log:
             log.emit("done", **display.summary_fields(result))
