@@ -8,7 +8,7 @@ Prints a table and writes JSON.
 The input is synthetic text (documents of about --doc-words words, --questions questions each), written
 to a temporary folder. Each configuration runs as `kevscore run --gpus N` (N = 1 runs the same code path
 in one process). Reported per configuration: the whole command's wall time, and the job's own figures
-from rank 0 (`KEVSCORE_SUMMARY_JSON`): per-rank load time (model, encode, bank) and work time (prefill +
+from rank 0 (its `--log-json` `done` line): per-rank load time (model, encode, bank) and work time (prefill +
 scoring). Scaling = work time on 1 GPU over the slowest rank's work time on N GPUs; the wall-clock
 scaling (start-up included) is reported beside it.
 """
@@ -47,19 +47,17 @@ def make_input(path: Path, docs: int, doc_words: int, questions: int, seed: int)
 
 def run(args, input_path: Path, gpus: int, out_dir: Path) -> dict:
     out = out_dir / f"out-{gpus}.parquet"
-    summary = out_dir / f"summary-{gpus}.json"
-    cmd = [sys.executable, "-m", "kevscore", "run", str(input_path), "-o", str(out), "--overwrite", "--quiet",
+    cmd = [sys.executable, "-m", "kevscore", "run", str(input_path), "-o", str(out), "--overwrite", "--log-json",
            "--model", args.model, "--device", args.device, "--gpus", str(gpus)]
     if gpus == 1:  # one rank through the same distributed code path
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
                "kevscore", *cmd[3:-2]]
-    env = {**os.environ, "KEVSCORE_SUMMARY_JSON": str(summary)}
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         sys.exit(f"{gpus} GPU(s) failed:\n{res.stderr[-4000:]}")
-    report = json.loads(summary.read_text())
+    report = next(json.loads(line) for line in res.stdout.splitlines()[::-1] if line.startswith('{"event": "done"'))
     report["wall_s"] = wall
     report["work_s"] = max(r["work_s"] for r in report["ranks"])
     return report

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -100,10 +99,7 @@ def run_distributed(opts: RunOptions) -> DistributedResult:
         with contextlib.ExitStack() as stack:
             ranks.step(lambda: stack.enter_context(job_threads(resolve_device(opts.device), opts.batch_invariant)))
             statuses = _run(opts, Reporter(), ranks, stack)
-        result = DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
-        if (summary := os.environ.get("KEVSCORE_SUMMARY_JSON")) and ranks.rank == 0:  # for benchmarks: the job's figures
-            Path(summary).write_text(json.dumps(asdict(result), default=str))
-        return result
+        return DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
     finally:
         dist.destroy_process_group()
 
