@@ -357,9 +357,9 @@ def prefix_cached_call(model, enc, device, batch: int, rows=None):
     import torch
     from transformers import DynamicCache
 
-    from kevscore.baselines import label_logits, length_batches, padded_batch, row_list
+    from kevscore.baselines import label_logits, length_batches, padded_batch
 
-    device, rows = torch.device(device), row_list(enc, rows)
+    device, rows = torch.device(device), list(range(len(enc)) if rows is None else rows)
     keyword = cache_keyword(model)
     width = max(len(enc.label_ids[r]) for r in rows)
     by_doc: dict[int, list[int]] = {}

@@ -65,8 +65,7 @@ class Scorer(AbstractContextManager):
         with one_line():
             labels = parse_labels(labels) if isinstance(labels, str) else list(labels) if isinstance(
                 labels, Iterable) else labels  # anything else: refused by check_options
-            model = str(model)
-            given = locals()
+            given = {**locals(), "model": str(model)}
             self.options = RunOptions(input=Path(), **{name: given[name] for name in SCORER_OPTIONS})
             resolve_dtype(dtype, resolve_device(device))  # a device or dtype it lacks: refused before the bank is made
             check_options(self.options)

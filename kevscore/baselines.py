@@ -56,19 +56,14 @@ def padded_batch(seqs: list[list[int]], labels: list[list[int]], out: list[int],
 
 def label_logits(model, b: Batch, cache_kw: dict) -> torch.Tensor:
     """The batch's label logits `[B, width]` fp32 (-inf past a row's own labels), with `cache_kw` as cache."""
-    hidden = model.model(input_ids=b.ids, attention_mask=b.mask, use_cache=bool(cache_kw), **cache_kw)
-    logits = model.lm_head(hidden.last_hidden_state[b.rows, b.last]).float()
-    return logits.gather(1, b.labels).masked_fill(b.extra, float("-inf"))
-
-
-def row_list(enc: Encoded, rows: Sequence[int] | None) -> list[int]:
-    """The rows asked for, all of `enc`'s when None."""
-    return list(range(len(enc))) if rows is None else list(rows)
+    hidden = model.model(input_ids=b.ids, attention_mask=b.mask, use_cache=bool(cache_kw), **cache_kw).last_hidden_state
+    return model.lm_head(hidden[b.rows, b.last]).float().gather(1, b.labels).masked_fill(b.extra, float("-inf"))
 
 
 def naive_call(model, enc: Encoded, device: torch.device | str, batch: int, rows: Sequence[int] | None = None) -> Call:
-    """Each row's `document + question` through the model, `batch` rows a forward (sorted by length)."""
-    device, rows = torch.device(device), row_list(enc, rows)
+    """Each row's `document + question` through the model, `batch` rows a forward (sorted by length); `rows`: those
+    of `enc` (None: all)."""
+    device, rows = torch.device(device), list(range(len(enc)) if rows is None else rows)
     seqs = [enc.prefixes[enc.row_prefix[r]] + enc.branches[r] for r in rows]
     width = max(len(enc.label_ids[r]) for r in rows)
     batches = [padded_batch([seqs[i] for i in g], [enc.label_ids[rows[i]] for i in g], g, 0, width, device)

@@ -31,9 +31,8 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float]
     return (wall * 1000 if start is None else start.elapsed_time(end)), wall
 
 
-def events_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.device | str = "cuda") -> list[float]:
+def events_ms(fn: Callable[[], object], reps: int, warmup: int, device: torch.device = torch.device("cuda")) -> list[float]:
     """`reps` latencies (ms, `timed`) of `fn` after `warmup` calls that are not timed."""
-    device = torch.device(device)
     for _ in range(warmup):
         fn()
     return [timed(fn, device)[0] for _ in range(reps)]

@@ -43,8 +43,7 @@ def reference_model(ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype = 
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     force_torch_kernels()
-    config = Qwen3_5TextConfig(**ckpt.config.to_hf(), attn_implementation="sdpa")
     with torch.device(device):
-        model = Qwen3_5ForCausalLM(config).to(dtype)
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**ckpt.config.to_hf(), attn_implementation="sdpa")).to(dtype)
     model.load_state_dict({k: v.to(device, dtype) for k, v in ckpt.weights.items()}, strict=True)
     return model.eval()

@@ -134,8 +134,7 @@ def load_directory(path: Path, device: str | torch.device = "cpu", tokenizer_rea
     cfg = KevConfig.from_hf(raw)
     tokenizer = load_tokenizer(path)
     tokenizer_ready(tokenizer, cfg)
-    weights = normalize_names(read_safetensors(path, device), cfg, path)
-    return Checkpoint(name or str(path), cfg, weights, tokenizer, path)
+    return Checkpoint(name or str(path), cfg, normalize_names(read_safetensors(path, device), cfg, path), tokenizer, path)
 
 
 def load_tokenizer(path: Path):
