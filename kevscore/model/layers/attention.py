@@ -11,6 +11,7 @@ from kevscore.model.layers.ops import Ops
 
 
 class Attention(nn.Module):
+    # its view of the bank's K/V pool reaches it as `bank_kv` [2, tokens, Hkv, D] (KevModel.attach_bank)
     BANK = (BankTensor("kv", (2, TOKENS, "num_key_value_heads", "head_dim")),)  # K and V of every document token
 
     def __init__(self, cfg: KevConfig, ops: Ops):
@@ -22,7 +23,6 @@ class Attention(nn.Module):
         self.qkv_proj = frozen_param(sum(self.splits), cfg.hidden_size)
         self.q_scale, self.k_scale = frozen_param(self.d), frozen_param(self.d)  # 1 + weight of the zero-centred norms, fp32
         self.o_proj = frozen_param(cfg.hidden_size, self.nh * self.d)
-        self.bank_kv: torch.Tensor | None = None  # [2, tokens, Hkv, D], this layer's view of the bank's K/V pool
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, ctx: Context, cos: torch.Tensor, sin: torch.Tensor,
                 keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:

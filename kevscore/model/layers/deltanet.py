@@ -11,6 +11,8 @@ from kevscore.model.layers.ops import Ops
 
 
 class DeltaNet(nn.Module):
+    # each tensor it declares reaches it as `bank_<name>`, its view of the bank (KevModel.attach_bank):
+    # bank_state [E, HV, K, V] fp32, bank_conv [E, conv_dim, k - 1]
     BANK = (BankTensor("state", ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"), fp32=True,
                        component="recurrent"),   # the final recurrent state
             BankTensor("conv", ("conv_dim", "conv_state_len")))  # the last k - 1 conv inputs
@@ -27,8 +29,6 @@ class DeltaNet(nn.Module):
         self.A_log, self.dt_bias = frozen_param(self.hv), frozen_param(self.hv)
         self.norm_weight = frozen_param(self.dv)
         self.out_proj = frozen_param(cfg.hidden_size, cfg.value_dim)
-        self.bank_state: torch.Tensor | None = None  # [E, HV, K, V] fp32, this layer's view of the bank (BANK)
-        self.bank_conv: torch.Tensor | None = None   # [E, conv_dim, k - 1]
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, ctx: Context,
                 keep: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
