@@ -242,8 +242,7 @@ class BankStore(AbstractContextManager):
                     named = f", doc ids {listed(list(ids), 3, 'doc ids')}" if ids else ""
                     self.warn(f"entry {key[:12]} ({bank_dir.entry_file(key)}{named}): {result}; recomputing it")
                 continue
-            entry, tensors = result
-            views = bank.entry(slot_of[d], len(prefixes[d]))
+            entry, tensors, views = result
             for t in bank.declared:  # one copy per contiguous block, non-blocking from pinned memory on CUDA
                 lead = 1 + (t.token_axis or 0)  # leading dims (layers, any before a token axis): one block per index
                 for dst, src in zip(views[t.name].flatten(0, lead - 1), tensors[t.name].flatten(0, lead - 1)):
@@ -278,14 +277,15 @@ class BankStore(AbstractContextManager):
 
     def _read_checked(self, key: str, bank, prefix: Sequence[int], slot: int):
         """An entry read back and checked (`read_entry`: its key, checked against the file name asked for, stands for
-        this model's fingerprint and the prefix ids), and its shapes against the bank slot's."""
+        this model's fingerprint and the prefix ids), and its shapes against the bank slot's; with the slot's views,
+        where it goes."""
         entry, tensors = bank_entry.read_entry(self._path(key), pin=bank.state.device.type == "cuda")
-        for name, view in bank.entry(slot, len(prefix)).items():  # the slot's views: the shapes the bank needs
+        for name, view in (views := bank.entry(slot, len(prefix))).items():  # the shapes the bank needs
             t = tensors[name]
             if t.dtype != view.dtype or t.shape != view.shape:
                 raise EntryError(f"tensor {name!r} is {tuple(t.shape)} {t.dtype}, the bank needs {tuple(view.shape)} "
                                  f"{view.dtype}")
-        return entry, tensors
+        return entry, tensors, views
 
     def save(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> None:
         """Write the entries of freshly prefilled `docs` (copied out of their bank slots) and commit them."""
