@@ -1,3 +1,4 @@
+import inspect
 import os
 import random
 from pathlib import Path
@@ -172,8 +173,9 @@ def transformers_states(ckpt, doc: list[int]) -> tuple[list, list, list]:
 
     model = reference_model(ckpt)
     cache = DynamicCache(config=model.config)
+    keyword = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"  # 5.2x
     with torch.no_grad():
-        model(input_ids=torch.tensor([doc]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([doc]), **{keyword: cache}, use_cache=True)
     states, convs, kvs = [], [], []
     for layer in cache.layers:
         if hasattr(layer, "recurrent_states"):
