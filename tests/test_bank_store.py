@@ -533,3 +533,44 @@ def test_in_memory_weights_digest_is_stable():
     assert weights_digest(SimpleNamespace(path=None, weights=weights)) == digest
     weights["a.big"][-1] += 1  # the last element is always sampled
     assert weights_digest(SimpleNamespace(path=None, weights=weights)) != digest
+
+
+# ---------------------------------------------------------------- a bank that cannot be written
+
+def test_opening_an_unchanged_bank_writes_nothing(tmp_path, src, bank, warm, monkeypatch):
+    # a full disk fails every index write made while opening: an unchanged bank makes none
+    monkeypatch.setenv("KEVSCORE_TEST_ENOSPC", "bank-index-write-open")
+    monkeypatch.setattr(faults, "_reached", Counter())
+    result = cli.invoke(app, ["run", str(src), "--device", "cpu", "--bank", str(bank), "-o", str(tmp_path / "o.parquet")])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    assert "6 loaded, 0 prefilled, 0 saved" in result.stderr and "warning:" not in result.stderr, result.stderr
+    assert probs(tmp_path / "o.parquet") == warm[1]
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_bank_that_cannot_be_written_is_used_read_only(tmp_path, src, bank, warm, monkeypatch, fault):
+    import errno
+
+    from kevscore.engine import bank_dir, bank_store
+
+    if fault == "read-only":  # a read-only mount: the exclusive lock cannot even be opened for writing
+        shared = bank_dir.bank_lock
+        monkeypatch.setattr(bank_dir, "bank_lock", lambda root, exclusive, purpose: shared(root, False, purpose)
+                            if not exclusive else (_ for _ in ()).throw(OSError(errno.EROFS, os.strerror(errno.EROFS))))
+    else:  # a full disk: this process's temporary directory in the bank cannot be made
+        mkdtemp = bank_store.tempfile.mkdtemp
+        monkeypatch.setattr(bank_store.tempfile, "mkdtemp", lambda *a, **kw: mkdtemp(*a, **kw) if bank not in Path(
+            kw.get("dir") or "/").parents else (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    _, garden = entry_of(bank, "garden")
+    garden.unlink()  # one document to prefill: not saved
+    before = {p: p.read_bytes() for p in bank.rglob("*") if p.is_file()}
+    result = cli.invoke(app, ["run", str(src), "--device", "cpu", "--bank", str(bank), "--bank-max-gb", "1e-9",
+                              "-o", str(tmp_path / "o.parquet")])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    warned = [line for line in result.stderr.splitlines() if "read-only" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning:"), result.stderr
+    assert ("Read-only file system" if fault == "read-only" else "No space left on device") in warned[0]
+    assert "5 loaded, 1 prefilled, 0 saved, 0 evicted" in result.stderr, result.stderr
+    close(probs(tmp_path / "o.parquet"), warm[1])
+    assert {p: p.read_bytes() for p in bank.rglob("*") if p.is_file()} == before
+

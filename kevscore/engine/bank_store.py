@@ -38,7 +38,7 @@ from kevscore.durable import bytes_filler, fsync_dir, lock_file, temp_path, writ
 from kevscore.engine import bank_dir, bank_entry
 from kevscore.engine.backend import synchronize
 from kevscore.engine.bank_entry import EntryError, Fingerprint
-from kevscore.errors import KevscoreError, KevscoreFailure, listed
+from kevscore.errors import KevscoreError, KevscoreFailure, first_line, listed
 from kevscore.model.prompt import prefix_key
 
 MARKER_FIELDS = {"format": bank_entry.FORMAT, "version": bank_entry.VERSION}  # the marker file's, the index's
@@ -70,25 +70,42 @@ class BankStore(AbstractContextManager):
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
         self._doc_ids: dict[str, dict[str, None]] = {}  # prefix sha256 -> document ids of this run (MAX_DOC_IDS)
         self._owner_lock: BinaryIO | None = None
+        self._opened, self.index = time.time(), None
         try:
             bank_dir.check_bank_dir(self.root, create=True)
-            self.root.mkdir(parents=True, exist_ok=True)
-            with bank_dir.bank_lock(self.root, True, "open"):
-                bank_dir.check_bank_dir(self.root, create=True)  # again, under the lock
-                (self.root / bank_dir.ENTRIES).mkdir(exist_ok=True)
-                (self.root / bank_dir.TMP).mkdir(exist_ok=True)
-                self._clean_tmp()
-                # this process's temporary directory, owned while its lock is held
-                self.tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self.root / bank_dir.TMP))
-                self._owner_lock = lock_file(self.tmp.with_name(self.tmp.name + ".lock"))
-                if not (self.root / bank_dir.MARKER).exists():
-                    write_json(self.root / bank_dir.MARKER, MARKER_FIELDS, tmp_dir=self.tmp)
-                self._publish(self._load_index(reconcile=True), "bank-index-write-open")
+            try:
+                self._open_writable()
+            except (OSError, KevscoreFailure) as exc:  # a read-only mount, a full disk: used as it is, unchanged
+                self._release()
+                why = exc.strerror if isinstance(exc, OSError) else first_line(exc)
+                self.warn(f"cannot write to it ({why}); using it read-only: entries are loaded, none saved or evicted")
+                if self.index is None:
+                    with bank_dir.bank_lock(self.root, False, "open"):
+                        self.index = self._load_index(reconcile=True)[0]
         except BaseException as exc:
             self._release()
             if isinstance(exc, OSError):
                 raise KevscoreError(f"{self.root}: cannot open the bank ({exc.strerror or exc})") from exc
             raise
+
+    def _open_writable(self) -> None:
+        """Under the lock: the layout made, dead processes' temporary files removed, this process's temporary
+        directory owned, and the index read; it is written only when reconciling it with the files changed it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with bank_dir.bank_lock(self.root, True, "open"):
+            bank_dir.check_bank_dir(self.root, create=True)  # again, under the lock
+            (self.root / bank_dir.ENTRIES).mkdir(exist_ok=True)
+            (self.root / bank_dir.TMP).mkdir(exist_ok=True)
+            self._clean_tmp()
+            # this process's temporary directory, owned while its lock is held
+            self.tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=self.root / bank_dir.TMP))
+            self._owner_lock = lock_file(self.tmp.with_name(self.tmp.name + ".lock"))
+            if not (self.root / bank_dir.MARKER).exists():
+                write_json(self.root / bank_dir.MARKER, MARKER_FIELDS, tmp_dir=self.tmp)
+            self.index, changed = self._load_index(reconcile=True)
+            self.index["models"].setdefault(self.model.digest, self.model.about)
+            if changed:
+                self._publish(self.index, "bank-index-write-open")
 
     # ------------------------------------------------------------ housekeeping
 
@@ -131,10 +148,10 @@ class BankStore(AbstractContextManager):
     def _path(self, key: str) -> Path:
         return self.root / bank_dir.entry_file(key)
 
-    def _load_index(self, reconcile: bool) -> dict:
+    def _load_index(self, reconcile: bool) -> tuple[dict, bool]:
         """The index (under the lock); rebuilt from the entry files when missing or unreadable. With
         `reconcile`, files the index lacks are adopted (a run killed between rename and index write)
-        and records whose file is gone are dropped."""
+        and records whose file is gone are dropped; with whether the index read needs writing again."""
         files = bank_dir.entry_files(self.root)
         index, why = bank_dir.index_or_why(self.root)
         if why is not None and (files or why != bank_dir.INDEX_MISSING):  # no index, no entry: a new bank
@@ -142,21 +159,24 @@ class BankStore(AbstractContextManager):
         if index is None:
             index, reconcile = {**MARKER_FIELDS, "entries": {}, "models": {}}, True
         if not reconcile:
-            return index
+            return index, why is not None
         if gone := [r["file"] for k, r in index["entries"].items() if k not in files]:
             self.warn(f"{len(gone)} indexed entries have no file (e.g. {gone[0]}); dropped from the index")
         entries = index["entries"] = {k: r for k, r in index["entries"].items() if k in files}
+        adopted = False
         for key, path in [(k, p) for k, p in files.items() if k not in entries]:  # files the index lacks: adopted
             try:
                 entry = bank_entry.read_header(path)
                 if entry.meta["key"] != key:
                     raise EntryError("the file name does not match the key in its header")
             except (OSError, EntryError) as exc:
-                self.warn(f"entry file {path.relative_to(self.root)}: {exc}; removed")
-                path.unlink(missing_ok=True)
+                fate = "removed" if self._owner_lock is not None else "not used (the bank is read-only)"
+                self.warn(f"entry file {path.relative_to(self.root)}: {exc}; {fate}")
+                if self._owner_lock is not None:
+                    path.unlink(missing_ok=True)
                 continue
-            entries[key] = bank_dir.entry_record(entry, path.stat().st_mtime)
-        return index
+            entries[key], adopted = bank_dir.entry_record(entry, path.stat().st_mtime), True
+        return index, why is not None or bool(gone) or adopted
 
     def _publish(self, index: dict, hook: str) -> None:
         """Under the lock: this model recorded, entries evicted, the index written (`hook`: a fault point halfway),
@@ -186,7 +206,7 @@ class BankStore(AbstractContextManager):
         faults.point("bank-before-commit")
         with bank_dir.bank_lock(self.root, True, "commit"):
             faults.point("bank-commit-locked")
-            index = self._load_index(reconcile=False)
+            index = self._load_index(reconcile=False)[0]
             for key, tmp, _ in written:
                 (final := self._path(key)).parent.mkdir(exist_ok=True)
                 os.replace(tmp, final)
@@ -288,7 +308,10 @@ class BankStore(AbstractContextManager):
         return entry, tensors, views
 
     def save(self, bank, prefixes: Sequence[Sequence[int]], docs: Sequence[int], slot_of: dict[int, int]) -> None:
-        """Write the entries of freshly prefilled `docs` (copied out of their bank slots) and commit them."""
+        """Write the entries of freshly prefilled `docs` (copied out of their bank slots) and commit them (not in a
+        bank used read-only)."""
+        if self._owner_lock is None:
+            return
         t0 = time.perf_counter()
         items = self._keys(prefixes, docs)
 
