@@ -574,3 +574,16 @@ def test_bank_that_cannot_be_written_is_used_read_only(tmp_path, src, bank, warm
     close(probs(tmp_path / "o.parquet"), warm[1])
     assert {p: p.read_bytes() for p in bank.rglob("*") if p.is_file()} == before
 
+
+def test_eviction_keeps_the_entries_this_run_loads(tmp_path, rows, warm):
+    # a bank filled with A's documents, then B's; a run on A with a cap that holds A's entries only
+    sizes = {rec["doc_ids"][0]: rec["file_bytes"] for rec in index(warm[0])["entries"].values()}
+    bank, a = tmp_path / "bank", {"market", "train"}
+    run(subset(rows, a, tmp_path / "a.parquet"), bank, tmp_path / "a.out.parquet")
+    run(subset(rows, {"garden", "meeting"}, tmp_path / "b.parquet"), bank, tmp_path / "b.out.parquet")
+    result = cli.invoke(app, ["run", str(tmp_path / "a.parquet"), "--device", "cpu", "--bank", str(bank),
+                              "--bank-max-gb", str((sum(sizes[d] for d in a) + 100) / 1e9), "--overwrite"])
+    assert result.exit_code == 0, (result.stderr, result.exception)
+    assert "2 loaded, 0 prefilled, 0 saved, 2 evicted" in result.stderr, result.stderr
+    assert sorted(r["doc_ids"][0] for r in index(bank)["entries"].values()) == sorted(a)
+    verify_ok(bank, 2)

@@ -70,6 +70,7 @@ class BankStore(AbstractContextManager):
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
         self._doc_ids: dict[str, dict[str, None]] = {}  # prefix sha256 -> document ids of this run (MAX_DOC_IDS)
         self._owner_lock: BinaryIO | None = None
+        self._wanted: set[str] = set()  # prefix sha256s of this run's documents, kept from eviction until used
         self._opened, self.index = time.time(), None
         try:
             bank_dir.check_bank_dir(self.root, create=True)
@@ -178,25 +179,27 @@ class BankStore(AbstractContextManager):
             entries[key], adopted = bank_dir.entry_record(entry, path.stat().st_mtime), True
         return index, why is not None or bool(gone) or adopted
 
-    def _publish(self, index: dict, hook: str) -> None:
-        """Under the lock: this model recorded, entries evicted, the index written (`hook`: a fault point halfway),
-        then the evicted entries' files removed."""
+    def _publish(self, index: dict, hook: str, evicted: Sequence[Path] = ()) -> None:
+        """Under the lock: this model recorded, the index written (`hook`: a fault point halfway), then the files of
+        entries `_evict` dropped from it removed."""
         index["models"][self.model.digest] = self.model.about
-        evicted = self._evict(index)
         write_json(self.root / bank_dir.INDEX, index, hook, self.tmp, indent=0)
         for path in evicted:
             path.unlink(missing_ok=True)
         self.index = index
 
     def _evict(self, index: dict) -> list[Path]:
-        """Drop least-recently-used records until the entries fit `max_bytes`; returns their files."""
+        """Drop least-recently-used records until the entries fit `max_bytes`; returns their files. Entries of this
+        run's documents not used by it yet (it is about to load them) are kept."""
         if self.max_bytes is None:
             return []
         entries = index["entries"]
-        oldest = sorted(entries, key=lambda k: (entries[k]["last_used"], k))
+        kept = {k for k, r in entries.items() if r["prefix_sha256"] in self._wanted and r["last_used"] < self._opened
+                and r["model"] == self.model.digest}
+        oldest = sorted(entries.keys() - kept, key=lambda k: (entries[k]["last_used"], k))
         over = sum(r["file_bytes"] for r in entries.values()) - self.max_bytes  # bytes to free
         freed = itertools.accumulate((entries[k]["file_bytes"] for k in oldest), initial=0)
-        n = next(i for i, f in enumerate(freed) if f >= over)  # the fewest oldest entries that free them
+        n = next((i for i, f in enumerate(freed) if f >= over), len(oldest))  # the fewest oldest entries that free them
         self.stats.evicted += n
         return [self.root / entries.pop(k)["file"] for k in oldest[:n]]
 
@@ -222,7 +225,7 @@ class BankStore(AbstractContextManager):
                 ids = dict.fromkeys([*old.get("doc_ids", []), *self._doc_ids.get(rec["prefix_sha256"], [])])
                 entries[key] = dict(rec, last_used=max(rec["last_used"], old.get("last_used", 0.0)),
                                     doc_ids=list(ids)[:bank_dir.MAX_DOC_IDS])
-            self._publish(index, "bank-index-write")
+            self._publish(index, "bank-index-write", self._evict(index))  # at commits only: after this run's loads
         self._touched.clear()
 
     # ------------------------------------------------------------ a run's documents
@@ -233,6 +236,7 @@ class BankStore(AbstractContextManager):
         report when this run's documents have entries made by another model (a bank pointed at a different model):
         those are not used."""
         shas = [prefix_key(p) for p in prefixes]
+        self._wanted.update(shas)
         for p, doc_id in zip(row_prefix, doc_ids or ()):
             if len(ids := self._doc_ids.setdefault(shas[p], {})) < bank_dir.MAX_DOC_IDS:
                 ids[doc_id] = None
