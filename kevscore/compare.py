@@ -29,7 +29,7 @@ from kevscore.engine.pipeline import Engine, RunStats, Scores
 from kevscore.errors import KevscoreError, rows_phrase
 from kevscore.job.data import argmax, read_input
 from kevscore.measure import environment, events_ms, timed
-from kevscore.model.checkpoint import load_checkpoint
+from kevscore.model.checkpoint import load_checkpoint, model_directory
 from kevscore.model.prompt import Encoded, encode, first_and_tails, label_token_ids, load_template
 from kevscore.reference import reference_model
 
@@ -199,10 +199,36 @@ def _check(opts: CompareOptions) -> list[str]:
     if bad := [c for c in cases if c not in allowed]:
         why = "with --data, the cases are the prefix temperatures" if opts.data else "choose among"
         raise KevscoreError(f"--cases {','.join(bad)}: {why} {', '.join(allowed)}")
-    for path in (opts.json_path, opts.plot):
-        if path is not None and not Path(path).parent.is_dir():
-            raise KevscoreError(f"{path}: its folder does not exist")
+    if opts.documents and not opts.data:
+        raise KevscoreError(f"--documents {opts.documents}: goes with --data (the rows it holds the documents of)")
+    _check_outputs(opts)
     return list(dict.fromkeys(cases))
+
+
+def _same(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+
+
+def _check_outputs(opts: CompareOptions) -> None:
+    """Refuse, before any work, a --json/--plot that is an input (--data, --documents, inside the model's
+    directory), a directory, in no folder, or the file the other option names."""
+    try:
+        model = model_directory(opts.model, download=False)
+    except KevscoreError:
+        model = None  # the load reports it
+    outs = {flag: Path(p) for flag, p in (("--json", opts.json_path), ("--plot", opts.plot)) if p is not None}
+    for flag, path in outs.items():
+        if not path.parent.is_dir():
+            raise KevscoreError(f"{flag} {path}: its folder does not exist")
+        if path.is_dir():
+            raise KevscoreError(f"{flag} {path}: is a directory; choose a file name")
+        for src_flag, src in (("--data", opts.data), ("--documents", opts.documents)):
+            if src is not None and _same(path, Path(src)):
+                raise KevscoreError(f"{flag} {path}: is the {src_flag} input; choose another file")
+        if model is not None and path.resolve().is_relative_to(model.resolve()):
+            raise KevscoreError(f"{flag} {path}: is inside the model's directory {model}; choose another file")
+    if len(outs) == 2 and _same(*outs.values()):
+        raise KevscoreError(f"--json and --plot both name {outs['--json']}: choose two files")
 
 
 def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -> dict:
@@ -258,6 +284,8 @@ def _workloads(opts: CompareOptions, ckpt, cases: list[str], small: bool) -> dic
 
     enc = encode(read_input(Path(opts.data), Path(opts.documents) if opts.documents else None), ckpt.tokenizer,
                  load_template(None, ckpt.tokenizer), ["Yes", "No"], ckpt.config.max_position_embeddings)
+    if not len(enc):
+        raise KevscoreError(f"--data {opts.data}: no rows to compare")
     return {c: (enc, TEMPERATURES[c], {"data": Path(opts.data).name, "rows": len(enc),
                                        "documents": len(enc.prefixes), "warm": TEMPERATURES[c]}) for c in cases}
 

@@ -154,3 +154,30 @@ def test_long_document_case_asks_many_questions_of_each_long_document(tmp_path):
     assert case["rows"] == 48 and case["documents"] == 4 and case["definition"]["questions"] == 12
     assert case["definition"]["doc_len"] == 4 * 48
     assert case["max_abs_diff"] == 0 and case["flips"] == 0 and case["bank_unchanged"] is True
+
+
+def test_outputs_that_are_inputs_directories_or_each_other_are_refused_before_any_work(tmp_path):
+    from kevscore.model.demo import demo_checkpoint_dir
+    demo = demo_checkpoint_dir()
+    import shutil
+    data = tmp_path / "victim.parquet"
+    shutil.copy(EXAMPLES / "questions.parquet", data)
+    before = data.read_bytes()
+    for args, message in [(["--data", str(data), "--cases", "warm", "--json", str(data)], "is the --data input"),
+                          (["--data", str(data), "--cases", "warm", "--plot", str(data)], "is the --data input"),
+                          (["--json", str(tmp_path / "r"), "--plot", str(tmp_path / "." / "r")], "both name"),
+                          (["--json", str(tmp_path)], "is a directory"),
+                          (["--model", str(demo), "--json", str(demo / "config.json")], "inside the model's"),
+                          (["--documents", str(data)], "--documents")]:
+        result = compare(*args)
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1 and "loading" not in result.output
+    assert data.read_bytes() == before
+
+
+def test_empty_data_is_refused_not_parity_ok(tmp_path):
+    import pyarrow.parquet as pq
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pq.read_table(EXAMPLES / "questions.parquet").slice(0, 0), empty)
+    result = compare("--data", str(empty), "--cases", "warm")
+    assert result.exit_code == 2 and "no rows to compare" in result.output, result.output
