@@ -98,9 +98,40 @@ def test_wrong_case_labels_warn(questions: Path) -> None:
 
 def test_low_mass_warning_needs_most_rows() -> None:
     tally = LabelTally()
-    tally.add(pa.table({"prediction": ["a", "b", "a", "a"], "label_mass": [0.01, 0.02, 0.9, 0.95]}))
+    probs = [[0.6, 0.4], [0.3, 0.7], [0.9, 0.1], [0.8, 0.2]]
+    tally.add(pa.table({"prediction": ["a", "b", "a", "a"], "probs": probs, "label_mass": [0.01, 0.02, 0.9, 0.95]}))
     summary = tally.summary()
     assert summary["predictions"] == {"a": 3, "b": 1} and summary["low_mass_rows"] == 2
     assert summary["label_mass_min"] == pytest.approx(0.01) and low_mass_warning(summary, 4, ["a", "b"]) is None
-    tally.add(pa.table({"prediction": ["a"], "label_mass": [0.001]}))
+    tally.add(pa.table({"prediction": ["a"], "probs": [[0.5, 0.5]], "label_mass": [0.001]}))
     assert "on 3 of 5 rows" in low_mass_warning(tally.summary(), 5, ["a", "b"])
+
+
+def test_non_finite_probabilities_are_counted_not_predicted(questions: Path, tmp_path: Path) -> None:
+    """A model producing NaN (NaN embedding weights): each row's prediction null, the rows counted and warned
+    about, the label mass statistics over the finite rows only (none here)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kevscore.model.demo import demo_checkpoint_dir
+    model = Path(shutil.copytree(demo_checkpoint_dir(), tmp_path / "nan-model"))
+    weights = load_file(model / "model.safetensors")
+    weights["model.embed_tokens.weight"] = torch.full_like(weights["model.embed_tokens.weight"], float("nan"))
+    save_file(weights, model / "model.safetensors")
+    result = kevscore("run", questions, "--device", "cpu", "--model", model, "--log-json")
+    assert result.exit_code == 0, result.stderr
+    out = pq.read_table(questions.parent / "questions.scores.parquet")
+    assert out.num_rows > 0 and set(out.column("prediction").to_pylist()) == {None}
+    done = json.loads(result.stdout.splitlines()[-1])
+    assert done["non_finite_rows"] == out.num_rows and done["label_mass_min"] is None and done["predictions"] == {}
+    assert f"{out.num_rows} rows have non-finite probabilities (the model produced NaN/inf)" in result.stderr
+
+
+def test_non_finite_rows_leave_the_label_mass_statistics() -> None:
+    tally = LabelTally()
+    tally.add(pa.table({"prediction": [None, "a", None], "probs": [[float("nan")] * 2, [0.9, 0.1], [0.0, float("inf")]],
+                        "label_mass": [float("nan"), 0.05, 0.5]}))
+    summary = tally.summary()
+    assert summary["non_finite_rows"] == 2 and summary["label_mass_min"] == pytest.approx(0.05)
+    assert summary["predictions"] == {"a": 1} and summary["low_mass_rows"] == 1
+    assert low_mass_warning(summary, 3, ["a", "b"]).startswith("2 rows have non-finite probabilities")

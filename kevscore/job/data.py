@@ -31,7 +31,8 @@ def output_table(rows: InputTable, labels: list[list[str]], probs: list[list[flo
     return pa.table({"row": range(len(rows)) if rows.rows is None else rows.rows, "doc_id": rows.doc_ids or nulls,
                      "question_id": rows.question_ids or nulls, "labels": labels,
                      "probs": [[float(p) for p in ps] for ps in probs],
-                     "prediction": [ls[argmax(ps)] if ls else None for ls, ps in zip(labels, probs)],
+                     "prediction": [ls[argmax(ps)] if ls and np.isfinite(ps).all() else None  # NaN/inf: no prediction
+                                    for ls, ps in zip(labels, probs)],
                      "label_mass": [float(m) for m in label_mass]}, schema=OUTPUT_SCHEMA)
 
 

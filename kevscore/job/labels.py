@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from kevscore.errors import KevscoreError
 
@@ -35,29 +36,44 @@ def parse_labels(text: str) -> list[str]:
 
 @dataclass(slots=True)
 class LabelTally:
-    """Label mass and predictions over an output's rows, counted as its chunks go by (4 bytes a row)."""
+    """Label mass and predictions over an output's rows, counted as its chunks go by (4 bytes a row); rows whose
+    probabilities are not finite (the model produced NaN/inf) are counted apart, their label mass left out."""
     predictions: Counter = field(default_factory=Counter)
     masses: list[np.ndarray] = field(default_factory=list)
+    non_finite: int = 0
 
     def add(self, chunk: pa.Table) -> pa.Table:
-        self.predictions.update(chunk.column("prediction").to_pylist())
-        self.masses.append(chunk.column("label_mass").to_numpy().astype(np.float32))
+        self.predictions.update(p for p in chunk.column("prediction").to_pylist() if p is not None)
+        probs = chunk.column("probs")
+        bad = np.zeros(len(chunk), bool)
+        bad[pc.list_parent_indices(probs).to_numpy()[~np.isfinite(pc.list_flatten(probs).to_numpy())]] = True
+        mass = chunk.column("label_mass").to_numpy().astype(np.float32)
+        bad |= ~np.isfinite(mass)
+        self.non_finite += int(bad.sum())
+        self.masses.append(mass[~bad])
         return chunk
 
     def summary(self) -> dict:
-        """min, median and rows under LOW_MASS of the label mass; predictions per label, most first."""
+        """min, median and rows under LOW_MASS of the (finite) label mass; rows of non-finite probabilities;
+        predictions per label, most first."""
         if not self.masses or not len(mass := np.concatenate(self.masses)):
-            return {"label_mass_min": None, "label_mass_median": None, "low_mass_rows": 0, "predictions": {}}
+            return {"label_mass_min": None, "label_mass_median": None, "low_mass_rows": 0,
+                    "non_finite_rows": self.non_finite, "predictions": {}}
         return {"label_mass_min": float(mass.min()), "label_mass_median": float(np.median(mass)),
-                "low_mass_rows": int((mass < LOW_MASS).sum()), "predictions": dict(self.predictions.most_common())}
+                "low_mass_rows": int((mass < LOW_MASS).sum()), "non_finite_rows": self.non_finite,
+                "predictions": dict(self.predictions.most_common())}
 
 
 def low_mass_warning(summary: dict, rows: int, labels: list[str]) -> str | None:
-    """A warning when most rows' labels hold little probability: a wrong label (case, spelling, a space)."""
+    """A warning when rows' probabilities are not finite (the model produced NaN/inf), and when most rows'
+    labels hold little probability: a wrong label (case, spelling, a space); one line."""
+    bad = summary.get("non_finite_rows", 0)
+    nan = f"{bad:,} rows have non-finite probabilities (the model produced NaN/inf): check the model and --dtype"
     low = summary.get("low_mass_rows", 0)
-    if not rows or low * 2 <= rows:
-        return None
-    return (f"the labels ({', '.join(map(repr, labels))} unless a labels column says otherwise) hold less than "
-            f"{LOW_MASS:.0%} of the model's probability on {low:,} of {rows:,} rows (median label mass "
-            f"{summary['label_mass_median']:.2g}): the model would answer with other tokens; check the labels' "
-            "spelling, case and leading spaces (a label with a leading space is quoted: --labels '\" Yes\",\" No\"')")
+    if not rows or low * 2 <= rows - bad:
+        return nan if bad else None
+    return (f"{nan}; " if bad else "") + (
+        f"the labels ({', '.join(map(repr, labels))} unless a labels column says otherwise) hold less than "
+        f"{LOW_MASS:.0%} of the model's probability on {low:,} of {rows:,} rows (median label mass "
+        f"{summary['label_mass_median']:.2g}): the model would answer with other tokens; check the labels' "
+        "spelling, case and leading spaces (a label with a leading space is quoted: --labels '\" Yes\",\" No\"')")
