@@ -26,7 +26,7 @@ from kevscore.baselines import naive_call
 from kevscore.durable import write_atomic, write_json
 from kevscore.engine.backend import build_runner, resolve_device, resolve_dtype
 from kevscore.engine.pipeline import Engine, RunStats, Scores
-from kevscore.errors import KevscoreError, rows_phrase
+from kevscore.errors import KevscoreError, KevscoreFailure, rows_phrase
 from kevscore.job.data import argmax, read_input
 from kevscore.measure import environment, events_ms, timed
 from kevscore.model.checkpoint import load_checkpoint, model_directory
@@ -85,7 +85,8 @@ class CaseResult:
     wall_s: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PATHS})
     warmup_s: dict[str, float] = field(default_factory=dict)
     capture_s: float = 0.0
-    max_abs_diff: float = 0.0
+    max_abs_diff: float | None = 0.0           # None: a path's probabilities are not finite
+    non_finite: list[str] = field(default_factory=list)  # the paths whose probabilities are not all finite
     flips: int = 0
     bank_unchanged: bool = True
     hf_ms: list[float] | None = None
@@ -95,7 +96,7 @@ class CaseResult:
 
     @property
     def parity(self) -> bool:
-        return self.flips == 0 and self.max_abs_diff == 0.0 and self.bank_unchanged
+        return self.flips == 0 and self.max_abs_diff == 0.0 and self.bank_unchanged and not self.non_finite
 
     def summary(self) -> dict:
         out = {p: {"median_ms": statistics.median(self.latency_ms[p]), "p10_ms": float(np.quantile(self.latency_ms[p], 0.1)),
@@ -128,12 +129,15 @@ def case_call(engine: Engine, enc: Encoded, warm: float) -> tuple[Callable[[str]
     return call, scores
 
 
-def differences(a: list[list[float]], b: list[list[float]]) -> tuple[float, list[int]]:
-    """(max |pa - pb| over every row's probabilities, infinite with a NaN; the rows whose prediction differs)."""
+def finite(probs: list[list[float]]) -> bool:
+    return all(math.isfinite(x) for pr in probs for x in pr)
+
+
+def differences(a: list[list[float]], b: list[list[float]]) -> tuple[float | None, list[int]]:
+    """(max |pa - pb| over every row's probabilities, None (never parity) with a NaN/inf; the rows whose
+    prediction differs)."""
     diff = max((abs(x - y) for pa, pb in zip(a, b) for x, y in zip(pa, pb)), default=0.0)
-    if any(math.isnan(x) for pr in a + b for x in pr):  # a NaN is never parity
-        diff = float("inf")
-    return diff, [r for r, (pa, pb) in enumerate(zip(a, b)) if argmax(pa) != argmax(pb)]
+    return diff if finite(a) and finite(b) else None, [r for r, (pa, pb) in enumerate(zip(a, b)) if argmax(pa) != argmax(pb)]
 
 
 def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: dict, reps: int, warmup: int,
@@ -161,6 +165,7 @@ def run_case(engine: Engine, name: str, enc: Encoded, warm: float, definition: d
     del snapshot
     res.max_abs_diff, flipped = differences(scores["gathered"].probs, scores["indexed"].probs)
     res.flips = len(flipped)
+    res.non_finite = [p for p in PATHS if not finite(scores[p].probs)]
     if hf is not None:
         log(f"{name}: transformers baseline ({hf_reps} calls)")
         res.hf_ms = events_ms(hf(enc), hf_reps, 1, device)
@@ -272,6 +277,9 @@ def compare(opts: CompareOptions, log: Callable[[str], None] = lambda s: None) -
         write_json(Path(opts.json_path), report, indent=1)
     if opts.plot:
         plot(report, Path(opts.plot))
+    if both := [r.name for r in results if len(r.non_finite) == len(PATHS)]:
+        raise KevscoreFailure(f"{', '.join(both)}: both paths' probabilities are non-finite (the model produced "
+                              "NaN/inf): parity cannot be judged; check the model's weights")
     return report
 
 

@@ -181,3 +181,25 @@ def test_empty_data_is_refused_not_parity_ok(tmp_path):
     pq.write_table(pq.read_table(EXAMPLES / "questions.parquet").slice(0, 0), empty)
     result = compare("--data", str(empty), "--cases", "warm")
     assert result.exit_code == 2 and "no rows to compare" in result.output, result.output
+
+
+def test_a_model_producing_nan_writes_valid_json_and_blames_neither_path(tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kevscore.model.demo import demo_checkpoint_dir
+    model = Path(shutil.copytree(demo_checkpoint_dir(), tmp_path / "nan-model"))
+    weights = load_file(model / "model.safetensors")
+    weights["model.embed_tokens.weight"] = torch.full_like(weights["model.embed_tokens.weight"], float("nan"))
+    save_file(weights, model / "model.safetensors")
+    result = compare("--model", str(model), "--cases", "shared", "--json", str(tmp_path / "r.json"))
+    assert result.exit_code == 1 and "shared: both paths' probabilities are non-finite" in result.output, result.output
+    assert "indexed path does not reproduce" not in result.output
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    case = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)["cases"][0]
+    assert case["max_abs_diff"] is None and case["non_finite"] == ["gathered", "indexed"]
+    assert case["summary"]["parity"] is False
