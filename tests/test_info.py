@@ -79,6 +79,21 @@ def test_info_on_a_record_kevscore_did_not_write_is_one_line(tmp_path, record):
     assert "labels" in console.export_text()
 
 
+@pytest.mark.parametrize("damage, what", [
+    (lambda r: r["input"].pop("sha256"), "input"), (lambda r: r.update(documents=["x"]), "documents"),
+    (lambda r: r["plan"].update(rows="many"), "plan rows"), (lambda r: r["options"].update(labels=5), "labels")])
+def test_info_on_a_damaged_record_is_one_line(tmp_path, damage, what):
+    out = scored(tmp_path)
+    table = pq.read_table(out)
+    record = json.loads(table.schema.metadata[b"kevscore.provenance"])
+    damage(record)
+    meta = table.schema.metadata | {b"kevscore.provenance": json.dumps(record).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "odd.parquet")
+    res = CliRunner().invoke(app, ["info", str(tmp_path / "odd.parquet")])
+    assert res.exit_code == 2 and res.stderr.strip() == \
+        f"error: {tmp_path / 'odd.parquet'}: its kevscore.provenance record is damaged ({what})", res.stderr
+
+
 def test_info_on_other_files_is_one_line(tmp_path):
     csv = scored(tmp_path, suffix=".csv")
     for path, words in ((csv, "only Parquet outputs record"), (EXAMPLE, "records no provenance"),

@@ -63,6 +63,12 @@ def output_provenance(output: Path) -> dict:
         record = None
     if not isinstance(record, dict) or not all(isinstance(record.get(k, {}), dict) for k in ("options", "model", "plan")):
         raise KevscoreError(f"{output}: its {PROVENANCE_KEY.decode()} record is not one kevscore writes")
+    plan, labels = record.get("plan", {}), record.get("options", {}).get("labels")
+    if damaged := [name for name in ("input", "documents", "template") if record.get(name) and not (isinstance(
+            entry := record[name], dict) and all(isinstance(entry.get(k), str) for k in ("name", "sha256")))] + [
+            f"plan {k}" for k in ("rows", "windows") if not isinstance(plan.get(k, 0), int)] + (
+            ["labels"] if labels is not None and not isinstance(labels, list) else []):
+        raise KevscoreError(f"{output}: its {PROVENANCE_KEY.decode()} record is damaged ({', '.join(damaged)})")
     return record
 
 
