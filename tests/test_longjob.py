@@ -399,6 +399,13 @@ def test_a_damaged_manifest_resumes_the_parts_that_name_this_job_or_is_refused(t
     assert run_job(opts(src, out, template), progress).resumed == 4
     assert progress.warnings == [f"{manifest}: damaged; resuming the 4 part(s) that name this job"]
     assert out.read_bytes() == base.read_bytes() and not parts_dir(out).exists()
+    for identity in (["a list"], "x", {"input": "x"}, {"options": [1], "model": "m"}):  # resumed, not AttributeError
+        out.unlink()
+        failed_at_the_merge(src, out, template, monkeypatch)
+        manifest.write_text(json.dumps({"format": "kevscore-parts", "version": 1, "identity": identity}))
+        progress = Warnings()
+        assert run_job(opts(src, out, template), progress).resumed == 4, identity
+        assert progress.warnings == [f"{manifest}: damaged; resuming the 4 part(s) that name this job"]
     out.unlink()
     failed_at_the_merge(src, out, template, monkeypatch)
     manifest.write_text("{not json")

@@ -71,6 +71,9 @@ def errors_path(output: Path) -> Path:
     return output.with_name(f"{output.stem}.errors.parquet")
 
 
+IDENTITY_PARTS = ("input", "documents", "template", "model", "options", "plan")  # each a dict (or none)
+
+
 def read_manifest(directory: Path) -> dict | None:
     """A parts directory's manifest: None when there is none, {} when it is damaged (unreadable, or not of the
     shape this version writes: its format, version, identity and a merge's record of names and digests)."""
@@ -78,6 +81,7 @@ def read_manifest(directory: Path) -> dict | None:
     merged = (manifest or {}).get("merged") or {"tmp": {}, "sha256": {}, "rows": 0}
     try:  # each field the code reads there, of its type (a merge's temporary names each with its digest)
         sound = ((manifest["format"], manifest["version"]) == (FORMAT, VERSION) and isinstance(manifest["identity"], dict)
+                 and all(isinstance(manifest["identity"].get(k) or {}, dict) for k in IDENTITY_PARTS)
                  and type(merged["rows"]) is int and all(type(merged["sha256"][n]) is str for n in merged["tmp"].values()))
     except (KeyError, TypeError, AttributeError):
         sound = False
