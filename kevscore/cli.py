@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import typer
 from rich.console import Console
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
@@ -21,11 +22,12 @@ from kevscore import __version__, display
 from kevscore import compare as comparing
 from kevscore.api import Scorer
 from kevscore.display import console, escape
+from kevscore.engine.backend import resolve_device
 from kevscore.engine.bank_inspect import inspect_bank
 from kevscore.errors import KevscoreError, reported
 from kevscore.job import scan
 from kevscore.job.distributed import run_distributed, world_from_env
-from kevscore.job.files import file_format
+from kevscore.job.files import file_format, input_files
 from kevscore.job.labels import parse_labels
 from kevscore.job.options import BATCH_ROWS, RunOptions
 from kevscore.job.provenance import output_provenance
@@ -232,7 +234,11 @@ def run(
     if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
             _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
-        return _launch(gpus) if world_from_env() is None else _run_rank(opts, quiet, log_json)
+        if world_from_env() is not None:
+            return _run_rank(opts, quiet, log_json)
+        with _failing():  # a one-process run's checks, before any rank starts
+            _launchable(opts, gpus)
+        return _launch(gpus)
     log = display.JsonProgress() if log_json else None
     with _failing(None, log=log) as said:
         with display.progress_bars(console, disable=quiet or log_json) as live:
@@ -250,6 +256,17 @@ def run(
                           f"{result.stats.rows:,} rows); nothing to do", highlight=False, soft_wrap=True)
         elif not quiet:
             console.print(display.summary_table(result))
+
+
+def _launchable(opts: RunOptions, gpus: int) -> None:
+    """Refuse, before launching, what every rank would refuse: bad options, a missing input, too few GPUs
+    (`--device cpu --gpus N`: N CPU processes, a test of the distributed job)."""
+    device = resolve_device(Scorer.from_options(opts).options.device)  # check_options, the device and dtype
+    for given in (opts.input, opts.documents):
+        if given is not None and "://" not in str(given):
+            input_files(str(given))
+    if device.type == "cuda" and gpus > torch.cuda.device_count():
+        raise KevscoreError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 
 
 def _launch(gpus: int) -> None:

@@ -122,3 +122,24 @@ def test_an_interrupted_launch_is_an_interrupt(tmp_path, monkeypatch):
                                    str(tmp_path / "out.parquet")])
     assert res.exit_code == 130 and res.stderr.strip() == \
         "error: interrupted (SIGINT); the ranks' lines above say what was kept", res.stderr
+
+
+def test_launch_refuses_before_starting_ranks(tmp_path, monkeypatch):
+    """--gpus N makes a one-process run's checks before torch's launcher starts any rank: one line, exit 2."""
+    import torch
+    import torch.distributed.run
+    from typer.testing import CliRunner
+
+    from kevscore.cli import app
+
+    monkeypatch.setattr(torch.distributed.run, "main", lambda args: pytest.fail("ranks launched"))
+    out = str(tmp_path / "g.parquet")
+    for args, said in ((["nonexist.parquet"], "nonexist.parquet: no such file"),
+                       ([str(EXAMPLES / "questions.parquet"), "--labels", "Yes"], "give at least two labels")):
+        res = CliRunner().invoke(app, ["run", *args, "-o", out, "--gpus", "2", "--device", "cpu"])
+        assert res.exit_code == 2 and res.stderr.count("\n") == 1 and said in res.stderr, res.stderr
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    res = CliRunner().invoke(app, ["run", str(EXAMPLES / "questions.parquet"), "-o", out, "--gpus", "2",
+                                   "--device", "cuda"])
+    assert res.exit_code == 2 and res.stderr.strip() == "error: --gpus 2: this machine has 1 CUDA GPU(s)", res.stderr
