@@ -27,7 +27,7 @@ from kevscore.engine.bank_inspect import inspect_bank
 from kevscore.errors import KevscoreError, reported
 from kevscore.job import scan
 from kevscore.job.distributed import run_distributed, world_from_env
-from kevscore.job.files import file_format, input_files
+from kevscore.job.files import file_format, input_files, stdout_closed
 from kevscore.job.labels import parse_labels
 from kevscore.job.options import BATCH_ROWS, RunOptions
 from kevscore.job.provenance import output_provenance
@@ -228,9 +228,12 @@ def run(
             _fail("-o - writes the scores to stdout, where --log-json writes its events; choose one", 2)
         if dry_run:  # the plan on stdout: a table, or one JSON line with --log-json
             plan = Scorer.from_options(opts).dry_run(opts)
-            if log_json:
-                return typer.echo(json.dumps({"event": "plan", **display.rounded(plan)}))
-            return display.table_console().print(display.plan_table(plan))
+            try:
+                if log_json:
+                    return typer.echo(json.dumps({"event": "plan", **display.rounded(plan)}))
+                return display.table_console().print(display.plan_table(plan))
+            except BrokenPipeError:  # the reader stopped early (`| true`), as with -o - (files.to_stdout)
+                return stdout_closed()
     if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
             _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)

@@ -16,6 +16,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from kevscore.engine.pipeline import Reporter
+from kevscore.job.files import stdout_closed
 
 console = Console(stderr=True)  # messages and progress; results go to stdout
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # never sent raw to a terminal (escape codes in doc ids, names)
@@ -28,7 +29,14 @@ def escape(text: str) -> str:
 
 def table_console(stderr: bool = False) -> Console:
     """A console for a result's table on stdout (or stderr): a terminal's width, else 80 columns (a file, a pipe)."""
-    return Console(stderr=stderr, width=None if Console(stderr=stderr).is_terminal else 80)
+    return TableConsole(stderr=stderr, width=None if Console(stderr=stderr).is_terminal else 80)
+
+
+class TableConsole(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader stopped early (`| true`): it has all it wanted, as with -o - (not rich's exit 1)."""
+        self.quiet = True
+        stdout_closed()
 
 
 def phase_rate(task) -> float | None:
@@ -114,7 +122,12 @@ class JsonProgress(Reporter):
         self.began = self.last = time.monotonic()
 
     def emit(self, event: str, **fields) -> None:
-        print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
+        try:
+            print(json.dumps({"event": event, "time": round(time.time(), 3), **fields}), flush=True)
+        except BrokenPipeError:  # the reader stopped (`| head -1`): the run goes on, its events unread
+            stdout_closed()
+            console.print("[yellow]warning:[/] stdout was closed; the run goes on without its --log-json events",
+                          highlight=False)
 
     def rates(self) -> dict:
         rows, total = self.done.get("score", 0), self.total.get("score", 0)

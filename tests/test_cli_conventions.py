@@ -114,3 +114,21 @@ def test_a_run_failing_before_its_phases_starts_its_stderr_with_the_error(tmp_pa
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith(f"error: {tmp_path / 'missing.parquet'}"), repr(done.stderr)
     assert done.stderr.count("\n") == 1
+
+
+def test_stdout_closed_early_is_not_a_failure(tmp_path: Path) -> None:
+    """`--log-json | head -1`: the run goes on (one warning on stderr); `--dry-run | true`: exit 0, as -o - | head."""
+    def run(*args, lines: int):
+        p = subprocess.Popen([sys.executable, "-m", "kevscore", "run", str(EXAMPLES / "demo-task.parquet"), "--device",
+                              "cpu", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+        for _ in range(lines):
+            p.stdout.readline()
+        p.stdout.close()
+        return p.wait(timeout=600), p.stderr.read()
+    code, err = run("--window", "2", "-o", "p.parquet", "--log-json", lines=1)
+    assert code == 0 and (tmp_path / "p.parquet").is_file(), err
+    assert err == "warning: stdout was closed; the run goes on without its --log-json events\n", err
+    for flags in ((), ("--log-json",)):
+        code, err = run("-o", "q.parquet", "--dry-run", *flags, lines=0)
+        assert code == 0 and "error" not in err, (flags, err)

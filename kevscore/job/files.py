@@ -340,7 +340,13 @@ def to_stdout(path: Path) -> None:
             shutil.copyfileobj(f, sys.stdout.buffer)
         sys.stdout.flush()
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        stdout_closed()
+
+
+def stdout_closed() -> None:
+    """The reader of stdout stopped early (`| head`): what is still written there goes nowhere, without a
+    second error (at exit, or in the error line's event)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 class Carry:
