@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Union
@@ -63,9 +64,11 @@ class Scorer(AbstractContextManager):
         (bf16 on a GPU, fp32 on the CPU), bf16 (GPU only) or fp32; `labels`: a list, or a string as `--labels`
         takes it; the others as `kevscore run`'s options of the same names."""
         with one_line():
+            if isinstance(labels, AbstractSet):
+                raise KevscoreError(f"labels {labels!r}: give an ordered sequence (a list or tuple), not a set")
             labels = parse_labels(labels) if isinstance(labels, str) else list(labels) if isinstance(
                 labels, Iterable) else labels  # anything else: refused by check_options
-            given = {**locals(), "model": str(model)}
+            given = {**locals(), "model": os.fspath(model) if isinstance(model, os.PathLike) else model}
             self.options = RunOptions(input=Path(), **{name: given[name] for name in SCORER_OPTIONS})
             resolve_dtype(dtype, resolve_device(device))  # a device or dtype it lacks: refused before the bank is made
             check_options(self.options)
@@ -132,6 +135,10 @@ class Scorer(AbstractContextManager):
     def _options(self, call: dict) -> RunOptions:
         """The `kevscore run` options of a call (`call`: its arguments, by name): this scorer's, with the call's
         input, output, documents, columns and CALL_OPTIONS."""
+        for role in ("input", "documents"):
+            if call.get(role) is not None and not isinstance(call[role], (str, os.PathLike)):
+                raise KevscoreError(f"{role}: a {type(call[role]).__name__}, but score_file and plan take a path "
+                                    "(str or os.PathLike); use Scorer.score for a table")
         return dataclasses.replace(self.options, input=str(call["input"]), output=call.get("output"),
                                    documents=None if call["documents"] is None else str(call["documents"]),
                                    rename=renames(call["columns"] or {}),

@@ -260,3 +260,24 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     assert pq.read_table(tmp_path / "demo-scores.parquet").num_rows == 200
+
+
+def test_api_arguments_of_the_wrong_kind_are_one_line(tmp_path: Path) -> None:
+    """A table where a path goes, labels as a set, a model, flag or bank of another type: a KevscoreError
+    naming the argument, never the table's text or a raw TypeError."""
+    from kevscore.errors import KevscoreError
+
+    table = pq.read_table(QUESTIONS)
+    scorer = Scorer(device="cpu")
+    for call in (lambda: scorer.score_file(table, tmp_path / "o.parquet"), lambda: scorer.plan(table),
+                 lambda: scorer.score_file(QUESTIONS, tmp_path / "o.parquet", documents=table)):
+        with pytest.raises(KevscoreError, match=r"take a path \(str or os.PathLike\); use Scorer.score") as e:
+            call()
+        assert "\n" not in str(e.value) and len(str(e.value)) < 200
+    for kwargs, said in (({"labels": {"Yes", "No"}}, "labels .*: give an ordered sequence"),
+                         ({"model": None}, "model None: give"), ({"eager": "no"}, "eager 'no': give True or False"),
+                         ({"bank": 123}, "bank 123: give a path")):
+        with pytest.raises(KevscoreError, match=said):
+            Scorer(**{"device": "cpu", **kwargs})
+    with pytest.raises(KevscoreError, match="carry 'no': give True or False"):
+        scorer.score_file(QUESTIONS, tmp_path / "o.parquet", carry="no")

@@ -1,6 +1,7 @@
 """A job's options (`kevscore run`'s flags, `Scorer`'s arguments) and their checks."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,14 @@ class RunOptions:
 
 
 def check_options(opts: RunOptions) -> None:
+    if not isinstance(opts.model, str) or not opts.model:  # the API's callers give any type
+        raise KevscoreError(f"model {opts.model!r}: give a checkpoint directory, a hub id, demo, kev-0.8b or kev-4b")
+    for name in ("eager", "batch_invariant", "carry", "overwrite", "restart", "skip_invalid"):
+        if type(value := getattr(opts, name)) is not bool:
+            raise KevscoreError(f"{name} {value!r}: give True or False")
+    for name in ("bank", "template"):
+        if (value := getattr(opts, name)) is not None and not isinstance(value, (str, os.PathLike)):
+            raise KevscoreError(f"{name} {value!r}: give a path (str or os.PathLike)")
     if opts.state_read not in STATE_READS:
         raise KevscoreError(f"--state-read {opts.state_read}: choose indexed or gathered")
     if opts.dtype not in ("auto", "bf16", "fp32"):
