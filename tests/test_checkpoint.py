@@ -183,9 +183,10 @@ def test_tied_config_ignores_a_stored_lm_head(tmp_path: Path, demo_dir: Path, de
 # ---------------------------------------------------------------- errors
 
 def test_not_a_directory(tmp_path: Path) -> None:
-    error(str(tmp_path / "nowhere"), str(tmp_path / "nowhere"), "not a checkpoint directory", "demo", "kev-4b")
+    error("nowhere", "nowhere", "not a checkpoint directory", "demo", "kev-4b")
+    error(str(tmp_path / "nowhere"), f"{tmp_path / 'nowhere'}: no such model directory")
     (tmp_path / "file").write_text("x")
-    error(str(tmp_path / "file"), "not a checkpoint directory")
+    error(str(tmp_path / "file"), "not a model directory")
 
 
 def test_no_config(tmp_path: Path, demo_dir: Path, demo_tensors) -> None:

@@ -75,4 +75,18 @@ def test_a_missing_model_online_is_downloaded_or_reported(cache, monkeypatch):
 
 def test_not_a_directory_nor_a_hub_id(tmp_path):
     with pytest.raises(KevscoreError, match="not a checkpoint directory, a hub id"):
+        load_checkpoint("no-such-name")
+    with pytest.raises(KevscoreError, match="/no/such/dir: no such model directory"):
         load_checkpoint(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_a_path_that_is_no_directory_is_not_a_hub_id(tmp_path) -> None:
+    """`--model ./nonexist-dir` (or ../x, /x, a/b/c, a file): no model directory, not Hugging Face's cache."""
+    from kevscore.model.checkpoint import model_directory
+
+    (tmp_path / "file").write_text("")
+    for spec, said in (("./nonexist-dir", "no such"), ("../x", "no such"), (str(tmp_path / "x"), "no such"),
+                       ("a/b/c", "no such"), (str(tmp_path / "file"), "not a")):
+        with pytest.raises(KevscoreError) as e:
+            model_directory(spec, download=False)
+        assert str(e.value) == f"{spec}: {said} model directory"

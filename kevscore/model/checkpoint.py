@@ -80,6 +80,8 @@ def model_directory(spec: str, download: bool = True) -> Path:
         return demo_checkpoint_dir()
     if Path(spec).is_dir():
         return Path(spec)
+    if Path(spec).exists() or spec.startswith(("/", "./", "../", "~")) or spec.partition("@")[0].count("/") > 1:
+        raise KevscoreError(f"{spec}: {'not a' if Path(spec).exists() else 'no such'} model directory")  # a path
     if HUB_ID.match(spec):
         return hub_directory(spec, download)
     raise KevscoreError(f"--model {spec}: not a checkpoint directory, a hub id (org/name[@revision]) or one of: "
