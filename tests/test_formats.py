@@ -444,3 +444,22 @@ def test_a_glob_inputs_output_is_not_one_it_would_read(tmp_path: Path, source: p
     plan = kevscore("run", pattern, "--dry-run", "--device", "cpu")  # no -o: a dry run writes nothing
     assert plan.exit_code == 0, plan.stderr
     assert "give -o/--output" in kevscore("run", "/", "--device", "cpu").stderr
+
+
+def test_binary_columns_are_base64_in_csv_and_json_lines(tmp_path: Path, source: pa.Table) -> None:
+    """A binary column carried into a CSV or JSON Lines output is base64 text (Parquet keeps the bytes)."""
+    import base64
+
+    values = [bytes([0, 255, i % 256]) if i % 3 else None for i in range(source.num_rows)]
+    texts = [None if v is None else base64.b64encode(v).decode() for v in values]
+    for i, kind in enumerate((pa.binary(), pa.large_binary())):
+        pq.write_table(source.append_column("blob", pa.array(values, kind)), tmp_path / f"q{i}.parquet")
+        run_ok(tmp_path / f"q{i}.parquet", "-o", tmp_path / f"o{i}.csv")
+        read = pacsv.read_csv(tmp_path / f"o{i}.csv", convert_options=pacsv.ConvertOptions(
+            column_types={"blob": pa.string()}, strings_can_be_null=True))
+        assert read.column("blob").to_pylist() == texts
+        run_ok(tmp_path / f"q{i}.parquet", "-o", tmp_path / f"o{i}.jsonl")
+        lines = (tmp_path / f"o{i}.jsonl").read_text().splitlines()
+        assert [json.loads(line)["blob"] for line in lines] == texts
+    run_ok(tmp_path / "q0.parquet", "-o", tmp_path / "o.parquet")
+    assert pq.read_table(tmp_path / "o.parquet").column("blob").to_pylist() == values

@@ -5,6 +5,7 @@ URI, renamed columns, --limit) is staged into one in a temporary directory; the 
 format (`-o -`: JSON Lines on stdout), with the input's other columns carried into it."""
 from __future__ import annotations
 
+import base64
 import glob
 import json
 import math
@@ -310,9 +311,14 @@ def json_text(value) -> str:
     """A value as strict JSON: NaNs and infinities, at any depth, as null (JSON has no words for them); a value
     JSON has no type for (a date) as its text."""
     try:
-        return json.dumps(value, ensure_ascii=False, default=str, allow_nan=False)
+        return json.dumps(value, ensure_ascii=False, default=as_text, allow_nan=False)
     except ValueError:  # a float that is not finite, somewhere inside
-        return json.dumps(finite(value), ensure_ascii=False, default=str)
+        return json.dumps(finite(value), ensure_ascii=False, default=as_text)
+
+
+def as_text(value) -> str:
+    """A value JSON and CSV have no type for: bytes as base64, another (a date) as its text."""
+    return base64.b64encode(value).decode("ascii") if isinstance(value, bytes) else str(value)
 
 
 def finite(value):
@@ -325,10 +331,11 @@ def finite(value):
 
 
 def lists_as_json(table: pa.Table) -> pa.Table:
-    """List, struct and map columns turned into JSON strings (what CSV can hold)."""
+    """List, struct and map columns turned into JSON strings, binary ones into base64 (what CSV can hold)."""
     for i, f in enumerate(table.schema):
-        if pa.types.is_nested(f.type):
-            text = [None if v is None else json_text(v) for v in table.column(i).to_pylist()]
+        binary = pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type) or pa.types.is_fixed_size_binary(f.type)
+        if binary or pa.types.is_nested(f.type):
+            text = [None if v is None else as_text(v) if binary else json_text(v) for v in table.column(i).to_pylist()]
             table = table.set_column(i, pa.field(f.name, pa.string()), pa.array(text, pa.string()))
     return table
 
