@@ -386,6 +386,9 @@ def compare(
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if not report["parity"]:
-        bad = [c["name"] for c in report["cases"] if not c["summary"]["parity"]]
-        _fail(f"parity failed in {', '.join(bad)}: the indexed path does not reproduce the gathered path")
+        bad = [c for c in report["cases"] if not c["summary"]["parity"]]
+        nan = "; ".join(f"{c['name']}: the {' and '.join(c['non_finite'])} path's probabilities are not finite"
+                        for c in bad if c["non_finite"])
+        _fail(f"parity failed: {nan}" if nan else f"parity failed in {', '.join(c['name'] for c in bad)}: the indexed "
+              "path does not reproduce the gathered path")
 

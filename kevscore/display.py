@@ -383,7 +383,7 @@ def compare_table(r: dict) -> Table:
     hf = [f"{c['name']} {c['summary']['hf_median_ms']:.1f} ms ({c['summary']['hf_over_indexed']:.1f}x indexed)"
           for c in r["cases"] if c.get("hf_ms")]
     fp32 = [f"{c['name']} {c['summary']['fp32_median_ms']:.1f} ms, {len(c['fp32_flipped']):,} of {c['rows']:,} "
-            f"predictions flipped, max |dp| {c['fp32_max_abs_diff']:.3g}" for c in r["cases"] if c.get("fp32_ms")]
+            f"predictions flipped, max |dp| {_dp(c['fp32_max_abs_diff'])}" for c in r["cases"] if c.get("fp32_ms")]
     # each baseline's cases, when it ran
     ran = "".join(f"; {base}: {', '.join(cs)}" for base, cs in (("transformers naive", hf), ("fp32", fp32)) if cs)
     table = Table(title=escape(f"kevscore compare · {r['model']} · {where}"), caption_justify="left",
@@ -404,7 +404,12 @@ def _ms(v: float) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
 
+def _dp(diff: float | None) -> str:
+    return "not finite" if diff is None else f"{diff:.3g}"
+
+
 def _parity(c: dict) -> str:
-    bad = ([f"max |dp| {c['max_abs_diff']:.3g}"] if c["max_abs_diff"] else []) + (
+    bad = ([f"{'/'.join(c['non_finite'])} not finite"] if c.get("non_finite") else []) + (
+        [f"max |dp| {c['max_abs_diff']:.3g}"] if c["max_abs_diff"] else []) + (
         [f"{c['flips']} flips"] if c["flips"] else []) + ([] if c["bank_unchanged"] else ["bank changed"])
     return "[red]" + escape(", ".join(bad)) + "[/]" if bad else "ok"

@@ -203,3 +203,10 @@ def test_a_model_producing_nan_writes_valid_json_and_blames_neither_path(tmp_pat
     case = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)["cases"][0]
     assert case["max_abs_diff"] is None and case["non_finite"] == ["gathered", "indexed"]
     assert case["summary"]["parity"] is False
+
+
+def test_a_path_with_non_finite_probabilities_is_named_in_the_table():
+    from kevscore import display
+    case = {"non_finite": ["gathered"], "max_abs_diff": None, "flips": 0, "bank_unchanged": True}
+    assert "gathered not finite" in display._parity(case) and "max |dp|" not in display._parity(case)
+    assert display._parity({**case, "non_finite": []}) == "ok"
