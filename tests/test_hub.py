@@ -80,11 +80,13 @@ def test_not_a_directory_nor_a_hub_id(tmp_path):
         load_checkpoint(str(tmp_path / "no" / "such" / "dir"))
 
 
-def test_a_path_that_is_no_directory_is_not_a_hub_id(tmp_path) -> None:
+def test_a_path_that_is_no_directory_is_not_a_hub_id(tmp_path, monkeypatch) -> None:
     """`--model ./nonexist-dir` (or ../x, /x, a/b/c, a file): no model directory, not Hugging Face's cache."""
     from kevscore.model.checkpoint import model_directory
 
     (tmp_path / "file").write_text("")
+    (tmp_path / "in").mkdir()
+    monkeypatch.chdir(tmp_path / "in")  # ../x is tmp_path/x: absent whatever the machine holds
     for spec, said in (("./nonexist-dir", "no such"), ("../x", "no such"), (str(tmp_path / "x"), "no such"),
                        ("a/b/c", "no such"), (str(tmp_path / "file"), "not a")):
         with pytest.raises(KevscoreError) as e:
