@@ -143,3 +143,29 @@ def test_launch_refuses_before_starting_ranks(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["run", str(EXAMPLES / "questions.parquet"), "-o", out, "--gpus", "2",
                                    "--device", "cuda"])
     assert res.exit_code == 2 and res.stderr.strip() == "error: --gpus 2: this machine has 1 CUDA GPU(s)", res.stderr
+
+
+def test_a_rank_interrupted_once_the_output_is_whole_says_so(tmp_path, monkeypatch, capsys):
+    """Ctrl-C on rank 0 after the job (its table being drawn): the output is whole, not 'no output was written'."""
+    from types import SimpleNamespace
+
+    from kevscore import cli, display
+
+    def interrupted(result):
+        raise KeyboardInterrupt
+
+    class Exited(Exception):
+        pass
+
+    def leave(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(cli, "world_from_env", lambda: (0, 2, 0))
+    monkeypatch.setattr(cli, "run_distributed", lambda opts: SimpleNamespace(output=tmp_path / "out.parquet"))
+    monkeypatch.setattr(display, "ranks_table", interrupted)
+    monkeypatch.setattr(cli.os, "_exit", leave)
+    with pytest.raises(Exited) as exited:
+        cli._run_rank(RunOptions(input=tmp_path / "in.parquet"), quiet=False, log_json=False)
+    err = capsys.readouterr().err
+    assert exited.value.args == (130,) and "interrupted after the output was complete" in err, err
+    assert "no output was written" not in err
