@@ -280,7 +280,8 @@ def plan_table(plan) -> Table:
            if plan.device.startswith("cuda") else "a GPU (--device cuda) is not estimated here")
     return key_value_table(f"kevscore run --dry-run · {plan.model} on {plan.device}", {
         "rows": f"{plan.rows:,}" + (f" ({plan.set_aside:,} set aside)" if plan.set_aside else ""),
-        "documents": f"{plan.documents:,} ({plan.prefix_tokens:,} tokens to prefill)",
+        "documents": f"{plan.documents:,} (" + (f"{plan.bank_hits:,} loaded from the bank, " if plan.bank_hits else "")
+                     + f"{plan.prefix_tokens:,} tokens to prefill)",
         "windows": f"{plan.windows:,}, {_count(plan.waves, 'wave')} (the bank holds {plan.bank_entries:,} documents)",
         "model load": f"{plan.load_s:.1f} s (with tokenizing every prompt)",
         "calibration": f"{_count(plan.calibration_docs, 'document')}, {plan.calibration_rows} rows: prefill "

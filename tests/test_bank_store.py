@@ -356,6 +356,29 @@ def test_eviction_keeps_the_bank_under_the_limit_lru_first(tmp_path, rows, warm)
     verify_ok(bank, 3)
 
 
+def test_dry_run_counts_the_documents_in_the_bank_as_loaded(tmp_path, src, bank, warm):
+    _, garden = entry_of(bank, "garden")
+    garden_tokens = index(bank)["entries"][garden.stem]["tokens"]
+    garden.unlink()  # the bank holds 5 of the 6 documents
+    before = {p: p.read_bytes() if p.is_file() else None for p in bank.rglob("*")}
+
+    def plan(*args: str) -> dict:
+        result = cli.invoke(app, ["run", str(src), "--device", "cpu", "--dry-run", "--log-json", *args])
+        assert result.exit_code == 0, (result.stderr, result.exception)
+        return json.loads(result.stdout)
+
+    cold = plan()
+    warm_plan = plan("--bank", str(bank), "--bank-max-gb", "1e-9")
+    assert (cold["bank_hits"], cold["prefix_tokens"]) == (0, sum(r["tokens"] for r in index(warm[0])["entries"].values()))
+    assert (warm_plan["bank_hits"], warm_plan["prefix_tokens"]) == (5, garden_tokens), warm_plan
+    assert warm_plan["waves"] == cold["waves"]  # loaded documents take their bank slots too
+    table = cli.invoke(app, ["run", str(src), "--device", "cpu", "--dry-run", "--bank", str(bank)]).stdout
+    assert f"6 (5 loaded from the bank, {garden_tokens:,} tokens to prefill)" in table, table
+    assert {p: p.read_bytes() if p.is_file() else None for p in bank.rglob("*")} == before  # nothing written, evicted
+    result = run(src, bank, tmp_path / "out.parquet")  # the run does what the plan said
+    assert (result.bank.loaded, result.stats.prefilled) == (5, 1)
+
+
 # ---------------------------------------------------------------- bank-inspect
 
 def test_inspect_table(bank, warm):
@@ -575,14 +598,17 @@ def test_bank_that_cannot_be_written_is_used_read_only(tmp_path, src, bank, warm
     assert {p: p.read_bytes() for p in bank.rglob("*") if p.is_file()} == before
 
 
-def test_eviction_keeps_the_entries_this_run_loads(tmp_path, rows, warm):
-    # a bank filled with A's documents, then B's; a run on A with a cap that holds A's entries only
+@pytest.mark.parametrize("window", ["1024", "1"])
+def test_eviction_keeps_the_entries_this_run_loads(tmp_path, rows, warm, window):
+    # a bank filled with A's documents, then B's; a run on A with a cap that holds A's entries only. With
+    # --window 1, market's window commits first: train, the oldest entry, is kept for the window after it
     sizes = {rec["doc_ids"][0]: rec["file_bytes"] for rec in index(warm[0])["entries"].values()}
     bank, a = tmp_path / "bank", {"market", "train"}
     run(subset(rows, a, tmp_path / "a.parquet"), bank, tmp_path / "a.out.parquet")
     run(subset(rows, {"garden", "meeting"}, tmp_path / "b.parquet"), bank, tmp_path / "b.out.parquet")
     result = cli.invoke(app, ["run", str(tmp_path / "a.parquet"), "--device", "cpu", "--bank", str(bank),
-                              "--bank-max-gb", str((sum(sizes[d] for d in a) + 100) / 1e9), "--overwrite"])
+                              "--bank-max-gb", str((sum(sizes[d] for d in a) + 100) / 1e9), "--overwrite",
+                              "--window", window])
     assert result.exit_code == 0, (result.stderr, result.exception)
     assert "2 loaded, 0 prefilled, 0 saved, 2 evicted" in result.stderr, result.stderr
     assert sorted(r["doc_ids"][0] for r in index(bank)["entries"].values()) == sorted(a)

@@ -209,7 +209,7 @@ def test_cli_too_long_counts_the_labels_tokens(tmp_path, demo, example_rows):
     src = tmp_path / "q.parquet"
     pq.write_table(pa.Table.from_pylist(example_rows[:1]), src)
     template = load_template(None, demo.tokenizer)
-    prompt = int(measure_tokens(scan_input(src), demo.tokenizer, template, ["Yes", "No"], 4096).max()) + len(
+    prompt = int(measure_tokens(scan_input(src), demo.tokenizer, template, ["Yes", "No"], 4096)[0].max()) + len(
         demo.tokenizer(template.branch(example_rows[0]["question"]), add_special_tokens=False)["input_ids"])
     extra = len(demo.tokenizer.encode("No way", add_special_tokens=False)) - 1
     measure_tokens(scan_input(src), demo.tokenizer, template, ["Yes", "No way"], prompt + extra)  # at the limit

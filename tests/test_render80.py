@@ -160,6 +160,7 @@ def test_compare_table() -> None:
 
 def test_dry_run_plan() -> None:
     plan = Plan("/models/Qwen3.5-4B-Instruct", "cuda:0", 123_456_789, 1_234, 9_876_543, 12_345_678_901, 9_646,
-                12_345, 1_024, 123.4, 4, 64, 12_345.6, 1_234.5, 234_567.8)
-    check(rendered(plan_table(plan)), "123,456,789 (1,234 set aside)", "12,345,678,901", "9,646, 12,345 waves",
+                12_345, 1_024, 123.4, 4, 64, 12_345.6, 1_234.5, 234_567.8, 8_765_432)
+    check(rendered(plan_table(plan)), "123,456,789 (1,234 set aside)", "8,765,432 loaded from the bank, 12,345,678,901",
+          "9,646, 12,345 waves",
           "about 65.2 h", "compiles")

@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -57,12 +57,19 @@ class BankStats:
     warnings: list[str] = field(default_factory=list)
 
 
+def stored(root: Path, model: str, prefix_sha256: str) -> str | None:
+    """The key of the entry the bank at `root` holds for a document (its prefix ids' `prefix_key`) and a model (its
+    fingerprint's digest), or None: how a run finds a document in the bank (and a dry run, which only looks)."""
+    key = bank_entry.entry_key(model, prefix_sha256)
+    return key if (root / bank_dir.entry_file(key)).exists() else None
+
+
 class BankStore(AbstractContextManager):
     """An open bank directory for one model, closed when its `with` block ends; a directory it cannot open is a
     one-line KevscoreError."""
 
     def __init__(self, root: Path, model: Fingerprint, max_bytes: int | None = None,
-                 warn: Callable[[str], None] | None = None, workers: int | None = None):
+                 warn: Callable[[str], None] | None = None, workers: int | None = None, wanted: Iterable[str] = ()):
         self.root, self.model, self.max_bytes = Path(root), model, max_bytes
         self._warn_cb = warn or (lambda message: None)
         self.workers = workers or max(1, min(8, os.cpu_count() or 1))
@@ -70,7 +77,8 @@ class BankStore(AbstractContextManager):
         self._touched: dict[str, dict] = {}          # key -> record of an entry used or written, for the next commit
         self._doc_ids: dict[str, dict[str, None]] = {}  # prefix sha256 -> document ids of this run (MAX_DOC_IDS)
         self._owner_lock: BinaryIO | None = None
-        self._wanted: set[str] = set()  # prefix sha256s of this run's documents, kept from eviction until used
+        # prefix sha256s of this run's documents (`wanted`, then each window's), kept from eviction until used
+        self._wanted: set[str] = set(wanted)
         self._opened, self.index = time.time(), None
         try:
             bank_dir.check_bank_dir(self.root, create=True)
@@ -255,7 +263,8 @@ class BankStore(AbstractContextManager):
         """Copy the entries the store has for `docs` into their bank slots; returns the documents loaded.
         Entries that fail a check are reported and left to be prefilled (and saved again)."""
         t0 = time.perf_counter()
-        wanted = [(d, key) for d, key in self._keys(prefixes, docs) if self._path(key).exists()]
+        found = [(d, stored(self.root, self.model.digest, prefix_key(prefixes[d]))) for d in docs if prefixes[d]]
+        wanted = [(d, key) for d, key in found if key is not None]
         loaded: set[int] = set()
         for (d, key), result in zip(wanted, self._pipelined(
                 lambda d, key: self._read_checked(key, bank, prefixes[d], slot_of[d]), wanted)):

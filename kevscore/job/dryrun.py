@@ -1,13 +1,16 @@
 """`run --dry-run`: what a job would do and how long it would take; nothing is written.
 
-The plan counts documents, rows, windows, waves and tokens; the time is estimated from scoring a few of the
-job's own documents on this machine."""
+The plan counts documents, rows, windows, waves and tokens (with --bank, documents the bank holds are loaded,
+not prefilled); the time is estimated from scoring a few of the job's own documents on this machine."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from kevscore.engine.bank_entry import model_fingerprint
+from kevscore.engine.bank_store import stored
 from kevscore.engine.pipeline import Engine
 from kevscore.engine.plan import plan_waves
 from kevscore.job.files import STDOUT, file_format, opened_inputs, output_path
@@ -27,7 +30,7 @@ class Plan:
     rows: int                  # rows that would be scored
     set_aside: int             # rows --skip-invalid would set aside
     documents: int
-    prefix_tokens: int         # document (prefix) tokens to prefill
+    prefix_tokens: int         # document (prefix) tokens to prefill (not those of documents in the bank)
     windows: int
     waves: int                 # bank loads, summed over the windows
     bank_entries: int          # documents the bank holds at once
@@ -37,6 +40,7 @@ class Plan:
     prefill_tokens_per_s: float | None = None
     score_rows_per_s: float | None = None
     estimate_s: float | None = None  # load + prefill + scoring at the measured rates
+    bank_hits: int = 0         # documents the bank (--bank) holds: loaded, not prefilled
 
 
 def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
@@ -51,13 +55,22 @@ def dry_run(opts: RunOptions, loaded: LoadedModel | None = None) -> Plan:
         job = prepare(opts, inputs, loaded, output)
         runner = job_runner(job, loaded)  # the GPU warm-up joined too
         docs = job.documents()
+        held = in_bank(job, runner, docs) if opts.bank is not None else np.zeros(len(docs), dtype=bool)
         layout = runner.bank.layout
         plan = Plan(job.ckpt.name, str(job.device), int(job.windows.rows.sum()), len(job.scan.invalid), len(docs),
-                    int(job.doc_tokens[docs].sum()), len(job.windows), count_waves(job, layout.entries, layout.tokens),
-                    layout.entries, sum(job.laps.phases.values()))
+                    int(job.doc_tokens[docs[~held]].sum()), len(job.windows),
+                    count_waves(job, layout.entries, layout.tokens), layout.entries, sum(job.laps.phases.values()),
+                    bank_hits=int(held.sum()))
         if plan.rows:
             calibrate(plan, job, make_engine(opts, runner))
     return plan
+
+
+def in_bank(job: Job, runner, docs: np.ndarray) -> np.ndarray:
+    """Which of `docs` the bank (--bank) holds for this model, looked up as a run does (it loads them); nothing is
+    written, nothing evicted."""
+    model = model_fingerprint(job.ckpt, runner.bank.conv.dtype, runner.model.ops.NAME).digest
+    return np.asarray([stored(Path(job.opts.bank), model, job.doc_keys[d]) is not None for d in docs], dtype=bool)
 
 
 def count_waves(job: Job, entries: int, tokens: int) -> int:

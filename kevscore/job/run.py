@@ -166,6 +166,7 @@ class Job:
     ckpt: Checkpoint
     encode: Callable              # an InputTable's prompts tokenized (kevscore.model.prompt.encode, this job's)
     doc_tokens: np.ndarray        # prefix tokens per document
+    doc_keys: np.ndarray | None   # prefix key per document (kevscore.model.prompt.prefix_key), with --bank only
     windows: Windows              # the rows it scores (of_row >= 0; their documents: scan.doc_of_row), in windows
     laps: Laps                    # scan, checkpoint, tokens so far
     warming: WarmUp | None        # the GPU warm-up thread (kevscore.engine.warmup), joined once the runner is built
@@ -205,13 +206,13 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
         nonlocal template, token_pass
         template = load_template(opts.template, tokenizer)
         token_pass = in_background(measure_tokens, scan, tokenizer, template, opts.labels,
-                                   cfg.max_position_embeddings, opts.skip_invalid)
+                                   cfg.max_position_embeddings, opts.skip_invalid, opts.bank is not None)
 
     if loaded.ckpt is not None:
         measure(loaded.ckpt.tokenizer, loaded.ckpt.config)
     loaded.ckpt = loaded.ckpt or load_checkpoint(opts.model, device, tokenizer_ready=measure)
     laps.lap("checkpoint")
-    doc_tokens = token_pass.result()
+    doc_tokens, doc_keys = token_pass.result()
     laps.lap("tokens")
     prompts = partial(encode, tokenizer=loaded.ckpt.tokenizer, template=template, default_labels=opts.labels,
                       max_positions=loaded.ckpt.config.max_position_embeddings)
@@ -220,8 +221,8 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     # each rank's documents cut into windows as its shard would be, rank 0's first
     windows = join_windows([plan_windows(shard_documents(scan, r, ranks) if ranks > 1 else doc_of_row, doc_tokens,
                                          opts.window, WINDOW_ROWS, WINDOW_TOKENS) for r in range(ranks)])
-    return Job(opts, inputs, output, scan, device, dtype, loaded.ckpt, prompts, doc_tokens, windows, laps, warming,
-               ranks, finished)
+    return Job(opts, inputs, output, scan, device, dtype, loaded.ckpt, prompts, doc_tokens, doc_keys, windows, laps,
+               warming, ranks, finished)
 
 
 def start_job(opts: RunOptions, inputs: Inputs, output: Path, loaded: LoadedModel, ranks: int = 1) -> Job:
@@ -316,7 +317,9 @@ def score_job(job: Job, parts: PartStore, progress: Reporter, rank: int = 0) -> 
     opts = job.opts
     max_bytes = int(opts.bank_max_gb * 1e9) if opts.bank_max_gb is not None else None
     # the on-disk bank for this model (fingerprint: config, weights, bank dtype, ops backend)
-    store = BankStore(Path(opts.bank), job.fingerprint, max_bytes, progress.warn) if opts.bank is not None else None
+    # every document of the job kept from this run's eviction until loaded, a later window's too
+    store = BankStore(Path(opts.bank), job.fingerprint, max_bytes, progress.warn,
+                      wanted=job.doc_keys[job.documents()]) if opts.bank is not None else None
     with store or nullcontext(), StopSignals(progress.warn) as stop:
         result = new_result(job, parts, rank)
         engine = make_engine(opts, job.runner, store, stop)

@@ -12,21 +12,25 @@ from kevscore.job.scan import BATCH_ROWS, InputScan, batches, open_parquet
 
 
 def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequence[str], max_positions: int,
-                   skip_invalid: bool = False) -> np.ndarray:
+                   skip_invalid: bool = False, keyed: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """Tokenize every document (once) and question, keeping only lengths: each document's prefix length
-    (int32; -1 for a doc_id with no document). Every row passes `prompt.PromptCheck`, the checks `encode`
+    (int32; -1 for a doc_id with no document) and, when `keyed`, its prefix key (`prompt.prefix_key`, which keys
+    its bank entry; "" for no document), else None. Every row passes `prompt.PromptCheck`, the checks `encode`
     makes, named by input row; with skip_invalid a row that fails is set aside with its reason instead."""
-    from kevscore.model.prompt import PromptCheck, label_token_ids, tokenize
+    from kevscore.model.prompt import PromptCheck, label_token_ids, prefix_key, tokenize
 
     check = PromptCheck(tokenizer, scan.path.name, max_positions)
     doc_tokens = np.full(len(scan.doc_keys), -1, dtype=np.int32)
+    keys = np.full(len(scan.doc_keys), "", dtype=object) if keyed else None
     # each document's text read at its row (scan.doc_row), in its file's order, BATCH_ROWS documents at a time
     docs = np.argsort(scan.doc_row, kind="stable")
     docs = docs[scan.doc_row[docs] >= 0]  # not a doc_id without a document (set aside)
     texts = Cursor(scan.documents_path or scan.path, ["document"])
     for some in np.split(docs, range(BATCH_ROWS, len(docs), BATCH_ROWS)):
-        prefixes = [template.prefix(t) for t in texts.take(scan.doc_row[some])["document"]]
-        doc_tokens[some] = [len(ids) for ids in tokenize(tokenizer, prefixes)]
+        prefixes = tokenize(tokenizer, [template.prefix(t) for t in texts.take(scan.doc_row[some])["document"]])
+        doc_tokens[some] = [len(ids) for ids in prefixes]
+        if keys is not None:
+            keys[some] = [prefix_key(ids) for ids in prefixes]
     has_labels = "labels" in scan.columns
     if not has_labels:
         label_token_ids(tokenizer, default_labels, "--labels")  # a label of no tokens stops the run before any row
@@ -45,4 +49,4 @@ def measure_tokens(scan: InputScan, tokenizer, template, default_labels: Sequenc
                 scan.set_aside([start + j], reason)
     if (error := check.error()) and not skip_invalid:
         raise error
-    return doc_tokens
+    return doc_tokens, keys
