@@ -295,7 +295,7 @@ def _run_rank(opts, quiet: bool, log_json: bool) -> None:
     and the launcher would then fail the job. Nothing is left for teardown to do."""
     rank, code = world_from_env()[0], 0
     try:
-        with _failing("interrupted; no output was written", f"rank {rank}: " if rank else "") as said:
+        with _failing(None, f"rank {rank}: " if rank else "") as said:  # Ctrl-C: what run_distributed says was kept
             result = run_distributed(opts)
             said["interrupted"] = completed(result.output)  # every rank returns once the job's output is whole
             if rank == 0 and log_json:  # the job's figures and each rank's, as one `done` line

@@ -15,11 +15,11 @@ from kevscore.job.run import run_job
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-def launch(*args, torchrun=True, cwd=None):
+def launch(*args, torchrun=True, cwd=None, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "kevscore",
            "run", *args] if torchrun else [sys.executable, "-m", "kevscore", "run", "--gpus", "2", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +169,42 @@ def test_a_rank_interrupted_once_the_output_is_whole_says_so(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert exited.value.args == (130,) and "interrupted after the output was complete" in err, err
     assert "no output was written" not in err
+
+
+def test_a_rank_interrupted_after_the_merge_is_in_place_says_the_output_is_whole(tmp_path, single):
+    """Ctrl-C on rank 0 once its merge is renamed into place, its parts not yet removed: the output is whole."""
+    shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet")
+    out = tmp_path / "out.parquet"
+    res = launch(str(tmp_path / "q.parquet"), "--device", "cpu", "--batch-invariant", "-o", str(out),
+                 env={"KEVSCORE_TEST_SIGINT": "merged"})  # a point rank 0 alone reaches
+    assert res.returncode != 0 and f"error: interrupted after the output was complete: {out} is whole; " \
+        f"{parts_dir(out)} is left over and can be deleted\n" in res.stderr, res.stderr[-3000:]
+    assert "no output was written" not in res.stderr
+    assert pq.read_table(out).equals(single)
+
+
+def test_a_rank_interrupted_while_the_ranks_disconnect_says_the_output_is_whole(tmp_path, monkeypatch, single):
+    """Ctrl-C on a rank after every rank's job ended (the process group being torn down): the output is whole."""
+    import socket
+
+    from kevscore.job import distributed
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    destroy = distributed.dist.destroy_process_group
+
+    def interrupted():
+        destroy()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distributed.dist, "destroy_process_group", interrupted)
+    out = tmp_path / "out.parquet"
+    shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet")
+    with pytest.raises(KeyboardInterrupt) as stopped:  # an Interrupted, saying what is kept
+        distributed.run_distributed(RunOptions(input=tmp_path / "q.parquet", output=out, device="cpu",
+                                               batch_invariant=True))
+    assert str(stopped.value) == f"interrupted after the output was complete: {out} is whole; there is nothing to rerun"
+    assert pq.read_table(out).equals(single) and not parts_dir(out).exists()

@@ -24,10 +24,11 @@ import torch.distributed as dist
 from kevscore.engine.backend import job_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
 from kevscore.errors import KevscoreError
+from kevscore.faults import Interrupted
 from kevscore.job.files import opened_inputs, output_path
 from kevscore.job.options import RunOptions, check_options
-from kevscore.job.parts import PartStore
-from kevscore.job.run import Job, LoadedModel, finished_job, merge_job, open_parts, score_job, start_job
+from kevscore.job.parts import PartStore, merged_output
+from kevscore.job.run import Job, LoadedModel, completed, finished_job, merge_job, open_parts, score_job, start_job
 
 TIMEOUT = datetime.timedelta(hours=24)  # ranks wait this long for each other at a status exchange
 T = TypeVar("T")
@@ -95,13 +96,17 @@ def run_distributed(opts: RunOptions) -> DistributedResult:
     ranks = Ranks(*(world_from_env() or (0, 1, 0)))
     t0 = time.perf_counter()
     dist.init_process_group("gloo", timeout=TIMEOUT)
+    statuses = None
     try:
         with contextlib.ExitStack() as stack:
+            stack.callback(dist.destroy_process_group)
             ranks.step(lambda: stack.enter_context(job_threads(resolve_device(opts.device), opts.batch_invariant)))
             statuses = _run(opts, Reporter(), ranks, stack)
-        return DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
-    finally:
-        dist.destroy_process_group()
+    except KeyboardInterrupt:
+        if statuses is None:
+            raise
+        raise Interrupted(completed(output_path(opts))) from None  # every rank's job ended with the output whole
+    return DistributedResult(output_path(opts), statuses, time.perf_counter() - t0, sum(s.rows for s in statuses))
 
 
 def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.ExitStack) -> list[RankStatus]:
@@ -125,12 +130,16 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.E
         status.work_s = result.stats.prefill_s + result.stats.score_s
         statuses = ranks.gather(status)
         ranks.step(lambda: merge_job(job, parts, result, progress) if ranks.rank == 0 else None, inputs.message)
-    except BaseException:
+        if ranks.rank == 0:
+            parts.remove()
+    except BaseException as exc:
         if parts is not None:
             parts.abandon()
+        if isinstance(exc, KeyboardInterrupt):  # what was kept: the output, when rank 0's merge is in place
+            whole = parts is not None and merged_output(job.output, parts.manifest.get("merged"))  # others: on disk
+            raise Interrupted(completed(job.output, parts.dir) if whole else "interrupted; no output was written "
+                              "(completed parts are kept and reused by a rerun)") from None
         raise
-    if ranks.rank == 0:
-        parts.remove()
     return statuses
 
 
