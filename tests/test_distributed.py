@@ -208,3 +208,16 @@ def test_a_rank_interrupted_while_the_ranks_disconnect_says_the_output_is_whole(
                                                batch_invariant=True))
     assert str(stopped.value) == f"interrupted after the output was complete: {out} is whole; there is nothing to rerun"
     assert pq.read_table(out).equals(single) and not parts_dir(out).exists()
+
+
+def test_ranks_do_not_check_columns_they_do_not_carry(tmp_path, single):
+    """The ranks' output carries none of the input's other columns: text there that is not UTF-8 stops no rank."""
+    import pyarrow as pa
+
+    table = pq.read_table(EXAMPLES / "questions.parquet")
+    tags = pa.array([b"a"] * (table.num_rows - 1) + [b"caf\xe9"], pa.binary()).view(pa.string())
+    pq.write_table(table.append_column("tags", tags), tmp_path / "q.parquet")
+    out = tmp_path / "out.parquet"
+    res = launch(str(tmp_path / "q.parquet"), "--device", "cpu", "--batch-invariant", "-o", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert pq.read_table(out).equals(single)

@@ -31,9 +31,8 @@ from kevscore import faults
 from kevscore.durable import Filler
 from kevscore.errors import KevscoreError, first_line
 from kevscore.job.data import OUTPUT_SCHEMA
-from kevscore.job.options import RunOptions, carries
+from kevscore.job.options import RunOptions
 from kevscore.job.rows import Cursor
-from kevscore.job.scan import check_text
 
 NAME_MAX = 255  # bytes of a file name, the most that common filesystems take
 IDS = ("doc_id", "question_id")  # columns whose integers are read as their text
@@ -227,8 +226,6 @@ def opened_inputs(opts: RunOptions) -> Iterator[Inputs]:
                     raise KevscoreError(f"{source.given}: column {theirs!r} is to be read as {ours!r}, but there is a "
                                         f"column {ours!r} too; rename or drop one of them")
         try:
-            if carries(opts):  # the columns carried into the output are read only at the merge: their text checked now
-                check_text(questions.path)
             yield inputs
         except KevscoreError as exc:
             raise type(exc)(inputs.message(str(exc))) from exc

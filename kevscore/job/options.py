@@ -76,6 +76,6 @@ def check_options(opts: RunOptions) -> None:
         check_bank_dir(Path(opts.bank), create=True)
 
 
-def carries(opts: RunOptions, ranks: int = 1) -> bool:
+def carries(opts: RunOptions, ranks: int) -> bool:
     """Whether the output gets the input's other columns (a one-process job's output, not a shard's or the ranks')."""
     return opts.carry and opts.shard is None and ranks == 1

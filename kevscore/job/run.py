@@ -195,7 +195,7 @@ def prepare(opts: RunOptions, inputs: Inputs, loaded: LoadedModel, output: Path 
     warming = prepare_device(device, peek_config(opts.model), opts.state_read, dtype) if loaded.ckpt is None else None
     laps.lap("gpu imports")
     scan = scan_input(inputs.questions.path, inputs.documents.path if inputs.documents else None,
-                      opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1)
+                      opts.skip_invalid, keep_texts=opts.shard is not None or ranks > 1, carried=carries(opts, ranks))
     finished = check_outputs(opts, inputs, output) if output is not None else None
     laps.lap("scan")
     if device.type == "cuda":

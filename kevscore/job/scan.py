@@ -131,14 +131,17 @@ def record_batches(path: Path, file: pq.ParquetFile, **chosen) -> Iterator[pa.Re
         raise KevscoreError(f"{path}: cannot read the Parquet data ({first_line(e)})") from e
 
 
-def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str],
-            nulls: dict[str, list[int]] | None = None) -> Iterator[tuple[int, dict[str, list]]]:
+def batches(path: Path, file: pq.ParquetFile, columns: Sequence[str], nulls: dict[str, list[int]] | None = None,
+            checked: Sequence[str] = ()) -> Iterator[tuple[int, dict[str, list]]]:
     """(first input row, {column: values}) per record batch of `columns`, dictionaries decoded; `nulls`, when
-    given, gets each column's null rows (input rows, ascending)."""
+    given, gets each column's null rows (input rows, ascending). The columns `checked` (those a run carries into
+    its output, read nowhere else before the merge) are read alongside, not decoded: only checked."""
     start = 0
-    for batch in record_batches(path, file, columns=list(columns)):
+    for batch in record_batches(path, file, columns=[*columns, *checked]):
         for c in columns if nulls is not None else ():
             nulls.setdefault(c, []).extend((np.flatnonzero(batch.column(c).is_null()) + start).tolist())
+        for c in checked:
+            check_valid(path, c, batch.column(c), lambda j, start=start: start + j)
         yield start, decoded(path, batch, columns, lambda j, start=start: start + j)
         start += batch.num_rows
 
@@ -152,36 +155,25 @@ def decoded(path: Path, data: pa.RecordBatch | pa.Table, columns: Sequence[str],
         try:
             out[c] = column.to_pylist()
         except UnicodeDecodeError:
-            not_utf8(path, c, column, row_of)
+            check_valid(path, c, column, row_of)
         if c == "labels" and is_string(column.type):
             out[c] = [json_labels(v) for v in out[c]]
     return out
 
 
-def not_utf8(path: Path, name: str, column: pa.Array | pa.ChunkedArray, row_of) -> None:
-    """Raise the one-line error naming the first value of `column` that is not valid UTF-8 and its input row."""
-    for j in range(len(column)):
-        try:
-            column[j].as_py()
-        except UnicodeDecodeError:
-            raise KevscoreError(f"{path}: column {name!r} holds text that is not valid UTF-8 at row {row_of(j)}") from None
-
-
-def check_text(path: Path) -> None:
-    """The text of the columns kevscore does not read (nested in lists and structs too) must be valid UTF-8: the
-    columns a run carries into its output, checked before any work, not at the merge (kevscore.job.files.Carry)."""
-    file, start = open_parquet(path), 0
-    columns = [c for c in file.schema_arrow.names if c not in COLUMNS]
-    if not columns or len(set(file.schema_arrow.names)) < len(file.schema_arrow.names):
-        return  # nothing to check, or names the scan refuses
-    for batch in record_batches(path, file, columns=columns):
-        for c in columns:
+def check_valid(path: Path, name: str, column: pa.Array | pa.ChunkedArray, row_of) -> None:
+    """A column must be valid, its text (nested in lists and structs too) UTF-8, else the one-line error names the
+    first value that is not and its input row (`row_of(j)`: the input row of the column's j-th value)."""
+    try:
+        column.validate(full=True)
+    except pa.ArrowInvalid as e:
+        for j in range(len(column)):
             try:
-                batch.column(c).validate(full=True)
-            except pa.ArrowInvalid as e:
-                not_utf8(path, c, batch.column(c), lambda j: start + j)
-                raise KevscoreError(f"{path}: column {c!r} is not valid ({first_line(e)})") from e
-        start += batch.num_rows
+                column[j].as_py()
+            except UnicodeDecodeError:
+                raise KevscoreError(f"{path}: column {name!r} holds text that is not valid UTF-8 at row "
+                                    f"{row_of(j)}") from None
+        raise KevscoreError(f"{path}: column {name!r} is not valid ({first_line(e)})") from e
 
 
 def json_labels(text: str | None) -> list[str] | str | None:
@@ -216,9 +208,11 @@ class InputScan:
             self.doc_of_row[r] = -1
 
 
-def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False, keep_texts: bool = False) -> InputScan:
+def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = False, keep_texts: bool = False,
+               carried: bool = False) -> InputScan:
     """Validate the input (one file, or questions plus a documents file) and index its rows by document.
-    `keep_texts`: without doc_id, key documents by their text (as kevscore.job.shard does), not a digest."""
+    `keep_texts`: without doc_id, key documents by their text (as kevscore.job.shard does), not a digest.
+    `carried`: the questions file's other columns go into the output (kevscore.job.files.Carry): checked too."""
     path = Path(path)
     stamps = {p: stamp(p) for p in (path, documents and Path(documents)) if p is not None and p.is_file()}
     if documents is None:
@@ -226,7 +220,7 @@ def scan_input(path: Path, documents: Path | None = None, skip_invalid: bool = F
     else:
         file, scan = _indexed(path, ("question", "doc_id"), "document")  # the texts are in the documents file
         _join_documents(scan, Path(documents), skip_invalid)
-    _scan_questions(scan, file, skip_invalid)
+    _scan_questions(scan, file, skip_invalid, carried)
     scan.stamps = stamps
     return scan
 
@@ -297,8 +291,9 @@ LABEL_PROBLEMS = (("text that is no JSON array of strings", "text that is no JSO
                   ("single-label lists", "a single label (one label always gets probability 1)", lambda v: len(v) < 2))
 
 
-def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -> None:
-    """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths added to doc_chars."""
+def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool, carried: bool) -> None:
+    """Questions, question ids and labels: nulls, duplicate ids, bad label lists; question lengths added to doc_chars.
+    `carried`: the other columns, carried into the output, checked in the same read."""
     path, names = scan.path, file.schema_arrow.names
     _check_types(path, file, ("question", "question_id", "labels"))
     scan.columns = [c for c in ("doc_id", "question_id", "labels") if c in names]
@@ -306,7 +301,8 @@ def _scan_questions(scan: InputScan, file: pq.ParquetFile, skip_invalid: bool) -
     nulls: dict[str, list[int]] = {}
     bad_labels: list[list[int]] = [[] for _ in LABEL_PROBLEMS]
     qhash = np.zeros(len(scan.doc_of_row) if "question_id" in columns else 0, dtype=np.int64)
-    for start, cols in batches(path, file, columns, nulls):
+    others = [c for c in names if c not in COLUMNS] if carried else []
+    for start, cols in batches(path, file, columns, nulls, others):
         qids, labels = cols.get("question_id"), cols.get("labels")
         docs = scan.doc_of_row[start:start + len(cols["question"])]
         for j, q in enumerate(cols["question"]):
