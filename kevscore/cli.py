@@ -125,7 +125,7 @@ def _failing(interrupted: str | None = "interrupted", prefix: str = "",
         message = said["interrupted"] or str(exc) or INTERRUPTED_RUN
         if log:
             log.emit("interrupted", message=message)
-        _fail(message, 130)
+        _fail(prefix + message, 130)
 
 
 INTERRUPTED_RUN = ("interrupted; no output was written (completed windows are kept beside the output; rerun the "
@@ -263,13 +263,14 @@ def run(
 
 def _launchable(opts: RunOptions, gpus: int) -> None:
     """Refuse, before launching, what every rank would refuse: bad options, a missing input, too few GPUs
-    (`--device cpu --gpus N`: N CPU processes, a test of the distributed job)."""
-    device = resolve_device(Scorer.from_options(opts).options.device)  # check_options, the device and dtype
+    (`--device cpu --gpus N`: N CPU processes, a test of the distributed job; --device auto wants GPUs)."""
+    resolve_device(Scorer.from_options(opts).options.device)  # check_options, the device and dtype
     for given in (opts.input, opts.documents):
         if given is not None and "://" not in str(given):
             input_files(str(given))
-    if device.type == "cuda" and gpus > torch.cuda.device_count():
-        raise KevscoreError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if opts.device != "cpu" and gpus > torch.cuda.device_count():
+        raise KevscoreError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} CUDA GPU(s)"
+                            + ("" if torch.cuda.device_count() else " (--device cpu runs the ranks on the CPU)"))
 
 
 def _launch(gpus: int) -> None:
@@ -283,7 +284,9 @@ def _launch(gpus: int) -> None:
     except SignalException as exc:  # Ctrl-C or SIGTERM, passed on to the ranks
         _fail(f"interrupted ({signal.Signals(exc.sigval).name}); the ranks' lines above say what was kept", 130)
     except Exception as exc:  # torch's ChildFailedError: the ranks printed their errors above
-        _fail(f"{gpus} processes launched, at least one failed ({type(exc).__name__}); see the rank errors above")
+        code = exc.get_first_failure()[1].exitcode if hasattr(exc, "get_first_failure") else 1  # the first to end
+        _fail(f"{gpus} processes launched, at least one failed ({type(exc).__name__}); see the rank errors above",
+              code if code in (2, 130) else 1)
 
 
 def _run_rank(opts, quiet: bool, log_json: bool) -> None:
@@ -295,7 +298,8 @@ def _run_rank(opts, quiet: bool, log_json: bool) -> None:
     and the launcher would then fail the job. Nothing is left for teardown to do."""
     rank, code = world_from_env()[0], 0
     try:
-        with _failing(None, f"rank {rank}: " if rank else "") as said:  # Ctrl-C: what run_distributed says was kept
+        log = display.JsonProgress() if log_json and rank == 0 else None  # rank 0's error or interrupt, as an event
+        with _failing(None, f"rank {rank}: " if rank else "", log) as said:  # Ctrl-C: what run_distributed says was kept
             result = run_distributed(opts)
             said["interrupted"] = completed(result.output)  # every rank returns once the job's output is whole
             if rank == 0 and log_json:  # the job's figures and each rank's, as one `done` line

@@ -5,7 +5,8 @@
 - Test hooks, read from the environment each time (so an in-process test can set them too):
   `KEVSCORE_TEST_KILL=POINT[:N]` makes the process SIGKILL itself the N-th time (default 1st) it reaches
   POINT; `KEVSCORE_TEST_SIGINT=POINT[:N]` sends it a SIGINT there instead (a Ctrl-C at a known place);
-  `KEVSCORE_TEST_ENOSPC=POINT[:N]` raises OSError(ENOSPC) there (a full disk inside a write);
+  `KEVSCORE_TEST_ENOSPC=POINT[:N]` raises OSError(ENOSPC) there (a full disk inside a write); each of the
+  three takes `@RANK` last (`score:2@1`) to act in that torchrun rank alone;
   `KEVSCORE_TEST_MARKS=DIR` touches DIR/POINT at every point reached, and where `KEVSCORE_TEST_PAUSE`
   (comma-separated) names the point, waits there (at most 120 s) until DIR/POINT.go exists, so a test
   can kill, release or interleave processes at a known place;
@@ -45,10 +46,11 @@ class Interrupted(KeyboardInterrupt):
 
 def _reach(spec: str | None, point: str) -> bool:
     """Count this arrival at `point` under hook setting `spec`; True on the arrival the setting names."""
-    if not spec or spec.partition(":")[0] != point:
+    where, _, rank = (spec or "").partition("@")
+    if where.partition(":")[0] != point or rank not in ("", os.environ.get("RANK")):
         return False
     _reached[spec, point] += 1
-    return _reached[spec, point] == int(spec.partition(":")[2] or 1)
+    return _reached[spec, point] == int(where.partition(":")[2] or 1)
 
 
 def point(name: str) -> None:

@@ -18,8 +18,9 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 def launch(*args, torchrun=True, cwd=None, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "kevscore",
            "run", *args] if torchrun else [sys.executable, "-m", "kevscore", "run", "--gpus", "2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    # the launcher stops the other ranks 1 s after one ends (not 0.1 s): time for their last line
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd, env={
+        **__import__("os").environ, "OMP_NUM_THREADS": "1", "PET_MONITOR_INTERVAL": "1", **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_an_interrupted_launch_is_an_interrupt(tmp_path, monkeypatch):
         raise SignalException("Process 1 got signal: 2", signal.SIGINT)
 
     monkeypatch.setattr(torch.distributed.run, "main", stopped)
-    res = CliRunner().invoke(app, ["run", str(EXAMPLES / "questions.parquet"), "--gpus", "2", "-o",
+    res = CliRunner().invoke(app, ["run", str(EXAMPLES / "questions.parquet"), "--gpus", "2", "--device", "cpu", "-o",
                                    str(tmp_path / "out.parquet")])
     assert res.exit_code == 130 and res.stderr.strip() == \
         "error: interrupted (SIGINT); the ranks' lines above say what was kept", res.stderr
@@ -143,6 +144,11 @@ def test_launch_refuses_before_starting_ranks(tmp_path, monkeypatch):
     res = CliRunner().invoke(app, ["run", str(EXAMPLES / "questions.parquet"), "-o", out, "--gpus", "2",
                                    "--device", "cuda"])
     assert res.exit_code == 2 and res.stderr.strip() == "error: --gpus 2: this machine has 1 CUDA GPU(s)", res.stderr
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # --device auto: GPUs wanted, not CPU processes
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    res = CliRunner().invoke(app, ["run", str(EXAMPLES / "questions.parquet"), "-o", out, "--gpus", "2"])
+    assert res.exit_code == 2 and res.stderr.strip() == "error: --gpus 2: this machine has 0 CUDA GPU(s) " \
+        "(--device cpu runs the ranks on the CPU)", res.stderr
 
 
 def test_a_rank_interrupted_once_the_output_is_whole_says_so(tmp_path, monkeypatch, capsys):
@@ -169,6 +175,12 @@ def test_a_rank_interrupted_once_the_output_is_whole_says_so(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert exited.value.args == (130,) and "interrupted after the output was complete" in err, err
     assert "no output was written" not in err
+    monkeypatch.setattr(cli, "world_from_env", lambda: (1, 2, 1))  # another rank's interrupt: its line names it
+    monkeypatch.setattr(cli, "run_distributed", lambda opts: interrupted(None))
+    with pytest.raises(Exited) as exited:
+        cli._run_rank(RunOptions(input=tmp_path / "in.parquet"), quiet=False, log_json=False)
+    err = capsys.readouterr().err
+    assert exited.value.args == (130,) and err.startswith("error: rank 1: interrupted"), err
 
 
 def test_a_rank_interrupted_after_the_merge_is_in_place_says_the_output_is_whole(tmp_path, single):
@@ -179,7 +191,9 @@ def test_a_rank_interrupted_after_the_merge_is_in_place_says_the_output_is_whole
                  env={"KEVSCORE_TEST_SIGINT": "merged"})  # a point rank 0 alone reaches
     assert res.returncode != 0 and f"error: interrupted after the output was complete: {out} is whole; " \
         f"{parts_dir(out)} is left over and can be deleted\n" in res.stderr, res.stderr[-3000:]
-    assert "no output was written" not in res.stderr
+    assert "no output was written" not in res.stderr and "bug in kevscore" not in res.stderr
+    assert "error: rank 1: another rank stopped (Connection closed by peer" in res.stderr  # waiting for rank 0's merge
+    assert f") after the output was complete: {out} is whole; {parts_dir(out)} is left over" in res.stderr
     assert pq.read_table(out).equals(single)
 
 
@@ -221,3 +235,62 @@ def test_ranks_do_not_check_columns_they_do_not_carry(tmp_path, single):
     res = launch(str(tmp_path / "q.parquet"), "--device", "cpu", "--batch-invariant", "-o", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     assert pq.read_table(out).equals(single)
+
+
+def test_a_killed_rank_fails_the_others_on_one_line_and_a_rerun_resumes(tmp_path, single):
+    """SIGKILL to rank 1 inside its part's write: rank 0, waiting for it, says so (no 'bug' line), its part is kept;
+    the rerun removes the half-written file, reuses rank 0's part and scores rank 1's."""
+    shutil.copy(EXAMPLES / "questions.parquet", tmp_path / "q.parquet")
+    out = tmp_path / "out.parquet"
+    args = (str(tmp_path / "q.parquet"), "--device", "cpu", "--batch-invariant", "-o", str(out))
+    res = launch(*args, env={"KEVSCORE_TEST_KILL": "part-write@1"})
+    assert res.returncode != 0 and "bug in kevscore" not in res.stderr, res.stderr[-3000:]
+    assert res.stderr.startswith("error: another rank stopped (Connection closed by peer")  # rank 0's line
+    assert "; no output was written (completed parts are kept and reused by a rerun)\n" in res.stderr
+    assert not out.exists() and (parts_dir(out) / "part-000000.parquet").is_file()
+    assert [p for p in parts_dir(out).iterdir() if p.name.endswith(".tmp")]  # rank 1's write, cut off
+    res = launch(*args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("reused") == 1 and res.stderr.count("scored") == 1
+    assert pq.read_table(out).equals(single) and not parts_dir(out).exists()
+
+
+def test_an_input_error_of_every_rank_is_one_error_exit_2(tmp_path):
+    """Every rank refuses the same bad row: one error naming the ranks once, an `error` event with --log-json,
+    and --gpus exits 2 (an input error), as a one-process run does."""
+    import pyarrow as pa
+
+    rows = pq.read_table(EXAMPLES / "questions.parquet").to_pylist()
+    for row in rows:
+        row["labels"] = '["Yes", "No"]'
+    rows[-1]["labels"] = '["Yes"'
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "q.parquet")
+    res = launch("q.parquet", "--device", "cpu", "-o", "out.parquet", "--log-json", torchrun=False, cwd=tmp_path)
+    said = "ranks 0, 1 failed: q.parquet: column 'labels' (string) has text that is no JSON array of strings at row 14"
+    assert res.returncode == 2 and f"error: {said}; no output was written" in res.stderr, res.stderr[-3000:]
+    event = json.loads(res.stdout.splitlines()[-1])
+    assert event["event"] == "error" and event["exit_code"] == 2 and said in event["message"], res.stdout
+
+
+def test_a_failed_step_names_each_error_once_with_its_exit_status(monkeypatch, capsys):
+    """A step's failures, gathered from every rank: each error once with its ranks; exit 2 only when every one is
+    an input error; a rank's bug said to be one (its traceback with KEVSCORE_TRACEBACK=1)."""
+    from kevscore.errors import KevscoreError
+    from kevscore.job.distributed import Ranks
+
+    monkeypatch.setattr(Ranks, "gather", lambda self, error: [error, error, None])  # rank 1 failed alike, 2 did not
+
+    def failing(exc):
+        with pytest.raises(KevscoreError) as failed:
+            Ranks(0, 3).step(lambda: (_ for _ in ()).throw(exc))
+        return failed.value
+
+    bad = failing(KevscoreError("q.parquet: row 3 is bad"))
+    assert bad.exit_code == 2 and str(bad) == "ranks 0, 1 failed: q.parquet: row 3 is bad; no output was written " \
+        "(completed parts are kept and reused by a rerun)"
+    disk = failing(IsADirectoryError(21, "Is a directory", "part-000001.parquet"))
+    assert disk.exit_code == 1 and str(disk).startswith("ranks 0, 1 failed: part-000001.parquet: Is a directory;")
+    monkeypatch.setenv("KEVSCORE_TRACEBACK", "1")
+    bug = failing(ValueError("oops"))
+    assert bug.exit_code == 1 and "failed: internal error, a bug in kevscore: ValueError: oops" in str(bug)
+    assert "Traceback" in capsys.readouterr().err

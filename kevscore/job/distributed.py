@@ -4,15 +4,18 @@ Every rank reads the input and plans the same windows: each rank's documents (`k
 windows, rank 0's first. Rank 0 opens the output's parts directory (`kevscore.job.parts`, under the one job
 identity); every rank then scores its own windows into it as a one-process job does, and rank 0 merges
 them all with the same bounded merge. Each step ends with the ranks exchanging their status (gloo, CPU
-objects only): if any rank failed, every rank fails with that rank's error and no output is written. A
-rerun of the same job resumes every completed window, whichever rank wrote it.
+objects only): if any rank failed, every rank fails with that rank's error and no output is written; a rank
+gone from an exchange (killed, interrupted) fails the ranks waiting for it, each saying so and what was kept.
+A rerun of the same job resumes every completed window, whichever rank wrote it.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import os
+import re
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +26,24 @@ import torch.distributed as dist
 
 from kevscore.engine.backend import job_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
-from kevscore.errors import KevscoreError
+from kevscore.errors import KevscoreError, KevscoreFailure, first_line, reported
 from kevscore.faults import Interrupted
 from kevscore.job.files import opened_inputs, output_path
 from kevscore.job.options import RunOptions, check_options
-from kevscore.job.parts import PartStore, merged_output
+from kevscore.job.parts import PartStore, merged_output, parts_dir
+from kevscore.job.provenance import job_digest
 from kevscore.job.run import Job, LoadedModel, completed, finished_job, merge_job, open_parts, score_job, start_job
 
 TIMEOUT = datetime.timedelta(hours=24)  # ranks wait this long for each other at a status exchange
+# gloo's errors when the other end of a wait is gone: its process ended (killed, interrupted, failed) or
+# never answered (its machine lost)
+LOST_PEER = re.compile(r"closed by peer|reset by peer|broken pipe|timed out|timeout|read error|write error", re.I)
+KEPT = "no output was written (completed parts are kept and reused by a rerun)"
 T = TypeVar("T")
+
+
+class RankLost(KevscoreFailure):
+    """Another rank stopped while this one waited for it at a status exchange."""
 
 
 @dataclass(slots=True)
@@ -61,24 +73,36 @@ class Ranks:
     local: int = 0  # the rank among this machine's processes: which of its GPUs
 
     def step(self, work: Callable[[], T], message: Callable[[str], str] = str) -> T:
-        """Run `work` on this rank, then learn every rank's outcome: when any failed, raise on every rank a
-        KevscoreError naming each failed rank and its error (`message` rewords this rank's error)."""
+        """Run `work` on this rank, then learn every rank's outcome: when any failed, raise on every rank one
+        error naming the failed ranks and their errors (`message` rewords this rank's), a KevscoreFailure
+        unless every one is an input error."""
         value, error = None, None
         try:
             value = work()
-        except KevscoreError as exc:
-            error = message(str(exc))
         except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks
-            error = f"{type(exc).__name__}: {exc}"
+            if os.environ.get("KEVSCORE_TRACEBACK") == "1":  # where a bug happened, as a one-process run shows it
+                traceback.print_exc()
+            failed = reported(exc)
+            error = (message(str(failed)), failed.exit_code)
         if any(errors := self.gather(error)):
-            raise KevscoreError("; ".join(f"rank {r} failed: {e}" for r, e in enumerate(errors) if e)
-                                + "; no output was written (completed parts are kept and reused by a rerun)")
+            said: dict[str, list[str]] = {}  # each error, the ranks that failed with it
+            for rank, (text, _) in ((r, e) for r, e in enumerate(errors) if e):
+                said.setdefault(text, []).append(str(rank))
+            failure = KevscoreError if all(e[1] == KevscoreError.exit_code for e in errors if e) else KevscoreFailure
+            raise failure("; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)} failed: {text}"
+                                    for text, r in said.items()) + f"; {KEPT}")
         return value
 
     def gather(self, value: T) -> list[T]:
-        """Every rank's `value`, by rank."""
+        """Every rank's `value`, by rank; RankLost when another rank is gone."""
         values: list = [None] * self.world
-        dist.all_gather_object(values, value)
+        try:
+            dist.all_gather_object(values, value)
+        except RuntimeError as exc:  # gloo's DistBackendError: its message, after the source line, says why
+            if not LOST_PEER.search(why := first_line(exc)):
+                raise
+            why = re.sub(r"^\[[^]]*\] *", "", why).split(". ")[0]  # "[.../pair.cc:553] Connection closed by peer ..."
+            raise RankLost(f"another rank stopped ({why})") from None
         return values
 
 
@@ -114,15 +138,16 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.E
     score (every rank, its own windows), merge (rank 0). Returns every rank's status."""
     t0 = time.perf_counter()
     status = RankStatus(ranks.rank, host_rank=f"{ranks.local} of node {os.environ.get('GROUP_RANK', '0')}")
-    inputs = ranks.step(lambda: stack.enter_context(opened_inputs(opts)))
-    job = ranks.step(lambda: _start(opts, inputs, ranks), inputs.message)
-    status.rows = int(job.windows.rows[job.windows.of_rank(ranks.rank)].sum())
-    if job.finished is not None:  # the output exists: this very job's (nothing to do), or refused
-        ranks.step(lambda: finished_job(job), inputs.message)
-        status.reused = True
-        return ranks.gather(status)
-    parts: PartStore | None = ranks.step(lambda: open_parts(job, progress) if ranks.rank == 0 else None, inputs.message)
+    job, parts = None, None
     try:
+        inputs = ranks.step(lambda: stack.enter_context(opened_inputs(opts)))
+        job = ranks.step(lambda: _start(opts, inputs, ranks), inputs.message)
+        status.rows = int(job.windows.rows[job.windows.of_rank(ranks.rank)].sum())
+        if job.finished is not None:  # the output exists: this very job's (nothing to do), or refused
+            ranks.step(lambda: finished_job(job), inputs.message)
+            status.reused = True
+            return ranks.gather(status)
+        parts = ranks.step(lambda: open_parts(job, progress) if ranks.rank == 0 else None, inputs.message)
         parts = ranks.step(lambda: parts or open_parts(job, progress, member=True), inputs.message)  # the others join
         result = ranks.step(lambda: score_job(job, parts, progress, ranks.rank), inputs.message)
         status.reused = result.resumed == result.windows
@@ -135,12 +160,21 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.E
     except BaseException as exc:
         if parts is not None:
             parts.abandon()
-        if isinstance(exc, KeyboardInterrupt):  # what was kept: the output, when rank 0's merge is in place
-            whole = parts is not None and merged_output(job.output, parts.manifest.get("merged"))  # others: on disk
-            raise Interrupted(completed(job.output, parts.dir) if whole else "interrupted; no output was written "
-                              "(completed parts are kept and reused by a rerun)") from None
+        if isinstance(exc, (KeyboardInterrupt, RankLost)):
+            raise _stopped(exc, job, parts) from None
         raise
     return statuses
+
+
+def _stopped(exc: BaseException, job: Job | None, parts: PartStore | None) -> BaseException:
+    """What a rank stopped by `exc` (an interrupt, or another rank lost) says was kept: the output when it is
+    whole (rank 0's merge renamed into place, or this job's output there before the run), else the parts."""
+    lost = isinstance(exc, RankLost)
+    merged = parts.manifest.get("merged") if parts else None  # rank 0's record; the others read it on disk
+    whole = job is not None and (merged_output(job.output, merged) or job.finished == job_digest(job.identity))
+    said = str(exc) if lost else "interrupted"
+    said = completed(job.output, parts_dir(job.output), said) if whole else f"{said}; {KEPT}"
+    return RankLost(said) if lost else Interrupted(said)
 
 
 def _start(opts: RunOptions, inputs, ranks: Ranks) -> Job:

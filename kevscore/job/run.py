@@ -121,12 +121,12 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
 STDOUT_CUT = "interrupted while writing the scores to stdout: they may be cut short; rerun the same command"
 
 
-def completed(output: Path, parts: Path | None = None) -> str:
-    """What an interrupt says once the output is complete (only the clean-up or the summary was left); `parts`:
-    its parts directory, unless it was removed."""
+def completed(output: Path, parts: Path | None = None, stopped: str = "interrupted") -> str:
+    """What a stop (`stopped`: an interrupt, a rank's loss) says once the output is complete (only the clean-up
+    or the summary was left); `parts`: its parts directory, unless it was removed."""
     where = "the scores written to stdout are" if str(output) == STDOUT else f"{output} is"
     rest = f"{parts} is left over and can be deleted" if parts and parts.exists() else "there is nothing to rerun"
-    return f"interrupted after the output was complete: {where} whole; {rest}"
+    return f"{stopped} after the output was complete: {where} whole; {rest}"
 
 
 class Laps:
