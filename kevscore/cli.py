@@ -221,6 +221,7 @@ def run(
         _fail(f"--gpus {gpus}: must be at least 1", 2)
     given = locals()
     with _failing():
+        world = world_from_env()  # this process is a rank of a torchrun job (None: it is not)
         # rename: the input's column name -> kevscore's
         opts = options_of(RunOptions, given, labels=parse_labels(labels),
                           rename=scan.renames({name: given[f"{name}_column"] for name in scan.COLUMNS}))
@@ -234,10 +235,10 @@ def run(
                 return display.table_console().print(display.plan_table(plan))
             except BrokenPipeError:  # the reader stopped early (`| true`), as with -o - (files.to_stdout)
                 return stdout_closed()
-    if gpus > 1 or world_from_env() is not None:  # several processes: this one launches them, or is one
+    if gpus > 1 or world is not None:  # several processes: this one launches them, or is one
         if str(output) == "-" or file_format(output or "") != "parquet":
             _fail("--gpus and torchrun write Parquet: give -o a .parquet name", 2)
-        if world_from_env() is not None:
+        if world is not None:
             return _run_rank(opts, quiet, log_json)
         with _failing():  # a one-process run's checks, before any rank starts
             _launchable(opts, gpus)

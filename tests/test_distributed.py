@@ -294,3 +294,20 @@ def test_a_failed_step_names_each_error_once_with_its_exit_status(monkeypatch, c
     bug = failing(ValueError("oops"))
     assert bug.exit_code == 1 and "failed: internal error, a bug in kevscore: ValueError: oops" in str(bug)
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_torchrun_environment_set_by_hand_is_one_line(tmp_path):
+    """WORLD_SIZE without RANK (another launcher's, or set by hand): exit 2 before anything runs; a rank whose
+    launcher address is unset: it cannot join, exit 1; neither a traceback nor a 'bug' line."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    args = [sys.executable, "-m", "kevscore", "run", str(EXAMPLES / "questions.parquet"), "--device", "cpu", "-o",
+            str(tmp_path / "out.parquet")]
+    for extra, code, said in (({"WORLD_SIZE": "2"}, 2, "error: WORLD_SIZE=2, RANK=(unset): not the environment of a "
+                                "torchrun rank; launch with torchrun or --gpus N"),
+                              ({"WORLD_SIZE": "2", "RANK": "0"}, 1, "error: rank 0 of 2 could not join the job: "
+                               "Error initializing torch.distributed using env:// rendezvous: environment variable "
+                               "MASTER_ADDR expected, but not set")):
+        res = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**env, **extra})
+        assert res.returncode == code and res.stderr.strip() == said, res.stderr[-3000:]

@@ -109,17 +109,27 @@ class Ranks:
 def world_from_env() -> tuple[int, int, int] | None:
     """(rank, world size, local rank) when launched by torch's launcher (any number of processes) or
     with a world of more than one process; None for a plain process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
-        return None
-    return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0"))
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+            return None
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    except (KeyError, ValueError):
+        rank = world = -1
+    if not 0 <= rank < world:  # set by hand, or by a launcher other than torch's
+        given = ", ".join(f"{name}={os.environ.get(name, '(unset)')}" for name in ("WORLD_SIZE", "RANK"))
+        raise KevscoreError(f"{given}: not the environment of a torchrun rank; launch with torchrun or --gpus N")
+    return rank, world, local
 
 
 def run_distributed(opts: RunOptions) -> DistributedResult:
     """This process's share of a torchrun job; returns the whole job's result on every rank."""
     ranks = Ranks(*(world_from_env() or (0, 1, 0)))
     t0 = time.perf_counter()
-    dist.init_process_group("gloo", timeout=TIMEOUT)
+    try:
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+    except (ValueError, RuntimeError) as exc:  # the launcher's address (MASTER_ADDR, MASTER_PORT) unset or unreachable
+        raise KevscoreFailure(f"rank {ranks.rank} of {ranks.world} could not join the job: {first_line(exc)}") from None
     statuses = None
     try:
         with contextlib.ExitStack() as stack:
