@@ -159,19 +159,22 @@ class JsonProgress(Reporter):
 
 def ranks_table(result) -> Table:
     """A torchrun job's figures per rank, then the whole job's."""
-    table = Table(title=escape(f"kevscore run · {len(result.ranks)} ranks"))
+    table = Table(title=escape(f"kevscore run · {len(result.ranks)} ranks"), caption=escape(f"output: {result.output}"))
     for name in ("rank", "GPU", "rows", "time s", "load s", "prefill + score s", "rows/s", "part"):
         table.add_column(name, justify="right")
-    for s in result.ranks:
+    for s in result.ranks:  # a rank's part: none when it had no rows, reused when a rerun found it complete
+        part = "reused" if s.reused else "scored" if s.rows else "none"
         table.add_row(str(s.rank), escape(s.host_rank), f"{s.rows:,}", f"{s.seconds:.2f}", f"{s.load_s:.2f}",
-                      f"{s.work_s:.2f}", f"{_per_s(s.rows, s.seconds):,.1f}", "reused" if s.reused else "scored")
+                      f"{s.work_s:.2f}", _per_s(s.rows * (not s.reused), s.seconds), part)
+    scored = sum(s.rows for s in result.ranks if not s.reused)
     table.add_row("job", "", f"{result.rows:,}", f"{result.seconds:.2f}", "", "",
-                  f"{_per_s(result.rows, result.seconds):,.1f}", escape(str(result.output)), style="bold")
+                  _per_s(scored, result.seconds), "", style="bold")
     return table
 
 
-def _per_s(n: int, seconds: float) -> float:
-    return n / seconds if seconds > 0 else float("nan")
+def _per_s(rows: int, seconds: float) -> str:
+    """Rows scored a second, or "-" where none were scored."""
+    return f"{rows / seconds:,.1f}" if rows and seconds > 0 else "-"
 
 
 def rounded(figures) -> dict:

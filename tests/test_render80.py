@@ -18,10 +18,12 @@ from kevscore.display import (
     plan_table,
     print_inspect,
     progress_bars,
+    ranks_table,
     summary_table,
 )
 from kevscore.engine.bank_store import BankStats
 from kevscore.engine.pipeline import RunStats
+from kevscore.job.distributed import DistributedResult, RankStatus
 from kevscore.job.dryrun import Plan
 from kevscore.job.run import RunResult
 
@@ -164,3 +166,16 @@ def test_dry_run_plan() -> None:
     check(rendered(plan_table(plan)), "123,456,789 (1,234 set aside)", "8,765,432 loaded from the bank, 12,345,678,901",
           "9,646, 12,345 waves",
           "about 65.2 h", "compiles")
+
+
+def test_ranks_table() -> None:
+    """A rank with no rows has no part, a reused part no rate; no "nan" where nothing was scored."""
+    ranks = [RankStatus(0, 0, 1.5, host_rank="0 of node 0"), RankStatus(1, 1_234, 2.0, True, host_rank="1 of node 0"),
+             RankStatus(2, 2_000, 4.0, host_rank="0 of node 1")]
+    text = rendered(ranks_table(DistributedResult(Path("out.parquet"), ranks, 5.0, 3_234)))
+    check(text, "0 0 of node 0 0 1.50 0.00 0.00 - none", "1 1 of node 0 1,234 2.00 0.00 0.00 - reused",
+          "2 0 of node 1 2,000 4.00 0.00 0.00 500.0 scored", "job 3,234 5.00 400.0", "output: out.parquet")
+    assert "nan" not in text
+    reran = [RankStatus(r, 1_000, 0.5, True) for r in range(2)]  # an output already whole: nothing scored
+    check(rendered(ranks_table(DistributedResult(Path("out.parquet"), reran, 0.6, 2_000))), "job 2,000 0.60 -",
+          "output: out.parquet")

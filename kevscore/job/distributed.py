@@ -160,7 +160,7 @@ def _run(opts: RunOptions, progress: Reporter, ranks: Ranks, stack: contextlib.E
         parts = ranks.step(lambda: open_parts(job, progress) if ranks.rank == 0 else None, inputs.message)
         parts = ranks.step(lambda: parts or open_parts(job, progress, member=True), inputs.message)  # the others join
         result = ranks.step(lambda: score_job(job, parts, progress, ranks.rank), inputs.message)
-        status.reused = result.resumed == result.windows
+        status.reused = result.windows > 0 and result.resumed == result.windows
         status.seconds, status.load_s = time.perf_counter() - t0, result.load_s
         status.work_s = result.stats.prefill_s + result.stats.score_s
         statuses = ranks.gather(status)
