@@ -311,3 +311,24 @@ def test_a_torchrun_environment_set_by_hand_is_one_line(tmp_path):
                                "MASTER_ADDR expected, but not set")):
         res = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**env, **extra})
         assert res.returncode == code and res.stderr.strip() == said, res.stderr[-3000:]
+
+
+def test_more_ranks_on_a_machine_than_its_gpus_is_refused(monkeypatch):
+    """Two ranks on one GPU would share its memory: a local rank past the machine's GPUs is one line, before the
+    job starts."""
+    import torch
+
+    from kevscore.errors import KevscoreError
+    from kevscore.job import distributed
+    from kevscore.job.distributed import Ranks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    started = []
+    monkeypatch.setattr(distributed, "start_job", lambda *args: started.append(args))
+    opts = RunOptions(input=Path("q.parquet"), model="demo", device="cuda")
+    distributed._start(opts, None, Ranks(1, 3, local=1))
+    with pytest.raises(KevscoreError, match=r"^local rank 2: this machine has 2 CUDA GPU\(s\); launch at most 2 "):
+        distributed._start(opts, None, Ranks(2, 3, local=2))
+    assert len(started) == 1

@@ -190,5 +190,8 @@ def _stopped(exc: BaseException, job: Job | None, parts: PartStore | None) -> Ba
 def _start(opts: RunOptions, inputs, ranks: Ranks) -> Job:
     check_options(opts)
     if opts.device != "cpu" and torch.cuda.is_available():
-        torch.cuda.set_device(ranks.local % torch.cuda.device_count())
+        if ranks.local >= (gpus := torch.cuda.device_count()):  # two ranks on one GPU would share its memory
+            raise KevscoreError(f"local rank {ranks.local}: this machine has {gpus} CUDA GPU(s); launch at most "
+                                f"{gpus} process(es) a machine (torchrun --nproc-per-node {gpus})")
+        torch.cuda.set_device(ranks.local)
     return start_job(opts, inputs, output_path(opts), LoadedModel(), ranks.world)
