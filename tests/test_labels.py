@@ -29,6 +29,7 @@ def questions(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("text, labels", [
     ("Yes,No", ["Yes", "No"]), ("Yes, No", ["Yes", "No"]), (" Yes ,  No ", ["Yes", "No"]),
     ('" Yes"," No"', [" Yes", " No"]), ('"a,b", c', ["a,b", "c"]), ("Yes,", ["Yes", ""]), ("Yes", ["Yes"]),
+    ('["Yes", " No", "a,b"]', ["Yes", " No", "a,b"]), (' ["A"]', ["A"]), ("[A],[B]", ["[A]", "[B]"]),
 ])
 def test_parse_labels(text: str, labels: list[str]) -> None:
     assert parse_labels(text) == labels
@@ -37,6 +38,12 @@ def test_parse_labels(text: str, labels: list[str]) -> None:
 @pytest.mark.parametrize("text", ['"Yes,No', '"Yes"x,No'])
 def test_parse_labels_refuses_broken_quotes(text: str) -> None:
     with pytest.raises(KevscoreError, match="quote"):
+        parse_labels(text)
+
+
+@pytest.mark.parametrize("text", ['["Yes", 3]', "[null]", '[["Yes"]]'])
+def test_parse_labels_refuses_a_json_array_of_other_than_strings(text: str) -> None:
+    with pytest.raises(KevscoreError, match="a JSON array, but not of strings"):
         parse_labels(text)
 
 
@@ -105,6 +112,8 @@ def test_low_mass_warning_needs_most_rows() -> None:
     assert summary["label_mass_min"] == pytest.approx(0.01) and low_mass_warning(summary, 4, ["a", "b"]) is None
     tally.add(pa.table({"prediction": ["a"], "probs": [[0.5, 0.5]], "label_mass": [0.001]}))
     assert "on 3 of 5 rows" in low_mass_warning(tally.summary(), 5, ["a", "b"])
+    many = low_mass_warning(tally.summary(), 5, [f"L{i}" for i in range(1000)])  # the first few named, not all
+    assert "the labels ('L0', 'L1', 'L2', 'L3', 'L4', … (1000 labels) unless" in many and "'L5'" not in many
 
 
 def test_non_finite_probabilities_are_counted_not_predicted(questions: Path, tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """kevscore.model.prompt: templates split at the document, the demo chat template, and encoding of input rows."""
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,18 @@ def test_empty_branch_is_an_error(tok) -> None:
 def test_empty_table(tok, chat: Template) -> None:
     enc = encode(table([], []), tok, chat, ["Yes", "No"], 4096)
     assert len(enc) == 0 and enc.prefixes == [] and enc.label_ids == [] and enc.labels == []
+
+
+def test_labels_of_the_same_tokens_are_an_error(tok, chat: Template) -> None:
+    """A normalizing tokenizer (NFC: Qwen's) reads 'é' and 'e\u0301' alike: their probability would be split."""
+    class Normalizing:
+        def __call__(self, texts, **kw):
+            return tok([unicodedata.normalize("NFC", t) for t in texts], **kw)
+    with pytest.raises(KevscoreError) as info:
+        label_token_ids(Normalizing(), ["\u00e9", "No", "e\u0301"], "--labels")
+    assert str(info.value) == "--labels: labels '\u00e9' and 'e\u0301' tokenize to the same tokens"
+    with pytest.raises(KevscoreError) as info:
+        encode(table(["d."] * 2, "ab", labels=[["Yes", "No"], ["No", "\u00e9", "e\u0301"]], name="qs.parquet"),
+               Normalizing(), chat, ["Yes", "No"], 4096)
+    assert str(info.value) == ("qs.parquet: column 'labels' (row 1): labels '\u00e9' and 'e\u0301' tokenize to the "
+                               "same tokens")

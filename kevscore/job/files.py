@@ -76,12 +76,19 @@ def input_files(given: str) -> list[Path]:
     if is_glob(given):
         found, none = [Path(p) for p in glob.glob(given, recursive=True)], "no file matches"
     elif path.is_dir():
-        found, none = list(path.rglob("*.parquet")), "a directory with no .parquet file"
+        found = [f for f in path.rglob("*.parquet") if not hidden(f.relative_to(path).as_posix())]
+        none = "a directory with no .parquet file (names beginning with . or _ are skipped)"
     else:
         found, none = [path], "not a regular file" if path.exists() else "no such file"
     if not (files := sorted(f for f in found if f.is_file())):
         raise KevscoreError(f"{given}: {none}")
     return files
+
+
+def hidden(relative: str) -> bool:
+    """Whether a file's path inside an input directory has a name beginning with . or _ (a hidden file, a writer's
+    temporary or marker: Spark's _temporary/): skipped, as pyarrow's and Spark's readers do."""
+    return any(name.startswith((".", "_")) for name in relative.split("/"))
 
 
 def remote_files(uri: str) -> tuple[pafs.FileSystem, list[str]]:
@@ -94,8 +101,9 @@ def remote_files(uri: str) -> tuple[pafs.FileSystem, list[str]]:
         found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
     except (pa.ArrowException, OSError, ValueError) as e:
         raise KevscoreError(f"{uri}: cannot open ({first_line(e)})") from e
-    if not (paths := sorted(f.path for f in found if f.is_file and f.path.endswith(".parquet"))):
-        raise KevscoreError(f"{uri}: a directory with no .parquet file")
+    found = [f.path for f in found if f.is_file and f.path.endswith(".parquet") and not hidden(f.path[len(path):])]
+    if not (paths := sorted(found)):
+        raise KevscoreError(f"{uri}: a directory with no .parquet file (names beginning with . or _ are skipped)")
     return fs, paths
 
 
@@ -123,7 +131,23 @@ def _kevscore_typed(path: Path) -> list[str] | None:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError):
         return []
-    return None if any(f.name in IDS and pa.types.is_integer(f.type) for f in schema) else schema.names
+    staged = any(f.name in IDS and pa.types.is_integer(f.type) or unviewed(f.type) != f.type for f in schema)
+    return None if staged else schema.names
+
+
+def unviewed(t: pa.DataType) -> pa.DataType:
+    """`t` with its string and binary views as plain strings and binaries: pyarrow cannot take rows of a view
+    column, which a job does to read a window's rows."""
+    return retyped(t, lambda leaf: {"string_view": pa.string(), "binary_view": pa.binary()}.get(str(leaf), leaf))
+
+
+def retyped(t: pa.DataType, leaf: Callable[[pa.DataType], pa.DataType]) -> pa.DataType:
+    """`t` with `leaf` applied to the types in it: itself, or its lists' and structs' (at any depth)."""
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return (pa.list_ if pa.types.is_list(t) else pa.large_list)(t.value_field.with_type(retyped(t.value_type, leaf)))
+    if pa.types.is_struct(t):
+        return pa.struct([t.field(i).with_type(retyped(t.field(i).type, leaf)) for i in range(t.num_fields)])
+    return leaf(t)
 
 
 def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dict[str, str], limit: int | None,
@@ -173,13 +197,14 @@ def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
 
 
 def _as_kevscore(tables: Iterable[pa.Table], rename: dict[str, str]) -> Iterator[pa.Table]:
-    """Columns renamed to kevscore's names, integer ids as strings (a labels column of JSON text is read as
-    lists by the scan: kevscore.job.scan.json_labels)."""
+    """Columns renamed to kevscore's names, integer ids as strings, views as plain types (`unviewed`; a labels
+    column of JSON text is read as lists by the scan: kevscore.job.scan.json_labels)."""
     for table in tables:
         table = table.rename_columns([rename.get(n, n) for n in table.column_names])
         for i, f in enumerate(table.schema):
-            if f.name in IDS and pa.types.is_integer(f.type):
-                table = table.set_column(i, f.name, table.column(i).cast(pa.string()))
+            plain = pa.string() if f.name in IDS and pa.types.is_integer(f.type) else unviewed(f.type)
+            if plain != f.type:
+                table = table.set_column(i, f.name, table.column(i).cast(plain))
         yield table
 
 
@@ -291,7 +316,7 @@ def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dic
         with ExitStack() as stack:  # the writer, once made, is closed however the write ends
             for table in tables:
                 if fmt == "jsonl":
-                    file.write("".join(json_text(row) + "\n" for row in table.to_pylist()).encode("utf-8"))
+                    file.write("".join(json_text(row) + "\n" for row in json_ready(table).to_pylist()).encode("utf-8"))
                 else:
                     table = lists_as_json(table) if fmt == "csv" else table
                     if writer is None:
@@ -302,6 +327,15 @@ def table_filler(tables: Iterable[pa.Table], fmt: str = "parquet", metadata: dic
                 if hook:
                     faults.point(hook)
     return fill
+
+
+def json_ready(table: pa.Table) -> pa.Table:
+    """The table with its nanosecond times (in lists and structs too) as their text: a Python time holds only
+    microseconds, and pyarrow will not round one."""
+    for i, f in enumerate(table.schema):
+        if (text := retyped(f.type, lambda t: pa.string() if getattr(t, "unit", None) == "ns" else t)) != f.type:
+            table = table.set_column(i, f.name, table.column(i).cast(text))
+    return table
 
 
 def json_text(value) -> str:
@@ -329,6 +363,7 @@ def finite(value):
 
 def lists_as_json(table: pa.Table) -> pa.Table:
     """List, struct and map columns turned into JSON strings, binary ones into base64 (what CSV can hold)."""
+    table = json_ready(table)
     for i, f in enumerate(table.schema):
         binary = pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type) or pa.types.is_fixed_size_binary(f.type)
         if binary or pa.types.is_nested(f.type):
@@ -372,7 +407,9 @@ class Carry:
         self.cursor = Cursor(source.path, [c for c, _ in self.columns], stamps) if self.columns else None
 
     def add(self, chunk: pa.Table) -> pa.Table:
-        values = self.cursor.take(chunk.column("row").to_numpy()) if self.cursor is not None else {}
+        """The chunk with the columns carried, as Arrow values: exactly as read (a nanosecond time has no Python value)."""
+        rows = chunk.column("row").to_numpy()
+        values = self.cursor.table(rows) if self.cursor is not None and len(rows) else None
         for column, f in self.columns:
-            chunk = chunk.append_column(f, pa.array(values[column], f.type))
+            chunk = chunk.append_column(f, values.column(column) if values is not None else pa.array([], f.type))
         return chunk

@@ -1,6 +1,7 @@
 """Labels: reading `--labels`, and what the scores say about them (label mass, predictions per label)."""
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -8,14 +9,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kevscore.errors import KevscoreError
+from kevscore.errors import KevscoreError, listed
 
 LOW_MASS = 0.1  # below this label mass the labels are not what the model would answer (" Yes", "yes")
 
 
 def parse_labels(text: str) -> list[str]:
     """`Yes,No` -> ['Yes', 'No']: split at commas, surrounding spaces stripped. A label in double quotes is
-    taken as written (`" Yes"," No"` keeps the leading spaces; a quoted label may hold a comma)."""
+    taken as written (`" Yes"," No"` keeps the leading spaces; a quoted label may hold a comma). A JSON array of
+    strings (`["Yes", "No"]`, as a CSV's labels cell) is its strings."""
+    try:
+        given = json.loads(text) if text.lstrip().startswith("[") else None
+    except ValueError:
+        given = None  # no JSON: labels that begin with '[' ("[A],[B]"), split at commas
+    if given is not None:
+        if isinstance(given, list) and all(isinstance(label, str) for label in given):
+            return given
+        raise KevscoreError(f"--labels {text}: a JSON array, but not of strings")
     labels, rest = [], text
     while True:
         rest = rest.lstrip()
@@ -72,8 +82,9 @@ def low_mass_warning(summary: dict, rows: int, labels: list[str]) -> str | None:
     low = summary.get("low_mass_rows", 0)
     if not rows or low * 2 <= rows - bad:
         return nan if bad else None
+    named = listed([repr(label) for label in labels], 5, "labels")
     return (f"{nan}; " if bad else "") + (
-        f"the labels ({', '.join(map(repr, labels))} unless a labels column says otherwise) hold less than "
+        f"the labels ({named} unless a labels column says otherwise) hold less than "
         f"{LOW_MASS:.0%} of the model's probability on {low:,} of {rows:,} rows (median label mass "
         f"{summary['label_mass_median']:.2g}): the model would answer with other tokens; check the labels' "
         "spelling, case and leading spaces (a label with a leading space is quoted: --labels '\" Yes\",\" No\"')")

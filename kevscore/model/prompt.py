@@ -97,10 +97,14 @@ def tokenize(tokenizer, texts: list[str]) -> list[list[int]]:
 
 def tokenize_labels(tokenizer, labels: Sequence[str]) -> tuple[list[list[int]], str | None]:
     """Each label's token ids, each label tokenized on its own (the answer as it continues the prompt), and why
-    the labels cannot be scored (a label of no tokens) or None."""
+    the labels cannot be scored (a label of no tokens, two labels of the same tokens: a normalizing tokenizer's
+    'é' and 'e\u0301', which would split one answer's probability between them) or None."""
     ids = tokenize(tokenizer, list(labels))
-    empty = [label for label, t in zip(labels, ids) if not t]
-    return ids, f"label {empty[0]!r} tokenizes to no tokens" if empty else None
+    if empty := [label for label, t in zip(labels, ids) if not t]:
+        return ids, f"label {empty[0]!r} tokenizes to no tokens"
+    first: dict[tuple[int, ...], str] = {}
+    same = [(first[key], label) for label, key in zip(labels, map(tuple, ids)) if first.setdefault(key, label) != label]
+    return ids, f"labels {same[0][0]!r} and {same[0][1]!r} tokenize to the same tokens" if same else None
 
 
 def label_token_ids(tokenizer, labels: Sequence[str], where: str) -> list[list[int]]:
