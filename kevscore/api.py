@@ -181,5 +181,8 @@ def _as_input(data: Tabular | PathLike | None, tmp: Path, role: str) -> str | No
     if not isinstance(data, pa.Table):
         raise KevscoreError(f"<{role}>: a pyarrow Table, a pandas DataFrame or a path, not {type(data).__name__}")
     path = tmp / f"{role}.parquet"
-    pq.write_table(data, path)
+    try:
+        pq.write_table(data, path)
+    except pa.ArrowException as exc:  # a column of a type Parquet has none for (an interval)
+        raise KevscoreError(f"<{role}>: cannot be written as Parquet, which kevscore reads ({first_line(exc)})") from exc
     return str(path)

@@ -320,6 +320,16 @@ def test_invalid_utf8_in_a_column(tmp_path, example_rows, column):
     refused(tmp_path, 2, [str(path), f"column {column!r}", "not valid UTF-8", "row 3"], path)
 
 
+def test_invalid_utf8_in_a_csv_names_its_column_and_row(tmp_path, example_rows):
+    """The CSV reader's own check would name only the column's number: the scan names the column and the row."""
+    quoted = [[r[c].replace('"', '""') for c in ("document", "question")] for r in example_rows[:4]]
+    lines = [f'"{doc}","{question}"'.encode() for doc, question in quoted]
+    lines[2] = lines[2][:-1] + b'\xff"'  # in the question's text
+    path = tmp_path / "in.csv"
+    path.write_bytes(b"\n".join([b"document,question", *lines, b""]))
+    refused(tmp_path, 2, [str(path), "column 'question'", "not valid UTF-8", "row 2"], path)
+
+
 def test_invalid_utf8_in_the_documents_file(tmp_path):
     shutil.copytree(EXAMPLES / "two-file", tmp_path / "two")
     docs = pq.read_table(tmp_path / "two" / "documents.parquet")

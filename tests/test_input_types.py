@@ -1,5 +1,5 @@
-"""Inputs of Arrow types a job must read and carry as they are: string and binary views, nanosecond times; and a
-directory's hidden and underscored files (a writer's temporaries) left unread."""
+"""Inputs of Arrow types a job must read and carry as they are: string and binary views, nanosecond times, a uuid;
+a directory's hidden and underscored files (a writer's temporaries) left unread; a table Parquet cannot hold."""
 from __future__ import annotations
 
 import json
@@ -85,3 +85,22 @@ def test_a_directory_skips_hidden_and_underscored_files(tmp_path: Path, source: 
     (parts / "part-0.parquet").unlink()
     result = CliRunner().invoke(app, ["run", str(parts), "-o", str(tmp_path / "none.parquet"), "--device", "cpu"])
     assert result.exit_code == 2 and "no .parquet file (names beginning with . or _ are skipped)" in result.stderr
+
+
+def test_types_the_csv_writer_has_no_text_for_are_written_as_their_values(tmp_path: Path, source: pa.Table) -> None:
+    """A uuid (an extension type) carried into a CSV output is its text, not an internal error at the merge."""
+    if not hasattr(pa, "uuid"):
+        pytest.skip("pyarrow without the uuid type")
+    ids = [bytes(15) + bytes([i]) for i in range(source.num_rows)]
+    pq.write_table(source.append_column("u", pa.array(ids, pa.uuid())), tmp_path / "q.parquet")
+    run_ok(tmp_path / "q.parquet", "-o", tmp_path / "out.csv")
+    assert pacsv.read_csv(tmp_path / "out.csv").column("u")[1].as_py() == "00000000-0000-0000-0000-000000000001"
+
+
+def test_a_table_parquet_cannot_hold_is_a_kevscore_error(source: pa.Table) -> None:
+    """Scorer.score writes a table as Parquet first: a column Parquet has no type for is the user's to change."""
+    from kevscore import KevscoreError, Scorer
+
+    table = source.append_column("gap", pa.array([pa.MonthDayNano([0, 1, 0])] * source.num_rows))
+    with pytest.raises(KevscoreError, match=r"^<questions>: cannot be written as Parquet, which kevscore reads \("):
+        Scorer("demo", device="cpu").score(table)

@@ -169,8 +169,9 @@ def _stage(given: str, paths: list[str], fs: pafs.FileSystem | None, rename: dic
 
 
 def _reader(paths: list[str], fmt: str, fs: pafs.FileSystem | None, rename: dict[str, str]):
-    """A record-batch reader (with .schema) over the files; a CSV file's every column as text, as written, and the
-    Parquet files' id columns (`rename`d or not) as text where one file's are integers (another's may be text)."""
+    """A record-batch reader (with .schema) over the files; a CSV file's every column as text, as written (text
+    that is not UTF-8 too: the scan names its column and row), and the Parquet files' id columns (`rename`d or not)
+    as text where one file's are integers (another's may be text)."""
     if fmt == "parquet":  # the files' columns together: a column a file lacks is null there
         schemas = [pq.read_schema(p, filesystem=fs) for p in paths]
         text = {f.name for s in schemas for f in s if rename.get(f.name, f.name) in IDS and pa.types.is_integer(f.type)}
@@ -182,7 +183,7 @@ def _reader(paths: list[str], fmt: str, fs: pafs.FileSystem | None, rename: dict
         size = fs.get_file_info(paths[0]).size if fs is not None else os.path.getsize(paths[0])
         return pajson.open_json(stream(), read_options=pajson.ReadOptions(block_size=min(max(size, 1 << 20), 1 << 30)))
     types = {name: pa.string() for name in pacsv.open_csv(stream()).schema.names}  # its header, read first
-    return pacsv.open_csv(stream(), convert_options=pacsv.ConvertOptions(column_types=types))
+    return pacsv.open_csv(stream(), convert_options=pacsv.ConvertOptions(column_types=types, check_utf8=False))
 
 
 def _tables(reader, limit: int | None) -> Iterator[pa.Table]:
@@ -362,12 +363,15 @@ def finite(value):
 
 
 def lists_as_json(table: pa.Table) -> pa.Table:
-    """List, struct and map columns turned into JSON strings, binary ones into base64 (what CSV can hold)."""
+    """List, struct and map columns turned into JSON strings, binary ones into base64, those the CSV writer has no
+    text for (a uuid, an interval) into their Python value's (what CSV can hold)."""
     table = json_ready(table)
     for i, f in enumerate(table.schema):
         binary = pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type) or pa.types.is_fixed_size_binary(f.type)
-        if binary or pa.types.is_nested(f.type):
-            text = [None if v is None else as_text(v) if binary else json_text(v) for v in table.column(i).to_pylist()]
+        other = isinstance(f.type, pa.BaseExtensionType) or pa.types.is_interval(f.type)
+        if binary or other or pa.types.is_nested(f.type):
+            text = [None if v is None else json_text(v) if pa.types.is_nested(f.type) else as_text(v)
+                    for v in table.column(i).to_pylist()]
             table = table.set_column(i, pa.field(f.name, pa.string()), pa.array(text, pa.string()))
     return table
 
