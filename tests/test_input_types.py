@@ -1,5 +1,6 @@
 """Inputs of Arrow types a job must read and carry as they are: string and binary views, nanosecond times, a uuid;
-a directory's hidden and underscored files (a writer's temporaries) left unread; a table Parquet cannot hold."""
+a directory's hidden and underscored files (a writer's temporaries) left unread; a table Parquet cannot hold;
+a column named like one of ours in another case."""
 from __future__ import annotations
 
 import json
@@ -104,3 +105,18 @@ def test_a_table_parquet_cannot_hold_is_a_kevscore_error(source: pa.Table) -> No
     table = source.append_column("gap", pa.array([pa.MonthDayNano([0, 1, 0])] * source.num_rows))
     with pytest.raises(KevscoreError, match=r"^<questions>: cannot be written as Parquet, which kevscore reads \("):
         Scorer("demo", device="cpu").score(table)
+
+
+def test_a_column_named_like_ours_in_another_case_is_warned_about(tmp_path: Path, source: pa.Table) -> None:
+    """'Labels' is not 'labels': the run scores --labels and carries it, and says so (a rename reads it)."""
+    n = source.num_rows
+    table = source.rename_columns([c.upper() if c == "question_id" else c for c in source.column_names])
+    pq.write_table(table.append_column("Labels", pa.array([["A", "B"]] * n)), tmp_path / "q.parquet")
+    result = CliRunner().invoke(app, ["run", str(tmp_path / "q.parquet"), "--device", "cpu", "-o",
+                                      str(tmp_path / "out.parquet")])
+    assert result.exit_code == 0, result.stderr
+    assert (f"warning: {tmp_path / 'q.parquet'}: column 'Labels' is not read as 'labels' (column names are "
+            "case-sensitive); --labels-column Labels reads it") in result.stderr
+    assert "column 'QUESTION_ID' is not read as 'question_id'" in result.stderr
+    run_ok(tmp_path / "q.parquet", "-o", tmp_path / "renamed.parquet", "--labels-column", "Labels", "--overwrite")
+    assert pq.read_table(tmp_path / "renamed.parquet").column("labels")[0].as_py() == ["A", "B"]

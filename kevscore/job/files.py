@@ -223,6 +223,17 @@ class Inputs:
     def files(self) -> list[Path]:
         return [f for s in self.sources() for f in s.files]
 
+    def case_warnings(self) -> Iterator[str]:
+        """Warnings for the input's columns named like an optional one kevscore reads but in another case ('Labels'):
+        carried as any other column, not read (--labels would then score every row)."""
+        source = self.questions
+        named = {*source.columns, *source.rename, *source.rename.values()}  # columns read, or renamed to be
+        for name in source.columns:
+            ours = {"doc_id": "doc_id", "question_id": "question_id", "labels": "labels"}.get(name.lower())
+            if ours and ours not in named and name not in source.rename:
+                yield (f"{source.given}: column {name!r} is not read as {ours!r} (column names are case-sensitive); "
+                       f"--{ours.replace('_', '-')}-column {name} reads it")
+
     def message(self, text: str) -> str:
         """An error message about staged copies and renamed columns, told about the input as given."""
         for source in self.sources():

@@ -96,6 +96,8 @@ def run_job(opts: RunOptions, progress: Reporter | None = None, loaded: LoadedMo
         output = None if stdout else output_path(opts)
         file_format(output or "", written=True)  # an extension kevscore cannot write stops the run now
         with opened_inputs(opts) as inputs:
+            for warning in inputs.case_warnings():
+                progress.warn(warning)
             job = start_job(opts, inputs, output or inputs.stage / "stdout.jsonl", loaded or LoadedModel())
             result = finished_job(job) if job.finished is not None else score_and_merge(job, progress)
             try:  # the output is complete (-o -: copied to stdout last)
