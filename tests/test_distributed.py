@@ -1,5 +1,6 @@
 """Two ranks on the CPU (gloo), launched by torch's launcher, against one process."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -192,7 +193,8 @@ def test_a_rank_interrupted_after_the_merge_is_in_place_says_the_output_is_whole
     assert res.returncode != 0 and f"error: interrupted after the output was complete: {out} is whole; " \
         f"{parts_dir(out)} is left over and can be deleted\n" in res.stderr, res.stderr[-3000:]
     assert "no output was written" not in res.stderr and "bug in kevscore" not in res.stderr
-    assert "error: rank 1: another rank stopped (Connection closed by peer" in res.stderr  # waiting for rank 0's merge
+    # rank 1, waiting for rank 0's merge: gloo's reason, the connection closed or reset
+    assert re.search(r"error: rank 1: another rank stopped \([^)]*(closed|reset) by peer\)", res.stderr), res.stderr
     assert f") after the output was complete: {out} is whole; {parts_dir(out)} is left over" in res.stderr
     assert pq.read_table(out).equals(single)
 
@@ -245,7 +247,8 @@ def test_a_killed_rank_fails_the_others_on_one_line_and_a_rerun_resumes(tmp_path
     args = (str(tmp_path / "q.parquet"), "--device", "cpu", "--batch-invariant", "-o", str(out))
     res = launch(*args, env={"KEVSCORE_TEST_KILL": "part-write@1"})
     assert res.returncode != 0 and "bug in kevscore" not in res.stderr, res.stderr[-3000:]
-    assert res.stderr.startswith("error: another rank stopped (Connection closed by peer")  # rank 0's line
+    # rank 0's line, with gloo's reason: the connection closed or reset, as the kill meets its read
+    assert re.match(r"error: another rank stopped \([^)]*(closed|reset) by peer\)", res.stderr), res.stderr[-3000:]
     assert "; no output was written (completed parts are kept and reused by a rerun)\n" in res.stderr
     assert not out.exists() and (parts_dir(out) / "part-000000.parquet").is_file()
     assert [p for p in parts_dir(out).iterdir() if p.name.endswith(".tmp")]  # rank 1's write, cut off
