@@ -101,7 +101,8 @@ class Ranks:
         except RuntimeError as exc:  # gloo's DistBackendError: its message, after the source line, says why
             if not LOST_PEER.search(why := first_line(exc)):
                 raise
-            why = re.sub(r"^\[[^]]*\] *", "", why).split(". ")[0]  # "[.../pair.cc:553] Connection closed by peer ..."
+            # "[.../pair.cc:553] Read error [127.0.0.1]:64663: Connection reset by peer. ...": without the places
+            why = re.sub(r" *\[[^]]*\](:\d+)?", "", why).split(". ")[0].strip()
             raise RankLost(f"another rank stopped ({why})") from None
         return values
 
