@@ -24,7 +24,7 @@ from kevscore.api import Scorer
 from kevscore.display import console, escape
 from kevscore.engine.backend import resolve_device
 from kevscore.engine.bank_inspect import inspect_bank
-from kevscore.errors import KevscoreError, reported
+from kevscore.errors import KevscoreError, reported, traced
 from kevscore.job import scan
 from kevscore.job.distributed import run_distributed, world_from_env
 from kevscore.job.files import file_format, input_files, stdout_closed
@@ -115,7 +115,7 @@ def _failing(interrupted: str | None = "interrupted", prefix: str = "",
     except (typer.Exit, typer.Abort):  # already said
         raise
     except Exception as exc:  # noqa: BLE001 - ours, the OS's and a bug's: each one line (errors.reported)
-        if os.environ.get("KEVSCORE_TRACEBACK") == "1" and not isinstance(exc, (KevscoreError, OSError)):
+        if traced(exc):
             raise
         error = reported(exc)
         if log:

@@ -1,6 +1,7 @@
 """The exceptions kevscore shows to users as one line, no traceback, and the exit status each one earns."""
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 
@@ -12,6 +13,11 @@ class KevscoreError(Exception):
 class KevscoreFailure(KevscoreError):
     """A fault of the run or its environment (disk, memory, another process), on one line (exit status 1)."""
     exit_code = 1
+
+
+def traced(exc: BaseException) -> bool:
+    """Whether `exc` is a bug whose traceback KEVSCORE_TRACEBACK=1 asks to see (a user's error or the OS's never)."""
+    return os.environ.get("KEVSCORE_TRACEBACK") == "1" and not isinstance(exc, (KevscoreError, OSError))
 
 
 def first_line(e: BaseException) -> str:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from kevscore.engine.backend import job_threads, resolve_device
 from kevscore.engine.pipeline import Reporter
-from kevscore.errors import KevscoreError, KevscoreFailure, first_line, reported
+from kevscore.errors import KevscoreError, KevscoreFailure, first_line, reported, traced
 from kevscore.faults import Interrupted
 from kevscore.job.files import opened_inputs, output_path
 from kevscore.job.options import RunOptions, check_options
@@ -80,7 +80,7 @@ class Ranks:
         try:
             value = work()
         except Exception as exc:  # noqa: BLE001 - any failure must reach the other ranks
-            if os.environ.get("KEVSCORE_TRACEBACK") == "1":  # where a bug happened, as a one-process run shows it
+            if traced(exc):  # where a bug happened, as a one-process run shows it
                 traceback.print_exc()
             failed = reported(exc)
             error = (message(str(failed)), failed.exit_code)

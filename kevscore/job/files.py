@@ -229,8 +229,8 @@ class Inputs:
         source = self.questions
         named = {*source.columns, *source.rename, *source.rename.values()}  # columns read, or renamed to be
         for name in source.columns:
-            ours = {"doc_id": "doc_id", "question_id": "question_id", "labels": "labels"}.get(name.lower())
-            if ours and ours not in named and name not in source.rename:
+            ours = name.lower()
+            if ours in (*IDS, "labels") and ours not in named and name not in source.rename:
                 yield (f"{source.given}: column {name!r} is not read as {ours!r} (column names are case-sensitive); "
                        f"--{ours.replace('_', '-')}-column {name} reads it")
 
