@@ -185,8 +185,8 @@ def run(
     path: str | None = typer.Option(None, "--path", hidden=True, help="The old spelling of --state-read."),
     labels: str = option("Yes,No", "--labels", panel=MODEL, metavar="LABELS",
                          help="Comma-separated labels, at least two; spaces around them are dropped (quote a label "
-                         "to keep them: '\" Yes\",\" No\"'). A label of several tokens scores the sum of its tokens' "
-                         "log-probabilities."),
+                         "to keep them: '\" Yes\",\" No\"'), or a JSON array of strings. A label of several "
+                         "tokens scores the sum of its tokens' log-probabilities."),
     template: Path | None = option(None, "--template", panel=MODEL, metavar="FILE",
                                       help="Text file with {document} and {question}."),
     window: int = option(1024, "--window", panel=LONG, metavar="N", help="Documents per window: all their rows "
